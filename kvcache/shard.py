@@ -16,6 +16,8 @@ import secrets
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvcache.errors import IntegrityError, ShardFormatError
@@ -23,12 +25,14 @@ from kvcache.keys import KEY_BYTES, BlockKey
 
 __all__ = [
     "HEADER_BYTES",
+    "HEADER_DTYPE",
     "MAGIC",
     "MAX_CLASS_NAME",
     "SHARD_ALIGNMENT",
     "VERSION",
     "ShardHeader",
     "check_class_name",
+    "fill_header_checks",
     "new_stripe_id",
     "payload_hash",
     "shard_hash",
@@ -49,6 +53,30 @@ _CLASS_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,14}\Z")
 _BODY = struct.Struct("<4sBBBBBBHIIQ16s16sQQQ16s")
 _CHECK = struct.Struct("<I")
 HEADER_BYTES = _BODY.size + _CHECK.size  # 104
+
+#: The same 104-byte header as a numpy record, for building and reading many at once.
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S4"),
+        ("version", "u1"),
+        ("header_len", "u1"),
+        ("k", "u1"),
+        ("m", "u1"),
+        ("shard_index", "u1"),
+        ("class_len", "u1"),
+        ("reserved", "<u2"),
+        ("payload_len", "<u4"),
+        ("shard_len", "<u4"),
+        ("stripe_id", "<u8"),
+        ("block_key", "V16"),
+        ("payload_hash", "V16"),
+        ("shard_hash", "<u8"),
+        ("created_ms", "<u8"),
+        ("expiry_ms", "<u8"),
+        ("traffic_class", "S16"),
+        ("header_check", "<u4"),
+    ]
+)
 
 
 def check_class_name(name: str) -> str:
@@ -238,6 +266,15 @@ def split_shard(data: bytes | memoryview) -> tuple[ShardHeader, memoryview]:
     body = memoryview(data)[HEADER_BYTES:]
     header.verify_body(body)
     return header, body
+
+
+def fill_header_checks(records: npt.NDArray[np.void]) -> None:
+    """Compute ``header_check`` for HEADER_DTYPE records whose other fields are filled."""
+    raw = records.view(np.uint8).reshape(len(records), HEADER_BYTES)
+    checks = records["header_check"]
+    digest = xxhash.xxh3_64_intdigest
+    for i in range(len(records)):
+        checks[i] = digest(raw[i, : _BODY.size].data) & 0xFFFFFFFF
 
 
 def _header_check(body: bytes | memoryview) -> int:

@@ -1,0 +1,180 @@
+"""The client against a real 12-daemon cluster on loopback: round trips, dead and
+paused nodes, racing writers, holes in the prefix."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvcache.client import Client, ClientConfig
+from kvcache.client.localcluster import LocalCluster
+from kvcache.keys import Namespace, block_keys
+from kvcache.layout import DType, KVLayout
+from kvcache.workload import payload_for_key
+
+LAYOUT = KVLayout(tokens_per_block=64, bytes_per_token=1792, dtype=DType.BFLOAT16, layers_in_block=7)
+P = LAYOUT.payload_bytes  # 112 KiB
+
+
+def ns(name: str) -> Namespace:
+    return Namespace(model=name, revision="1", layout=LAYOUT)
+
+
+def prompt(blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, blocks * 64 + 17).astype(np.uint32)
+
+
+def payloads_for(space: Namespace, tokens: np.ndarray) -> list[np.ndarray]:
+    return [payload_for_key(k, P) for k in block_keys(space, tokens)]
+
+
+def client_for(cluster: LocalCluster, **kw: object) -> Client:
+    return Client(ClientConfig(cluster_file=cluster.cluster_file, **kw))  # type: ignore[arg-type]
+
+
+def assert_loads(client: Client, space: Namespace, tokens: np.ndarray, blocks: int) -> None:
+    result = client.load_prefix(space, tokens)
+    assert result.blocks == blocks
+    expected = payloads_for(space, tokens)
+    for got, want in zip(result.payloads, expected, strict=False):
+        assert np.array_equal(got, want)
+
+
+def test_round_trip_and_touch(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("round-trip"), prompt(20, 1)
+    with client_for(shared_cluster) as client:
+        assert client.match_prefix(space, tokens).hit_blocks == 0
+        stored = client.store(space, tokens, payloads_for(space, tokens), traffic_class="chat")
+        assert (stored.written, stored.failed) == (20, 0)
+        match = client.match_prefix(space, tokens)
+        assert match.hit_blocks == 20 and match.hit_tokens == 20 * 64
+        out = np.zeros((20, P), np.uint8)
+        result = client.load(space, match, out=out, traffic_class="chat")
+        assert result.blocks == 20 and result.bytes_loaded == 20 * P
+        assert all(np.array_equal(out[i], p) for i, p in enumerate(payloads_for(space, tokens)))
+        again = client.store(space, tokens, payloads_for(space, tokens), traffic_class="agent")
+        assert (again.written, again.touched) == (0, 20)
+
+
+def test_longer_prompt_hits_only_shared_prefix(shared_cluster: LocalCluster) -> None:
+    space = ns("prefix")
+    base = prompt(8, 2)
+    longer = np.concatenate([base[: 5 * 64], prompt(6, 3)])
+    with client_for(shared_cluster) as client:
+        client.store(space, base, payloads_for(space, base))
+        assert client.match_prefix(space, longer).hit_blocks == 5
+        assert_loads(client, space, longer, 5)
+
+
+def test_missing_middle_block_ends_the_hit(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("hole"), prompt(8, 4)
+    pay = payloads_for(space, tokens)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, pay[:3])
+        client.store(space, tokens, pay[4:], first_block=4)
+        assert client.match_prefix(space, tokens).hit_blocks == 3
+        assert_loads(client, space, tokens, 3)
+
+
+def test_delete_removes_blocks(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("delete"), prompt(4, 5)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        assert client.delete(space, tokens) == 4
+        assert client.match_prefix(space, tokens).hit_blocks == 0
+
+
+@pytest.mark.parametrize("dead", [1, 2])
+def test_loads_survive_dead_daemons(cluster_factory: Callable[..., LocalCluster], dead: int) -> None:
+    cluster = cluster_factory()
+    space, tokens = ns("dead"), prompt(24, 6)
+    with client_for(cluster, timeout_s=2.0) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        for i in range(dead):
+            cluster.kill(i)
+        for _ in range(2):  # the first call discovers the dead nodes, the second skips them
+            assert_loads(client, space, tokens, 24)
+
+
+def test_three_dead_daemons_give_clean_misses(cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = cluster_factory()
+    space, tokens = ns("three-dead"), prompt(10, 7)
+    with client_for(cluster, timeout_s=1.0) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        for i in range(3):
+            cluster.kill(i)
+        result = client.load_prefix(space, tokens)
+        assert result.blocks == 0 and result.payloads == []
+        stored = client.store(space, tokens, payloads_for(space, tokens))
+        assert stored.failed == 10 and stored.written == 0
+
+
+def test_paused_daemon_costs_no_wait(cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = cluster_factory()
+    space, tokens = ns("paused"), prompt(32, 8)
+    timeout = 5.0
+    with client_for(cluster, timeout_s=timeout) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        cluster.pause(0)
+        try:
+            for _ in range(3):
+                started = time.monotonic()
+                assert_loads(client, space, tokens, 32)
+                assert time.monotonic() - started < timeout / 2
+        finally:
+            cluster.resume(0)
+
+
+def test_racing_writers_never_mix(shared_cluster: LocalCluster) -> None:
+    """Two writers store different bytes under the same keys while a reader loads:
+    every block ever returned equals one writer's bytes, never a mix."""
+    space, tokens = ns("race"), prompt(6, 9)
+    keys = block_keys(space, tokens)
+    variants = [
+        [payload_for_key(k, P) for k in keys],
+        [np.bitwise_not(payload_for_key(k, P)) for k in keys],
+    ]
+    clients = [client_for(shared_cluster) for _ in range(3)]
+    loaded_blocks = 0
+    bad: list[int] = []
+    writing = threading.Event()
+    writing.set()
+    try:
+        barrier = threading.Barrier(3)
+
+        def write(i: int) -> None:
+            barrier.wait()
+            for _ in range(6):
+                clients[i].delete(space, tokens)
+                clients[i].store(space, tokens, variants[i])
+
+        def read() -> None:
+            nonlocal loaded_blocks
+            barrier.wait()
+            while writing.is_set():
+                result = clients[2].load_prefix(space, tokens)
+                for b, got in enumerate(result.payloads):
+                    loaded_blocks += 1
+                    if not (np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])):
+                        bad.append(b)
+
+        writers = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+        reader = threading.Thread(target=read)
+        for t in [*writers, reader]:
+            t.start()
+        for t in writers:
+            t.join(timeout=60)
+        writing.clear()
+        reader.join(timeout=60)
+        final = clients[2].load_prefix(space, tokens)
+        for b, got in enumerate(final.payloads):
+            assert np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])
+        assert bad == []
+        assert loaded_blocks + final.blocks > 0
+    finally:
+        for c in clients:
+            c.close()
