@@ -53,7 +53,9 @@ class NodeInfo:
         if not isinstance(self.id, str) or not _ID_RE.match(self.id):
             raise ConfigError(f"node id {self.id!r} must be 1-64 of A-Z a-z 0-9 _ . -")
         if not isinstance(self.data, str) or not self.data.startswith(("tcp://", "ipc://")):
-            raise ConfigError(f"node {self.id}: data address {self.data!r} must be tcp:// or ipc://")
+            raise ConfigError(
+                f"node {self.id}: data address {self.data!r} must be tcp:// or ipc://"
+            )
         if self.admin and not self.admin.startswith(("http://", "https://")):
             raise ConfigError(f"node {self.id}: admin address {self.admin!r} must be http(s)://")
         if not isinstance(self.weight, int | float) or not 0 < float(self.weight) < 1e6:

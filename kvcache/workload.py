@@ -66,7 +66,7 @@ class Request:
 def read_trace(path: str | Path, *, traffic_class: str = "chat") -> Iterator[Request]:
     """Requests of a Mooncake FAST'25 JSONL trace (timestamp, input_length, output_length, hash_ids)."""
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, encoding="utf-8")  # noqa: SIM115 - closed by the with below
     except OSError as exc:
         raise ConfigError(f"cannot open trace {path}: {exc}") from None
     with handle:

@@ -16,7 +16,9 @@ from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.workload import payload_for_key
 
-LAYOUT = KVLayout(tokens_per_block=64, bytes_per_token=1792, dtype=DType.BFLOAT16, layers_in_block=7)
+LAYOUT = KVLayout(
+    tokens_per_block=64, bytes_per_token=1792, dtype=DType.BFLOAT16, layers_in_block=7
+)
 P = LAYOUT.payload_bytes  # 112 KiB
 
 
@@ -89,7 +91,9 @@ def test_delete_removes_blocks(shared_cluster: LocalCluster) -> None:
 
 
 @pytest.mark.parametrize("dead", [1, 2])
-def test_loads_survive_dead_daemons(cluster_factory: Callable[..., LocalCluster], dead: int) -> None:
+def test_loads_survive_dead_daemons(
+    cluster_factory: Callable[..., LocalCluster], dead: int
+) -> None:
     cluster = cluster_factory()
     space, tokens = ns("dead"), prompt(24, 6)
     with client_for(cluster, timeout_s=2.0) as client:
@@ -159,7 +163,9 @@ def test_racing_writers_never_mix(shared_cluster: LocalCluster) -> None:
                 result = clients[2].load_prefix(space, tokens)
                 for b, got in enumerate(result.payloads):
                     loaded_blocks += 1
-                    if not (np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])):
+                    if not (
+                        np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])
+                    ):
                         bad.append(b)
 
         writers = [threading.Thread(target=write, args=(i,)) for i in range(2)]

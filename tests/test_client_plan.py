@@ -150,7 +150,7 @@ def test_assembly_round_trip(lost: tuple[int, ...]) -> None:
 
 def test_assembly_ignores_shards_of_another_stripe_and_key() -> None:
     ks, records, stripe_ids = encoded(2)
-    other_ks, other_records, _ = encoded(2)
+    _other_keys, other_records, _ = encoded(2)
     # Node 0 answers block 0 with a shard of another key: it must count as missing.
     records[(0, 0)] = other_records[(0, 0)]
     asm = StripeAssembly(ks, stripe_ids, k=K, n=N, payload_len=P, shard_len=11520)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,9 @@ DEFAULT_ROOT = Path("kvcache-local")
 def register(sub: Any) -> None:
     """Add the client subcommands to the ``kvcache`` parser."""
     up = sub.add_parser("up", help="start a local cluster of storage daemons")
-    up.add_argument("--dir", type=Path, default=DEFAULT_ROOT, help="cluster directory (default ./kvcache-local)")
+    up.add_argument(
+        "--dir", type=Path, default=DEFAULT_ROOT, help="cluster directory (default ./kvcache-local)"
+    )
     up.add_argument("--nodes", type=int, default=12, help="daemons to start (default 12)")
     up.add_argument("--capacity", default="2GiB", help="capacity per daemon (default 2GiB)")
     up.set_defaults(func=_up)
@@ -40,10 +41,19 @@ def register(sub: Any) -> None:
         "byte is verified.",
     )
     demo.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace to replay")
-    demo.add_argument("--trace-class", default="chat", help="traffic class for trace requests (default chat)")
+    demo.add_argument(
+        "--trace-class", default="chat", help="traffic class for trace requests (default chat)"
+    )
     demo.add_argument("--limit", type=int, help="replay only the first N requests")
-    demo.add_argument("--speed", type=float, default=0.0, help="time compression (e.g. 60 = 60x real time; 0 = no pacing)")
-    demo.add_argument("--fault", help="inject a fault a third of the way in: kill:N or pause:N daemons")
+    demo.add_argument(
+        "--speed",
+        type=float,
+        default=0.0,
+        help="time compression (e.g. 60 = 60x real time; 0 = no pacing)",
+    )
+    demo.add_argument(
+        "--fault", help="inject a fault a third of the way in: kill:N or pause:N daemons"
+    )
     demo.add_argument("--nodes", type=int, default=12, help="daemons (default 12)")
     demo.add_argument("--seed", type=int, default=7, help="seed of the generated workload")
     demo.add_argument("--capacity", default="4GiB", help="capacity per daemon")
@@ -64,7 +74,9 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
-    print(f"{'node':<10} {'up':<4} {'shards':>9} {'bytes':>12} {'capacity':>12}  per class (shards/bytes/hits)")
+    print(
+        f"{'node':<10} {'up':<4} {'shards':>9} {'bytes':>12} {'capacity':>12}  per class (shards/bytes/hits)"
+    )
     for s in stats:
         if not s.get("up"):
             print(f"{s['node']:<10} {'no':<4} {s.get('error', '')}")
@@ -106,5 +118,3 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         write_json(summary, args.json)
     return 0 if summary.wrong_bytes == 0 else 3
-
-

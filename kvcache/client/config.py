@@ -37,7 +37,7 @@ class ClientConfig:
     token: str = ""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.k or not 0 <= self.m or self.k + self.m > 255:
+        if not self.k >= 1 or not self.m >= 0 or self.k + self.m > 255:
             raise ConfigError(f"k={self.k}, m={self.m}: need k >= 1, m >= 0, k + m <= 255")
         if not self.k <= self.min_write_shards <= self.k + self.m:
             raise ConfigError(

@@ -179,9 +179,14 @@ class AsyncClient:
     ) -> MatchResult:
         """Find the longest cached prefix of ``tokens`` (one batched HAS per node)."""
         keys = block_keys(namespace, tokens, max_blocks=max_blocks)
-        return await self._match_keys(keys, namespace.tokens_per_block)
+        return await self.match_keys(keys, tokens_per_block=namespace.tokens_per_block)
 
-    async def _match_keys(self, keys: list[BlockKey], tokens_per_block: int) -> MatchResult:
+    async def match_keys(
+        self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1
+    ) -> MatchResult:
+        """Like :meth:`match_prefix` for block keys computed by the caller (e.g. an engine's own
+        prefix hashes mapped to keys); ``keys`` must be a prefix chain, first block first."""
+        keys = list(keys)
         k, n = self.config.k, self.config.n
         if not keys:
             return match_from_held(keys, [], k=k, n=n, tokens_per_block=tokens_per_block)
@@ -247,9 +252,29 @@ class AsyncClient:
         bytes are copied into. A hit refreshes the blocks' retention under
         ``traffic_class``. Wrong bytes are never returned.
         """
-        payload_len = namespace.layout.payload_bytes
+        return await self.load_keys(
+            match,
+            payload_len=namespace.layout.payload_bytes,
+            out=out,
+            traffic_class=traffic_class,
+        )
+
+    async def load_keys(
+        self,
+        match: MatchResult,
+        *,
+        payload_len: int,
+        out: npt.NDArray[np.uint8] | None = None,
+        traffic_class: str | None = None,
+    ) -> LoadResult:
+        """:meth:`load` for blocks of ``payload_len`` bytes named by ``match`` alone."""
         total = match.hit_blocks
-        if out is not None and (out.dtype != np.uint8 or out.ndim != 2 or out.shape[0] < total or out.shape[1] != payload_len):
+        if out is not None and (
+            out.dtype != np.uint8
+            or out.ndim != 2
+            or out.shape[0] < total
+            or out.shape[1] != payload_len
+        ):
             raise ConfigError(f"out must be a uint8 array of shape (>= {total}, {payload_len})")
         cls = self._check_class(traffic_class or self.config.traffic_class)
         payloads: list[npt.NDArray[np.uint8]] = []
@@ -264,14 +289,16 @@ class AsyncClient:
                 if out is not None:
                     out[start + b] = view
                 payloads.append(view)
-            self.counters["blocks_rebuilt"] += int((~asm.got[:good, : self.config.k].all(axis=1)).sum())
+            self.counters["blocks_rebuilt"] += int(
+                (~asm.got[:good, : self.config.k].all(axis=1)).sum()
+            )
             loaded += good
             if good < stop - start:
                 break
         self.counters["blocks_loaded"] += loaded
         return LoadResult(
             blocks=loaded,
-            tokens=loaded * namespace.tokens_per_block,
+            tokens=loaded * match.tokens_per_block,
             payloads=payloads,
             bytes_loaded=loaded * payload_len,
         )
@@ -308,7 +335,9 @@ class AsyncClient:
         hedge_at = started + self._hedge_s(self.read_latency)
         deadline = started + self.config.timeout_s
 
-        def send(node: int, blocks: npt.NDArray[np.int64], idx: npt.NDArray[np.int64]) -> asyncio.Task[Message]:
+        def send(
+            node: int, blocks: npt.NDArray[np.int64], idx: npt.NDArray[np.int64]
+        ) -> asyncio.Task[Message]:
             items = make_items(Op.GET, len(blocks), reply=False)
             items["key"] = key_words[blocks]
             items["index"] = idx
@@ -317,7 +346,9 @@ class AsyncClient:
             requests[task] = (blocks, idx)
             return task
 
-        requests: dict[asyncio.Task[Message], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
+        requests: dict[
+            asyncio.Task[Message], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+        ] = {}
         pending = {send(node, blocks, idx) for node, blocks, idx in plan.first}
         hedged = False
         while True:
@@ -373,9 +404,29 @@ class AsyncClient:
                 f"{count} payloads from block {first_block} need {first_block + count} full "
                 f"blocks of tokens; the prompt has {len(all_keys)}"
             )
-        keys = all_keys[first_block:]
-        payload_len = namespace.layout.payload_bytes
-        match = await self._match_keys(keys, namespace.tokens_per_block)
+        return await self.store_keys(
+            all_keys[first_block:],
+            payloads,
+            payload_len=namespace.layout.payload_bytes,
+            traffic_class=cls,
+            first_block=first_block,
+        )
+
+    async def store_keys(
+        self,
+        keys: Sequence[BlockKey],
+        payloads: Payloads,
+        *,
+        payload_len: int,
+        traffic_class: str | None = None,
+        first_block: int = 0,
+    ) -> StoreResult:
+        """:meth:`store` for blocks named by caller-computed keys (one payload per key)."""
+        cls = self._check_class(traffic_class or self.config.traffic_class)
+        keys = list(keys)
+        if len(keys) != len(payloads):
+            raise ConfigError(f"{len(keys)} keys but {len(payloads)} payloads")
+        match = await self.match_keys(keys)
         present = match.best_count >= self.config.min_write_shards
         touched = 0
         if present.any():
@@ -394,12 +445,14 @@ class AsyncClient:
         self.counters["blocks_written"] += written
         self.counters["blocks_touched"] += touched
         self.counters["write_failures"] += len(failed)
-        return StoreResult(written=written, touched=touched, failed=len(failed), failed_blocks=tuple(failed))
+        return StoreResult(
+            written=written, touched=touched, failed=len(failed), failed_blocks=tuple(failed)
+        )
 
     async def _put_batch(
         self, keys: list[BlockKey], payloads: Sequence[Any], payload_len: int, cls: str
     ) -> npt.NDArray[np.bool_]:
-        k, n = self.config.k, self.config.n
+        n = self.config.n
         stripes, stripe_ids, header_bytes = encode_stripes(
             self.codec, keys, payloads, payload_len=payload_len, traffic_class=cls,
             now_ms=int(time.time() * 1000),
@@ -407,7 +460,9 @@ class AsyncClient:
         holders = self.placement.holders(keys)
         up = self._node_up_mask()
         acks = np.zeros((len(keys), n), bool)
-        tasks: dict[asyncio.Task[Message], tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
+        tasks: dict[
+            asyncio.Task[Message], tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]
+        ] = {}
         for node in np.unique(holders).tolist():
             if not up[node]:
                 continue
@@ -423,10 +478,16 @@ class AsyncClient:
             now = self._clock()
             if quorum_at is None and (acks.sum(axis=1) >= self.config.min_write_shards).all():
                 quorum_at = now
-            limit = deadline if quorum_at is None else min(deadline, quorum_at + self._hedge_s(self.read_latency))
+            limit = (
+                deadline
+                if quorum_at is None
+                else min(deadline, quorum_at + self._hedge_s(self.read_latency))
+            )
             if now >= limit:
                 break
-            done, pending = await asyncio.wait(pending, timeout=limit - now, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(
+                pending, timeout=limit - now, return_when=asyncio.FIRST_COMPLETED
+            )
             for task in done:
                 if task.cancelled() or task.exception() is not None:
                     continue
@@ -480,7 +541,9 @@ class AsyncClient:
     async def _touch_keys(self, keys: list[BlockKey], cls: str) -> int:
         return await self._fan_out(Op.TOUCH, keys, cls)
 
-    async def delete(self, namespace: Namespace, tokens: Sequence[int] | npt.NDArray[np.integer]) -> int:
+    async def delete(
+        self, namespace: Namespace, tokens: Sequence[int] | npt.NDArray[np.integer]
+    ) -> int:
         """Remove every shard of every full block of ``tokens``; returns blocks found."""
         return await self._fan_out(Op.DELETE, block_keys(namespace, tokens), "")
 

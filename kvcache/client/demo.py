@@ -204,7 +204,12 @@ class _Progress:
         filled = done * width // max(1, self.total)
         hit = s.hit_tokens / max(1, s.input_tokens)
         line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} requests, hit rate {hit:.1%}"
-        print(("\r" if self.tty else "") + line, end="" if self.tty else "\n", file=self.out, flush=True)
+        print(
+            ("\r" if self.tty else "") + line,
+            end="" if self.tty else "\n",
+            file=self.out,
+            flush=True,
+        )
         self.last = pct
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ written next to them so a later command can find and stop them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -91,7 +92,9 @@ class LocalCluster:
         if nodes < 1:
             raise ConfigError("a cluster needs at least one node")
         if (self.root / PIDS_FILE).exists() and self._alive_pids():
-            raise ClusterError(f"a cluster is already running under {self.root}; run `kvcache down` first")
+            raise ClusterError(
+                f"a cluster is already running under {self.root}; run `kvcache down` first"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         ports = free_ports(2 * nodes)
         env = dict(os.environ)
@@ -143,9 +146,7 @@ class LocalCluster:
             pids = json.loads((self.root / PIDS_FILE).read_text())
         except (ConfigError, OSError, ValueError) as exc:
             raise ClusterError(f"no local cluster under {self.root}: {exc}") from None
-        self._nodes = [
-            _Node(n, self.root / n.id, int(pids.get(n.id, 0))) for n in cmap.nodes
-        ]
+        self._nodes = [_Node(n, self.root / n.id, int(pids.get(n.id, 0))) for n in cmap.nodes]
         return self
 
     def wait_healthy(self, *, timeout_s: float = 60.0, indices: list[int] | None = None) -> None:
@@ -272,10 +273,8 @@ def _alive(pid: int, proc: subprocess.Popen[bytes] | None = None) -> bool:
 
 def _signal(pid: int, sig: signal.Signals) -> None:
     if pid > 0:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _reap(node: _Node) -> None:

@@ -129,7 +129,9 @@ class ReadPlan:
     later: list[tuple[int, IntArray, IntArray]]
 
 
-def plan_reads(holders: IntArray, node_up: npt.NDArray[np.bool_], *, k: int, spare: int = 1) -> ReadPlan:
+def plan_reads(
+    holders: IntArray, node_up: npt.NDArray[np.bool_], *, k: int, spare: int = 1
+) -> ReadPlan:
     """Ask k + ``spare`` shards per block: the data shards first, then rotating parity.
 
     Shards on nodes believed down go last; every shard not asked first is kept
@@ -195,7 +197,9 @@ class StripeAssembly:
         self.payload_len = payload_len
         self.shard_len = shard_len
         blocks = len(keys)
-        self.key_words = np.frombuffer(b"".join(keys), dtype="V16") if blocks else np.zeros(0, "V16")
+        self.key_words = (
+            np.frombuffer(b"".join(keys), dtype="V16") if blocks else np.zeros(0, "V16")
+        )
         self.stripe = stripe
         self.stripes = np.empty((blocks, n, shard_len), np.uint8)
         self.got = np.zeros((blocks, n), bool)
@@ -209,7 +213,9 @@ class StripeAssembly:
         """Blocks in this assembly."""
         return len(self.stripe)
 
-    def add(self, blocks: IntArray, indices: IntArray, statuses: npt.NDArray[np.uint8], data: memoryview) -> int:
+    def add(
+        self, blocks: IntArray, indices: IntArray, statuses: npt.NDArray[np.uint8], data: memoryview
+    ) -> int:
         """Take one node's GET reply for shards (blocks[j], indices[j]); returns shards accepted.
 
         Records that are not exactly the shard asked for (key, stripe, index,
@@ -243,7 +249,7 @@ class StripeAssembly:
         fresh = ~self.have_hash[b]
         self.payload_hash[b[fresh]] = hdr["payload_hash"][fresh]
         self.have_hash[b] = True
-        return int(len(b))
+        return len(b)
 
     def complete(self) -> npt.NDArray[np.bool_]:
         """Per block: at least k shards arrived."""
@@ -266,9 +272,8 @@ class StripeAssembly:
         for b in range(limit):
             if self.failed[b]:
                 break
-            if not self._verified(b):
-                if not self._repair(codec, b):
-                    break
+            if not self._verified(b) and not self._repair(codec, b):
+                break
             good += 1
         return good
 
@@ -278,7 +283,7 @@ class StripeAssembly:
         return view
 
     def _verified(self, b: int) -> bool:
-        digest = xxhash.xxh3_128_digest(self.payload(b))
+        digest = xxhash.xxh3_128_digest(self.payload(b).data)
         return bool(self.have_hash[b]) and digest == self.payload_hash[b].tobytes()
 
     def _rebuild(self, codec: Codec, blocks: IntArray) -> None:
@@ -306,7 +311,8 @@ class StripeAssembly:
         rows = self.stripes[b]
         ok = np.array(
             [
-                bool(self.got[b, i]) and xxhash.xxh3_64_intdigest(rows[i]) == int(self.shard_hash[b, i])
+                bool(self.got[b, i])
+                and xxhash.xxh3_64_intdigest(rows[i]) == int(self.shard_hash[b, i])
                 for i in range(self.n)
             ]
         )

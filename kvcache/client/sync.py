@@ -18,7 +18,7 @@ from kvcache.client.config import ClientConfig
 from kvcache.client.core import AsyncClient, LoadResult, Payloads, StoreResult
 from kvcache.client.plan import MatchResult
 from kvcache.cluster import ClusterMap
-from kvcache.keys import Namespace
+from kvcache.keys import BlockKey, Namespace
 
 __all__ = ["Client"]
 
@@ -31,7 +31,9 @@ class Client:
 
     def __init__(self, config: ClientConfig, *, cluster: ClusterMap | None = None) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvcache-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvcache-client", daemon=True
+        )
         self._thread.start()
         self._closed = False
 
@@ -53,9 +55,45 @@ class Client:
         """Client-side counters (hedges, node errors, blocks loaded/written...)."""
         return dict(self.aclient.counters)
 
-    def match_prefix(self, namespace: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> MatchResult:
+    def match_prefix(
+        self, namespace: Namespace, tokens: Tokens, *, max_blocks: int | None = None
+    ) -> MatchResult:
         """See :meth:`AsyncClient.match_prefix`."""
         return self._run(self.aclient.match_prefix(namespace, tokens, max_blocks=max_blocks))
+
+    def match_keys(self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1) -> MatchResult:
+        """See :meth:`AsyncClient.match_keys`."""
+        return self._run(self.aclient.match_keys(keys, tokens_per_block=tokens_per_block))
+
+    def load_keys(
+        self,
+        match: MatchResult,
+        *,
+        payload_len: int,
+        out: npt.NDArray[np.uint8] | None = None,
+        traffic_class: str | None = None,
+    ) -> LoadResult:
+        """See :meth:`AsyncClient.load_keys`."""
+        return self._run(
+            self.aclient.load_keys(
+                match, payload_len=payload_len, out=out, traffic_class=traffic_class
+            )
+        )
+
+    def store_keys(
+        self,
+        keys: Sequence[BlockKey],
+        payloads: Payloads,
+        *,
+        payload_len: int,
+        traffic_class: str | None = None,
+    ) -> StoreResult:
+        """See :meth:`AsyncClient.store_keys`."""
+        return self._run(
+            self.aclient.store_keys(
+                keys, payloads, payload_len=payload_len, traffic_class=traffic_class
+            )
+        )
 
     def load(
         self,
@@ -77,7 +115,9 @@ class Client:
         traffic_class: str | None = None,
     ) -> LoadResult:
         """See :meth:`AsyncClient.load_prefix`."""
-        return self._run(self.aclient.load_prefix(namespace, tokens, out=out, traffic_class=traffic_class))
+        return self._run(
+            self.aclient.load_prefix(namespace, tokens, out=out, traffic_class=traffic_class)
+        )
 
     def store(
         self,
@@ -95,7 +135,9 @@ class Client:
             )
         )
 
-    def touch(self, namespace: Namespace, tokens: Tokens, *, traffic_class: str | None = None) -> int:
+    def touch(
+        self, namespace: Namespace, tokens: Tokens, *, traffic_class: str | None = None
+    ) -> int:
         """See :meth:`AsyncClient.touch`."""
         return self._run(self.aclient.touch(namespace, tokens, traffic_class=traffic_class))
 

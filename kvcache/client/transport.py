@@ -123,13 +123,18 @@ class NodeChannel:
             return
         except zmq.Again:
             pass
-        ready = await sock.poll(_CONNECT_GRACE_MS, zmq.POLLOUT)
+        poll: Any = sock.poll  # pyzmq's stubs type the async poll as the sync one
+        ready = int(await poll(timeout=_CONNECT_GRACE_MS, flags=zmq.POLLOUT))
         if not ready & zmq.POLLOUT:
-            raise NodeError(f"node {self.node.id} at {self.node.data} is not reachable", node=self.node.id)
+            raise NodeError(
+                f"node {self.node.id} at {self.node.data} is not reachable", node=self.node.id
+            )
         try:
             await sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
-            raise NodeError(f"sending to node {self.node.id} failed: {exc}", node=self.node.id) from None
+            raise NodeError(
+                f"sending to node {self.node.id} failed: {exc}", node=self.node.id
+            ) from None
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -157,6 +162,7 @@ class NodeChannel:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(NodeError(f"node {self.node.id} reset", node=self.node.id))
+                fut.exception()  # mark retrieved: its requester may already have given up
         self._pending.clear()
 
     async def aclose(self) -> None:
