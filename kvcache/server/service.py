@@ -1,0 +1,380 @@
+"""The data path: one zmq ROUTER socket in front of a :class:`ShardStore`.
+
+:meth:`DataService.handle` turns request frames into reply frames with no I/O
+(decode with :mod:`kvcache.wire`, call the store, encode); :meth:`DataService.serve`
+is the loop that owns the sockets: it receives with a hard cap on frames per
+message, answers every request (an error reply for bad input, never a crash),
+and runs the store's bounded retention work between requests. Every other
+thread talks to it only through :meth:`DataService.submit`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import lmdb
+import numpy as np
+import numpy.typing as npt
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvcache.errors import AuthError, KVCacheError, ProtocolError
+from kvcache.server.config import ServerConfig
+from kvcache.server.metrics import Metrics, store_errors
+from kvcache.server.store import ReplyTooLargeError, ShardStore
+from kvcache.wire import (
+    FLAG_REPLY,
+    NO_INDEX,
+    Frame,
+    Header,
+    Message,
+    Op,
+    Status,
+    decode,
+    encode,
+    make_items,
+)
+
+__all__ = ["MAX_FRAMES", "MAX_SHARD_INDEX", "DataService", "error_frames"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Frames a request may have after the ROUTER's identity frame (header, items, data, mac).
+MAX_FRAMES = 4
+#: Largest valid shard index (k + m <= 255 in shard format v1).
+MAX_SHARD_INDEX = 254
+#: Requests handled per wake-up before retention work and control calls get a turn.
+_BURST = 32
+#: Retention work runs at least this often, even under a steady request load.
+_MAINTAIN_EVERY_S = 0.05
+_IDLE_POLL_MS = 200
+
+
+def error_frames(
+    request: Header | None, status: Status, text: str, *, token: bytes | None = None
+) -> list[Frame]:
+    """A failed reply (no items, ``text`` as data), MAC'd when a token is set.
+
+    Like :func:`kvcache.wire.error_reply`, which cannot add a MAC.
+    """
+    header = Header(
+        op=request.op if request else Op.STATS,
+        request_id=request.request_id if request else 0,
+        count=0,
+        status=status,
+        flags=FLAG_REPLY,
+    )
+    return encode(header, None, text.encode("utf-8"), token=token)
+
+
+class DataService:
+    """The zmq front end of one store; the thread that calls :meth:`serve` owns it all."""
+
+    def __init__(
+        self,
+        store: ShardStore,
+        config: ServerConfig,
+        metrics: Metrics,
+        *,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self.limits = config.limits
+        self._token = config.token_bytes if config.data_auth else None
+        self._ctx = context or zmq.Context.instance()
+        self._calls: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.Queue()
+        )
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sock: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self.endpoint = ""
+        self.serving = threading.Event()
+
+    # ------------------------------------------------------------------ sans-I/O core
+
+    def handle(self, frames: list[Frame]) -> list[Frame]:
+        """Reply frames for one request's frames (without the ROUTER identity). Never raises."""
+        started = time.perf_counter()
+        header: Header | None = None
+        try:
+            message = decode(frames, limits=self.limits, token=self._token)
+            header = message.header
+            if header.is_reply or header.status != Status.OK:
+                raise ProtocolError("a request must not carry the reply flag or a status")
+            items, data, statuses = self._dispatch(message)
+            reply = Header(
+                op=header.op, request_id=header.request_id, count=len(items), flags=FLAG_REPLY
+            )
+            out = encode(reply, items, data, token=self._token)
+        except AuthError as exc:
+            return self._fail(header or _peek(frames), Status.UNAUTHORIZED, "unauthorized", exc)
+        except ReplyTooLargeError as exc:
+            return self._fail(header, Status.TOO_LARGE, "too_large", exc)
+        except ProtocolError as exc:
+            return self._fail(header or _peek(frames), Status.BAD_REQUEST, "bad_request", exc)
+        except (KVCacheError, lmdb.Error, OSError) as exc:
+            log.error("request %s failed in the store: %s", _describe(header), exc)
+            return self._fail(header, Status.UNAVAILABLE, "storage", exc)
+        except Exception as exc:  # a bug must cost one reply, never the daemon
+            log.exception("request %s failed", _describe(header))
+            return self._fail(header, Status.UNAVAILABLE, "internal", exc)
+        self.metrics.observe(
+            header.op,
+            time.perf_counter() - started,
+            bytes_in=_size(frames),
+            bytes_out=_size(out),
+            statuses=statuses,
+        )
+        for status, kind in _COUNTED_ITEM_ERRORS:
+            if statuses is not None and (n := int(np.count_nonzero(statuses == status))):
+                self.metrics.error(kind, n)
+        return out
+
+    def _dispatch(
+        self, message: Message
+    ) -> tuple[npt.NDArray[np.void], bytes | memoryview, npt.NDArray[np.uint8] | None]:
+        op = message.header.op
+        items = message.items
+        cls = message.header.traffic_class
+        if op is Op.PUT:
+            reply = self.store.put(items, message.data)
+            return reply, b"", reply["status"]
+        if op is Op.GET:
+            bad = items["index"] > MAX_SHARD_INDEX
+            if bad.any():
+                reply, data = self.store.get(items[~bad], cls)
+                full = make_items(Op.GET, len(items), reply=True)
+                full["status"] = Status.BAD_ITEM
+                full[~bad] = reply
+                return full, data, full["status"]
+            reply, data = self.store.get(items, cls)
+            return reply, data, reply["status"]
+        if op is Op.HAS:
+            return self.store.has(items), b"", None
+        if op is Op.TOUCH:
+            reply = self.store.touch(items, cls)
+            return reply, b"", reply["status"]
+        if op is Op.DELETE:
+            bad = (items["index"] > MAX_SHARD_INDEX) & (items["index"] != NO_INDEX)
+            reply = make_items(Op.DELETE, len(items), reply=True)
+            reply["status"] = Status.BAD_ITEM
+            if (~bad).any():
+                reply[~bad] = self.store.delete(items[~bad])
+            return reply, b"", reply["status"]
+        # Op.STATS
+        return make_items(Op.STATS, 0, reply=True), json.dumps(self.stats()).encode(), None
+
+    def stats(self) -> dict[str, Any]:
+        """What STATS and ``/stats`` report."""
+        snapshot = self.metrics.snapshot()
+        counters = dict(self.store.counters)
+        for kind, n in store_errors(counters).items():
+            if n:
+                snapshot["errors"][kind] = snapshot["errors"].get(kind, 0) + n
+        return {
+            "node_id": self.config.node_id,
+            "usage": self.store.usage(),
+            "gc": {k: v for k, v in counters.items() if not k.startswith("error_")},
+            "policy": self.store.policy.to_dict(),
+            **snapshot,
+        }
+
+    def _fail(
+        self,
+        header: Header | None,
+        status: Status,
+        kind: str,
+        exc: BaseException,
+    ) -> list[Frame]:
+        self.metrics.error(kind)
+        log.debug("request %s refused (%s): %s", _describe(header), kind, exc)
+        try:
+            return error_frames(header, status, f"{kind}: {exc}", token=self._token)
+        except Exception:  # pragma: no cover - a header that decoded always re-encodes
+            return error_frames(None, status, kind, token=self._token)
+
+    # ------------------------------------------------------------------ socket loop
+
+    def bind(self) -> str:
+        """Create and bind the ROUTER socket; returns the bound endpoint (port 0 resolved)."""
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.config.listen)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise KVCacheError(f"cannot bind data endpoint {self.config.listen}: {exc}") from None
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def serve(self, stop: threading.Event) -> None:
+        """Answer requests until ``stop`` is set; the request in flight is finished first."""
+        if self._sock is None or self._monitor is None:
+            raise RuntimeError("bind() first")
+        sock, monitor = self._sock, self._monitor
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        self.serving.set()
+        more_work = True
+        last_maintain = 0.0
+        try:
+            while not stop.is_set():
+                events = dict(poller.poll(0 if more_work else _IDLE_POLL_MS))
+                if sock in events:
+                    for _ in range(_BURST):
+                        if stop.is_set() or not self._serve_one(sock):
+                            break
+                if monitor in events:
+                    self._drain_monitor(monitor)
+                if self._wake_r in events:
+                    self._drain_wake()
+                self._run_calls()
+                now = time.monotonic()
+                if more_work or not events or now - last_maintain >= _MAINTAIN_EVERY_S:
+                    last_maintain = now
+                    more_work = self._maintain()
+        finally:
+            self.serving.clear()
+            self._run_calls()
+            self.close()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the service thread between requests (how other threads reach the store)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        self.wake()
+        return future
+
+    def wake(self) -> None:
+        """Interrupt the idle poll (thread- and signal-safe)."""
+        # A full pipe means already woken; a closed one means shutting down.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    def close(self) -> None:
+        """Close the sockets (linger 0); idempotent."""
+        for sock in (self._monitor, self._sock):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sock = self._monitor = None
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def _serve_one(self, sock: zmq.Socket[Any]) -> bool:
+        try:
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        frames: list[Frame] = []
+        dropped = 0
+        frame = first
+        while frame.more:
+            frame = sock.recv(copy=False)
+            if len(frames) < MAX_FRAMES:
+                frames.append(frame.buffer)
+            else:
+                dropped += 1
+        if dropped:
+            reply = self._fail(
+                _peek(frames),
+                Status.BAD_REQUEST,
+                "bad_request",
+                ProtocolError(f"message has {len(frames) + dropped} frames, at most {MAX_FRAMES}"),
+            )
+        else:
+            reply = self.handle(frames)
+        try:
+            sock.send_multipart([first, *reply], copy=False)
+        except zmq.ZMQError as exc:  # pragma: no cover - peer gone with ROUTER_MANDATORY off
+            log.debug("reply not sent: %s", exc)
+        return True
+
+    def _maintain(self) -> bool:
+        try:
+            return self.store.maintain()
+        except (KVCacheError, lmdb.Error, OSError) as exc:
+            log.error("retention work failed: %s", exc)
+            self.metrics.error("gc")
+            return False
+
+    def _drain_monitor(self, monitor: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.metrics.connections += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.metrics.connections = max(0, self.metrics.connections - 1)
+                self.metrics.disconnects += 1
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+_COUNTED_ITEM_ERRORS = (
+    (Status.BAD_ITEM, "bad_item"),
+    (Status.CHECKSUM, "checksum"),
+    (Status.WRONG_KEY, "wrong_key"),
+    (Status.NO_SPACE, "no_space"),
+    (Status.INTERNAL, "internal_item"),
+)
+
+
+def _peek(frames: list[Frame]) -> Header | None:
+    """The request's header if it parses (so an error reply carries its request id)."""
+    try:
+        return Header.unpack(frames[0]) if frames else None
+    except ProtocolError:
+        return None
+
+
+def _size(frames: list[Frame]) -> int:
+    return sum(len(f) for f in frames)
+
+
+def _describe(header: Header | None) -> str:
+    return "<undecodable>" if header is None else f"{header.op.name}#{header.request_id}"

@@ -1,0 +1,360 @@
+"""Real ``kvcache server`` processes on loopback with real LMDB directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from server_fixtures import DaemonProcess, block_records, http, wait_until
+
+from kvcache.errors import AuthError
+from kvcache.retention import DAY_S
+from kvcache.server.probe import NodeRefusedError, Probe
+from kvcache.shard import split_shard
+from kvcache.wire import NO_INDEX, Header, Op, Status, decode, encode, make_items
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "secret-token-for-tests"
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def good_client_served(daemon: DaemonProcess, n: int = 7) -> None:
+    """A well-behaved client must still be served after whatever came before."""
+    with Probe(daemon.data, timeout_s=10) as probe:
+        shards = block_records(key(10_000 + n), indices=[0, 1])
+        assert probe.put(shards).tolist() == [Status.OK, Status.OK]
+        status, records = probe.get([(k, i) for k, i, _ in shards])
+        assert status.tolist() == [Status.OK, Status.OK]
+        assert records == [r for _, _, r in shards]
+    assert daemon.alive()
+
+
+def error_count(daemon: DaemonProcess, kind: str) -> int:
+    return int(daemon.stats()["errors"].get(kind, 0))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon for the tests that do not harm it; small limits make bad input cheap."""
+    root = tmp_path_factory.mktemp("daemon")
+    proc = DaemonProcess(root, server={"max_data_bytes": 1 << 20, "max_items": 512})
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_batched_round_trip(daemon: DaemonProcess) -> None:
+    keys = [key(n) for n in range(32)]
+    shards = [s for k in keys for s in block_records(k, body_len=1024)]
+    with Probe(daemon.data) as probe:
+        assert probe.put(shards).tolist() == [Status.OK] * len(shards)
+        status, records = probe.get([(k, i) for k, i, _ in shards] + [(key(999), 0)])
+        assert status.tolist() == [Status.OK] * len(shards) + [Status.NOT_FOUND]
+        assert records[:-1] == [r for _, _, r in shards]
+        held = probe.has([*keys, key(999)])
+        stripe = split_shard(shards[0][2])[0].stripe_id
+        assert held[keys[0]] == dict.fromkeys(range(12), stripe)
+        assert held[key(999)] == {}
+        assert probe.touch([*keys[:2], key(999)], traffic_class="chat").tolist() == [0, 0, 1]
+        assert probe.delete([(keys[0], 0, NO_INDEX), (keys[1], 0, 3)]).tolist() == [0, 0]
+        assert probe.has(keys[:2]) == {
+            keys[0]: {},
+            keys[1]: {i: held[keys[1]][i] for i in range(12) if i != 3},
+        }
+        stats = probe.stats()
+    assert stats["node_id"] == "test-node"
+    assert stats["usage"]["shards"] >= len(shards) - 13
+    assert stats["requests"]["put"] >= 1
+    status_code, body = http("GET", daemon.admin + "/metrics")
+    text = body.decode()
+    assert status_code == 200
+    for name in (
+        'kvcache_server_requests_total{op="get"}',
+        'kvcache_server_request_seconds_bucket{op="put",le="+Inf"}',
+        'kvcache_server_class_bytes{class="chat"}',
+        "kvcache_server_expired_shards_total",
+        "kvcache_server_evicted_shards_total",
+        'kvcache_server_items_total{op="get",status="not_found"}',
+    ):
+        assert name in text, name
+
+
+def _raw(
+    daemon: DaemonProcess, frames: list[bytes], *, timeout_s: float = 5.0
+) -> list[bytes] | None:
+    with Probe(daemon.data) as probe:
+        probe.send_frames(frames)
+        return probe.recv_frames(timeout_s)
+
+
+def _valid_has() -> list[bytes]:
+    items = make_items(Op.HAS, 1, reply=False)
+    return [bytes(f) for f in encode(Header(op=Op.HAS, request_id=77, count=1), items)]
+
+
+def _mutate_header(offset: int, value: bytes) -> list[bytes]:
+    frames = _valid_has()
+    header = bytearray(frames[0])
+    header[offset : offset + len(value)] = value
+    return [bytes(header), *frames[1:]]
+
+
+BAD_MESSAGES = {
+    "truncated_header": lambda: [_valid_has()[0][:20], *_valid_has()[1:]],
+    "oversized_header": lambda: [_valid_has()[0] + b"\0" * 8, *_valid_has()[1:]],
+    "wrong_magic": lambda: _mutate_header(0, b"XX"),
+    "wrong_version": lambda: _mutate_header(2, b"\x07"),
+    "unknown_op": lambda: _mutate_header(3, b"\x42"),
+    "count_mismatch": lambda: _mutate_header(16, (5).to_bytes(4, "little")),
+    "too_many_items": lambda: [
+        bytes(f)
+        for f in encode(
+            Header(op=Op.HAS, request_id=77, count=513), make_items(Op.HAS, 513, reply=False)
+        )
+    ],
+    "too_many_frames": lambda: [*_valid_has(), b"", b"x", b"y"],
+    "too_few_frames": lambda: _valid_has()[:2],
+    "truncated_items": lambda: [_valid_has()[0], _valid_has()[1][:7], b""],
+    "reply_flag_on_request": lambda: _mutate_header(4, b"\x01"),
+    "empty_message": lambda: [b""],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
+def test_bad_message_gets_error_reply_and_counter(daemon: DaemonProcess, case: str) -> None:
+    before = error_count(daemon, "bad_request")
+    reply = _raw(daemon, BAD_MESSAGES[case]())
+    assert reply is not None, "no reply to a bad message"
+    message = decode(reply)
+    assert message.header.status is Status.BAD_REQUEST
+    assert message.error_text().startswith("bad_request")
+    assert error_count(daemon, "bad_request") == before + 1
+    good_client_served(daemon)
+
+
+def test_oversized_frame_drops_only_that_connection(daemon: DaemonProcess) -> None:
+    before = daemon.stats()["disconnects"]
+    items = make_items(Op.PUT, 1, reply=False)
+    items["length"] = 2 << 20
+    frames = encode(Header(op=Op.PUT, request_id=1, count=1), items, b"\0" * (2 << 20))
+    assert _raw(daemon, [bytes(f) for f in frames], timeout_s=1.0) is None
+    wait_until(lambda: daemon.stats()["disconnects"] > before, what="the disconnect to be counted")
+    good_client_served(daemon)
+
+
+def test_bad_items_fail_alone_and_are_counted(daemon: DaemonProcess) -> None:
+    good = block_records(key(500), indices=[0, 1, 2])
+    corrupt = bytearray(good[1][2])
+    corrupt[-5] ^= 0xFF
+    foreign = block_records(key(501), indices=[2])[0][2]
+    before = {k: error_count(daemon, k) for k in ("checksum", "wrong_key", "bad_item")}
+    with Probe(daemon.data) as probe:
+        status = probe.put(
+            [good[0], (key(500), 1, bytes(corrupt)), (key(500), 2, foreign), (key(500), 3, b"junk")]
+        )
+        assert status.tolist() == [Status.OK, Status.CHECKSUM, Status.WRONG_KEY, Status.BAD_ITEM]
+        status, _ = probe.get([(key(500), 0), (key(500), 300)])
+        assert status.tolist() == [Status.OK, Status.BAD_ITEM]
+        assert set(probe.has([key(500)])[key(500)]) == {0}
+    after = {k: error_count(daemon, k) for k in before}
+    assert after == {
+        "checksum": before["checksum"] + 1,
+        "wrong_key": before["wrong_key"] + 1,
+        "bad_item": before["bad_item"] + 2,
+    }
+    good_client_served(daemon)
+
+
+def test_reply_over_the_data_limit_is_refused(daemon: DaemonProcess) -> None:
+    shards = block_records(key(600), body_len=128 << 10)  # 12 x 128 KiB > 1 MiB limit
+    with Probe(daemon.data) as probe:
+        assert probe.put(shards[:6]).tolist() == [0] * 6
+        assert probe.put(shards[6:]).tolist() == [0] * 6
+        with pytest.raises(NodeRefusedError) as refused:
+            probe.get([(k, i) for k, i, _ in shards])
+        assert refused.value.status is Status.TOO_LARGE
+    good_client_served(daemon)
+
+
+def test_data_path_hmac_and_admin_token(tmp_path: Path) -> None:
+    server = {"token": TOKEN, "data_auth": True}
+    with DaemonProcess(tmp_path, server=server) as daemon:
+        with Probe(daemon.data) as unsigned, pytest.raises(NodeRefusedError) as refused:
+            unsigned.stats()
+        assert refused.value.status is Status.UNAUTHORIZED
+        # The refusal is MAC'd with the daemon's token: a client with another one rejects it.
+        with Probe(daemon.data, token=b"wrong-token-xyz") as wrong, pytest.raises(AuthError):
+            wrong.stats()
+        with Probe(daemon.data, token=TOKEN.encode()) as probe:
+            shards = block_records(key(1), indices=[0])
+            assert probe.put(shards).tolist() == [0]
+            assert probe.get([(key(1), 0)])[1] == [shards[0][2]]
+        assert error_count(daemon, "unauthorized") == 2
+        policy = {"classes": {"agent": "1d", "chat": "2d"}, "default_class": "chat"}
+        assert http("PUT", daemon.admin + "/retention", policy)[0] == 401
+        assert http("PUT", daemon.admin + "/retention", policy, token="nope-nope")[0] == 401
+        status, body = http("PUT", daemon.admin + "/retention", policy, token=TOKEN)
+        assert status == 200 and json.loads(body)["classes"] == {"agent": DAY_S, "chat": 2 * DAY_S}
+        assert json.loads(http("GET", daemon.admin + "/retention")[1])["default_class"] == "chat"
+        assert http("PUT", daemon.admin + "/retention", {"classes": {}}, token=TOKEN)[0] == 400
+        assert http("POST", daemon.admin + "/debug/clock", {"offset_s": 1}, token=TOKEN)[0] == 404
+        assert daemon.stop() == 0
+
+
+def test_map_full_refuses_the_batch_and_keeps_serving(tmp_path: Path) -> None:
+    server = {"capacity_bytes": 1 << 30, "map_size_bytes": 2 << 20}
+    with DaemonProcess(tmp_path, server=server) as daemon, Probe(daemon.data) as probe:
+        big = block_records(key(2), body_len=256 << 10)
+        assert probe.put(big).tolist() == [Status.NO_SPACE] * 12
+        assert probe.has([key(2)])[key(2)] == {}
+        assert error_count(daemon, "map_full") == 1
+        assert error_count(daemon, "no_space") == 12
+        good_client_served(daemon)
+        assert daemon.stop() == 0
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_disk_full_refuses_the_batch_and_keeps_serving(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE makes LMDB's writes past 4 MiB fail the way a full disk does."""
+    with DaemonProcess(tmp_path, preexec=_limit_file_size) as daemon, Probe(daemon.data) as probe:
+        small = block_records(key(1), body_len=1024)
+        assert probe.put(small).tolist() == [Status.OK] * 12
+        big = block_records(key(2), body_len=512 << 10)  # 6 MiB in one batch
+        assert probe.put(big).tolist() == [Status.NO_SPACE] * 12
+        assert probe.has([key(2)])[key(2)] == {}
+        # LMDB reports a short write as EIO, else ENOSPC: either refuses the batch.
+        assert error_count(daemon, "disk_full") + error_count(daemon, "disk_io") == 1
+        status, records = probe.get([(k, i) for k, i, _ in small])
+        assert status.tolist() == [Status.OK] * 12 and records == [r for _, _, r in small]
+        good_client_served(daemon)
+        assert daemon.stop() == 0
+
+
+def test_kill_9_under_write_load_keeps_every_acknowledged_shard(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, server={"sync": "none"}).start()
+    acked: list[tuple[bytes, int, bytes]] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        ctx = zmq.Context()
+        try:
+            with Probe(daemon.data, timeout_s=2, context=ctx) as probe:
+                n = 0
+                while not stop.is_set():
+                    batch = [
+                        s for b in range(8) for s in block_records(key(n * 8 + b), body_len=4096)
+                    ]
+                    n += 1
+                    try:
+                        status = probe.put(batch)
+                    except Exception:
+                        return  # the daemon died under us: what was acknowledged is in `acked`
+                    acked.extend(
+                        s for s, st in zip(batch, status.tolist(), strict=True) if st == Status.OK
+                    )
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            ctx.term()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    wait_until(lambda: len(acked) >= 96 * 20, timeout_s=60, what="20 acknowledged batches")
+    daemon.kill()
+    stop.set()
+    thread.join(30)
+    assert not errors
+    count = len(acked)
+    daemon.start()
+    try:
+        with Probe(daemon.data) as probe:
+            for start in range(0, count, 480):
+                chunk = acked[start : start + 480]
+                status, records = probe.get([(k, i) for k, i, _ in chunk])
+                assert status.tolist() == [Status.OK] * len(chunk)
+                for (_, _, expected), got in zip(chunk, records, strict=True):
+                    assert got == expected
+                    assert got is not None
+                    split_shard(got)
+            usage = probe.stats()["usage"]
+        assert usage["shards"] >= count
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_retention_end_to_end_with_a_stepped_clock(tmp_path: Path) -> None:
+    server = {"allow_clock_override": True, "token": TOKEN}
+    with DaemonProcess(tmp_path, server=server) as daemon, Probe(daemon.data) as probe:
+        agent = block_records(key(1), traffic_class="agent")
+        chat = block_records(key(2), traffic_class="chat")
+        hot = block_records(key(3), traffic_class="agent")
+        assert probe.put(agent + chat + hot).tolist() == [0] * 36
+
+        def step(seconds: float) -> None:
+            status, body = http(
+                "POST", daemon.admin + "/debug/clock", {"offset_s": seconds}, token=TOKEN
+            )
+            assert status == 200, body
+
+        step(2 * DAY_S)
+        assert probe.touch([key(3)], traffic_class="agent").tolist() == [0]  # slides to day 5
+        step(3 * DAY_S + 60)
+        held = probe.has([key(1), key(2), key(3)])
+        assert held[key(1)] == {} and len(held[key(2)]) == 12 and len(held[key(3)]) == 12
+        assert probe.get([(key(1), 0)])[0].tolist() == [Status.NOT_FOUND]
+        wait_until(lambda: daemon.stats()["gc"]["expired_shards"] >= 12, what="the sweeper")
+        step(5 * DAY_S + 60)
+        assert probe.has([key(3)])[key(3)] == {}
+        step(7 * DAY_S + 60)
+        assert probe.has([key(2)])[key(2)] == {}
+        wait_until(lambda: daemon.stats()["gc"]["expired_shards"] == 36, what="the sweeper")
+        assert daemon.stats()["usage"]["shards"] == 0
+        assert http("POST", daemon.admin + "/debug/clock", {"offset_s": 0})[0] == 401
+        assert daemon.stop() == 0
+
+
+def test_sigterm_during_requests_exits_zero(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path).start()
+    shards = block_records(key(1), body_len=64 << 10)
+    with Probe(daemon.data, timeout_s=2) as probe:
+        assert probe.put(shards).tolist() == [0] * 12
+        probe.send_frames(encode(Header(op=Op.GET, request_id=5, count=12), _get_items(shards)))
+        assert daemon.stop() == 0
+    assert "LMDB closed" in daemon.log()
+    # Restart: what was written is there.
+    with daemon, Probe(daemon.data) as probe:
+        assert probe.get([(k, i) for k, i, _ in shards])[1] == [r for _, _, r in shards]
+
+
+def _get_items(shards: list[tuple[bytes, int, bytes]]) -> np.ndarray:
+    items = make_items(Op.GET, len(shards), reply=False)
+    items["key"] = [s[0] for s in shards]
+    items["index"] = [s[1] for s in shards]
+    return items
+
+
+def test_second_daemon_on_the_same_directory_refuses(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path) as daemon:
+        other = DaemonProcess(tmp_path)
+        with pytest.raises(AssertionError, match="exited with 1"):
+            other.start()
+        assert "in use" in other.log()
+        assert daemon.alive()
+    assert os.path.exists(tmp_path / "data" / "data.mdb")

@@ -1,0 +1,373 @@
+"""ShardStore directly, with a stepped clock: storage, retention, sweeping, eviction. No sockets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_fixtures import FakeClock, block_records, get_items, keys_items, put_items
+
+from kvcache.errors import StorageError
+from kvcache.retention import DAY_S, RetentionPolicy
+from kvcache.server.store import ShardStore
+from kvcache.shard import split_shard
+from kvcache.wire import NO_INDEX, Op, Status, make_items
+
+HOUR = 3600
+
+
+def open_store(path: Path, clock: FakeClock, **kwargs: object) -> ShardStore:
+    options: dict[str, object] = {"capacity_bytes": 64 << 20, "touch_resolution_s": 60.0}
+    options.update(kwargs)
+    return ShardStore(path, clock=clock, **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[ShardStore]:
+    with open_store(tmp_path / "db", clock) as s:
+        yield s
+
+
+def put(store: ShardStore, shards: list[tuple[bytes, int, bytes]]) -> list[int]:
+    items, data = put_items(shards)
+    return store.put(items, data)["status"].tolist()
+
+
+def get(
+    store: ShardStore, wanted: list[tuple[bytes, int]], cls: str = ""
+) -> tuple[list[int], list[bytes]]:
+    reply, data = store.get(get_items(wanted), cls)
+    out, offset = [], 0
+    for length in reply["length"].tolist():
+        out.append(data[offset : offset + length])
+        offset += length
+    return reply["status"].tolist(), out
+
+
+def held(store: ShardStore, key: bytes) -> set[int]:
+    reply = store.has(keys_items(Op.HAS, [key]))
+    return set(reply["index"].tolist())
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def test_put_get_round_trip_returns_exact_records(store: ShardStore) -> None:
+    shards = block_records(key(1)) + block_records(key(2), traffic_class="agent")
+    assert put(store, shards) == [Status.OK] * 24
+    status, records = get(store, [(k, i) for k, i, _ in shards] + [(key(3), 0), (key(1), 12)])
+    assert status == [Status.OK] * 24 + [Status.NOT_FOUND] * 2
+    assert records[:24] == [r for _, _, r in shards]
+    for record in records[:24]:
+        split_shard(record)  # header and checksum still valid
+    usage = store.usage()
+    assert usage["shards"] == 24
+    assert usage["used_bytes"] == sum(len(r) for _, _, r in shards)
+    assert usage["classes"]["agent"]["shards"] == 12
+    assert store.recount() == usage
+
+
+def test_bad_items_fail_alone(store: ShardStore) -> None:
+    good = block_records(key(1), indices=[0, 1])
+    corrupt = bytearray(good[1][2])
+    corrupt[-1] ^= 1
+    foreign = block_records(key(9), indices=[2])[0][2]
+    shards = [good[0], (key(1), 1, bytes(corrupt)), (key(1), 2, foreign), (key(1), 3, b"short")]
+    assert put(store, shards) == [Status.OK, Status.CHECKSUM, Status.WRONG_KEY, Status.BAD_ITEM]
+    assert held(store, key(1)) == {0}
+
+
+def test_overwrite_last_writer_wins_and_counts_once(store: ShardStore) -> None:
+    first = block_records(key(1), indices=[0], seed=1)
+    second = block_records(key(1), indices=[0], seed=2)
+    assert put(store, first) == [Status.OK]
+    assert put(store, second + second) == [Status.OK, Status.OK]
+    assert get(store, [(key(1), 0)])[1] == [second[0][2]]
+    assert store.usage()["shards"] == 1
+    assert store.recount() == store.usage()
+
+
+def test_has_reports_index_and_stripe(store: ShardStore) -> None:
+    shards = block_records(key(5), indices=[0, 3, 11])
+    put(store, shards)
+    reply = store.has(keys_items(Op.HAS, [key(4), key(5)]))
+    assert reply["ordinal"].tolist() == [1, 1, 1]
+    assert reply["index"].tolist() == [0, 3, 11]
+    stripe = split_shard(shards[0][2])[0].stripe_id
+    assert set(reply["stripe"].tolist()) == {stripe}
+
+
+def test_delete_by_index_stripe_and_whole_key(store: ShardStore) -> None:
+    shards = block_records(key(1))
+    put(store, shards)
+    stripe = split_shard(shards[0][2])[0].stripe_id
+    items = make_items(Op.DELETE, 4, reply=False)
+    items["key"] = [key(1), key(1), key(1), key(2)]
+    items["stripe"] = [0, stripe + 1, stripe, 0]
+    items["index"] = [0, NO_INDEX, 1, NO_INDEX]
+    assert store.delete(items)["status"].tolist() == [
+        Status.OK,
+        Status.NOT_FOUND,  # another stripe: nothing of this one is touched
+        Status.OK,
+        Status.NOT_FOUND,
+    ]
+    assert held(store, key(1)) == set(range(2, 12))
+    items = make_items(Op.DELETE, 1, reply=False)
+    items["key"] = [key(1)]
+    items["index"] = [NO_INDEX]
+    assert store.delete(items)["status"].tolist() == [Status.OK]
+    assert held(store, key(1)) == set()
+    assert store.usage()["shards"] == 0 and store.recount() == store.usage()
+
+
+# ---------------------------------------------------------------------- retention
+
+
+def test_agent_gone_after_3_days_chat_kept_until_7(store: ShardStore, clock: FakeClock) -> None:
+    put(
+        store,
+        block_records(key(1), traffic_class="agent") + block_records(key(2), traffic_class="chat"),
+    )
+    clock.step(3 * DAY_S - 1)
+    assert held(store, key(1)) == set(range(12))
+    clock.step(2)
+    assert held(store, key(1)) == set()  # expired: invisible even before the sweep
+    assert get(store, [(key(1), 0)])[0] == [Status.NOT_FOUND]
+    assert held(store, key(2)) == set(range(12))
+    assert store.sweep(limit=100) == 12
+    assert store.counters["expired_shards"] == 12
+    assert store.usage()["classes"] == {
+        "chat": {"bytes": store.usage()["used_bytes"], "shards": 12}
+    }
+    clock.step(4 * DAY_S - 2)
+    assert held(store, key(2)) == set(range(12))
+    clock.step(2)
+    assert held(store, key(2)) == set()
+    assert store.sweep(limit=100) == 12
+    assert store.usage()["shards"] == 0 and store.recount() == store.usage()
+
+
+def test_hits_slide_the_expiry(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), traffic_class="agent", indices=[0, 1]))
+    start = clock.now
+    clock.step(2 * DAY_S)
+    assert get(store, [(key(1), 0)])[0] == [Status.OK]
+    assert store.touch(keys_items(Op.TOUCH, [key(1), key(2)]))["status"].tolist() == [
+        Status.OK,
+        Status.NOT_FOUND,
+    ]
+    store.flush_touches()
+    expiry, cls = store.expiry_of(key(1), 0) or (0, "")
+    assert expiry == int((start + 2 * DAY_S + 3 * DAY_S) * 1000) and cls == "agent"
+    clock.step(2 * DAY_S)  # 4 days after the write, 2 after the hit
+    assert held(store, key(1)) == {0, 1}
+    clock.step(1 * DAY_S + 1)
+    assert held(store, key(1)) == set()
+
+
+def test_hits_within_the_resolution_write_nothing(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), indices=[0]))
+    for _ in range(10):
+        clock.step(5)
+        get(store, [(key(1), 0)])
+    assert store.flush_touches() == 0
+    clock.step(120)
+    get(store, [(key(1), 0)])
+    assert store.flush_touches() == 1
+
+
+def test_two_classes_keep_the_longer_expiry(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), traffic_class="agent", indices=[0]))
+    put(store, block_records(key(2), traffic_class="chat", indices=[0]))
+    clock.step(HOUR)
+    get(store, [(key(1), 0)], "chat")  # chat reuses an agent block: 7 days from now
+    get(store, [(key(2), 0)], "agent")  # agent reuses a chat block: keeps its 7 days
+    store.flush_touches()
+    assert store.expiry_of(key(1), 0) == (int((clock.now + 7 * DAY_S) * 1000), "chat")
+    assert store.expiry_of(key(2), 0) == (int((clock.now - HOUR + 7 * DAY_S) * 1000), "chat")
+    assert store.usage()["classes"]["chat"]["shards"] == 2
+    assert store.recount() == store.usage()
+    # A rewrite by agent traffic does not shorten it either.
+    put(store, block_records(key(1), traffic_class="agent", indices=[0], seed=3))
+    assert store.expiry_of(key(1), 0) == (int((clock.now + 7 * DAY_S) * 1000), "chat")
+
+
+def test_unknown_classes_count_as_the_default(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), traffic_class="nightly", indices=[0]))
+    assert store.expiry_of(key(1), 0) == (int((clock.now + 3 * DAY_S) * 1000), "default")
+    assert set(store.usage()["classes"]) == {"default"}
+
+
+def test_sweep_is_bounded(store: ShardStore, clock: FakeClock) -> None:
+    for n in range(5):
+        put(store, block_records(key(n), traffic_class="agent"))
+    clock.step(3 * DAY_S + 1)
+    assert store.sweep(limit=25) == 25
+    assert store.usage()["shards"] == 35
+    assert store.maintain() is True or store.usage()["shards"] < 35
+    while store.maintain():
+        pass
+    assert store.usage()["shards"] == 0
+    assert store.counters["expired_shards"] == 60
+
+
+def test_eviction_takes_the_earliest_expiry_first(tmp_path: Path, clock: FakeClock) -> None:
+    body = 64 << 10  # 14 shards of 64 KiB stay under the high watermark of 0.9 MiB
+    mib = 1 << 20
+    with open_store(tmp_path / "db", clock, capacity_bytes=mib, low_watermark=0.5) as store:
+        # key n is written at hour n: agent blocks expire first, then by age.
+        for n in range(14):
+            cls = "agent" if n % 3 == 0 else "chat"
+            shard = block_records(key(n), body_len=body, traffic_class=cls, indices=[0])
+            assert put(store, shard) == [Status.OK]
+            clock.step(HOUR)
+        assert store.counters["evicted_shards"] == 0
+        # The next write crosses the high watermark: evict down to low - incoming.
+        assert put(store, block_records(key(99), body_len=body, indices=[0])) == [Status.OK]
+        evicted = {n for n in range(14) if not held(store, key(n))}
+        assert store.counters["evicted_shards"] == len(evicted) > 0
+        assert store.usage()["used_bytes"] <= 0.5 * mib
+        order = sorted(range(14), key=lambda n: (0 if n % 3 == 0 else 1, n))  # expiry order
+        assert evicted == set(order[: len(evicted)])
+        assert held(store, key(99)) == {0}
+        assert store.recount() == store.usage()
+
+
+def test_batch_larger_than_capacity_is_refused_whole(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(tmp_path / "db", clock, capacity_bytes=1 << 20) as store:
+        shards = block_records(key(1), body_len=128 << 10)  # 12 x 128 KiB > 1 MiB
+        assert put(store, shards) == [Status.NO_SPACE] * 12
+        assert held(store, key(1)) == set()
+        assert store.counters["error_capacity"] == 1
+
+
+def test_map_full_aborts_the_whole_batch(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(
+        tmp_path / "db", clock, capacity_bytes=1 << 30, map_size_bytes=1 << 20
+    ) as store:
+        assert put(store, block_records(key(1), body_len=1024)) == [Status.OK] * 12
+        big = block_records(key(2), body_len=256 << 10)
+        assert put(store, big) == [Status.NO_SPACE] * 12
+        assert held(store, key(2)) == set()
+        assert store.counters["error_map_full"] == 1
+        assert held(store, key(1)) == set(range(12))
+        assert store.recount() == store.usage()
+        assert put(store, block_records(key(3), body_len=1024)) == [Status.OK] * 12
+
+
+def test_reopen_keeps_shards_counters_and_policy(tmp_path: Path, clock: FakeClock) -> None:
+    shards = block_records(key(1))
+    with open_store(tmp_path / "db", clock) as store:
+        put(store, shards)
+        store.set_policy(RetentionPolicy.from_mapping({"classes": {"chat": "1d", "default": "1h"}}))
+        usage = store.usage()
+    with open_store(tmp_path / "db", clock, policy=RetentionPolicy()) as store:
+        assert store.usage() == usage
+        assert store.policy.ttl_s("chat") == DAY_S  # the admin-set policy is kept
+        assert get(store, [(key(1), 5)])[1] == [shards[5][2]]
+        store.clear_policy(RetentionPolicy())
+        assert store.policy == RetentionPolicy()
+
+
+def test_one_daemon_per_directory(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(tmp_path / "db", clock), pytest.raises(StorageError, match="in use"):
+        open_store(tmp_path / "db", clock)
+
+
+# ---------------------------------------------------------------------- model check
+
+
+@st.composite
+def operations(draw: st.DrawFn) -> list[tuple[str, int, int, int]]:
+    ops = st.tuples(
+        st.sampled_from(["put", "put", "get", "touch", "delete", "step", "sweep"]),
+        st.integers(0, 5),  # key
+        st.integers(0, 3),  # index / seed
+        st.integers(0, 2),  # class / hours
+    )
+    return draw(st.lists(ops, max_size=30))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(script=operations())
+def test_store_agrees_with_a_model(
+    tmp_path_factory: pytest.TempPathFactory, script: list[tuple[str, int, int, int]]
+) -> None:
+    """Random operations against a dict model: same visible shards, counters match a rescan."""
+    clock = FakeClock()
+    classes = ["agent", "chat", "other"]
+    model: dict[tuple[int, int], tuple[bytes, int]] = {}  # (key, index) -> (record, expiry_ms)
+    policy = RetentionPolicy()
+    path = tmp_path_factory.mktemp("model")
+    with open_store(path, clock, touch_resolution_s=0.0) as store:
+        for op, k, i, c in script:
+            now = int(clock.now * 1000)
+            if op == "put":
+                (rec,) = block_records(key(k), indices=[i], seed=c, traffic_class=classes[c])
+                assert put(store, [rec]) == [Status.OK]
+                old = model.get((k, i))
+                expiry = policy.expiry_for(classes[c], clock.now)
+                if old and old[1] > now:
+                    expiry = max(expiry, old[1])
+                model[(k, i)] = (rec[2], expiry)
+            elif op == "get":
+                status, records = get(store, [(key(k), i)], classes[c])
+                live = (k, i) in model and model[(k, i)][1] > now
+                assert status == [Status.OK if live else Status.NOT_FOUND]
+                if live:
+                    assert records == [model[(k, i)][0]]
+                    model[(k, i)] = (
+                        model[(k, i)][0],
+                        max(model[(k, i)][1], policy.expiry_for(classes[c], clock.now)),
+                    )
+            elif op == "touch":
+                store.touch(keys_items(Op.TOUCH, [key(k)]), classes[c])
+                for (mk, mi), (rec, exp) in list(model.items()):
+                    if mk == k and exp > now:
+                        model[(mk, mi)] = (rec, max(exp, policy.expiry_for(classes[c], clock.now)))
+            elif op == "delete":
+                items = make_items(Op.DELETE, 1, reply=False)
+                items["key"] = [key(k)]
+                items["index"] = [i]
+                store.delete(items)
+                model.pop((k, i), None)
+            elif op == "step":
+                clock.step(c * DAY_S * 2 + i * HOUR)
+            else:
+                store.sweep(limit=3)
+            now = int(clock.now * 1000)
+            for k2 in range(6):
+                expected = {mi for (mk, mi), (_, exp) in model.items() if mk == k2 and exp > now}
+                assert held(store, key(k2)) == expected
+        store.flush_touches()
+        assert store.recount() == store.usage()
+        assert np.all(
+            np.array(
+                [
+                    store.expiry_of(key(mk), mi)[0] >= exp
+                    for (mk, mi), (_, exp) in model.items()
+                    if store.expiry_of(key(mk), mi)
+                ]
+            )
+        )
+
+
+def test_random_keys_smoke(store: ShardStore) -> None:
+    keys = [os.urandom(16) for _ in range(50)]
+    shards = [s for k in keys for s in block_records(k, indices=[0, 7])]
+    assert put(store, shards) == [Status.OK] * 100
+    status, records = get(store, [(k, i) for k, i, _ in shards])
+    assert status == [Status.OK] * 100 and records == [r for _, _, r in shards]
