@@ -84,7 +84,7 @@ class PagedKVAdapter:
         page_tokens: int,
         pages_per_block: int = 1,
         block_dim: int = 0,
-        staging_bytes: int = 256 << 20,
+        staging_bytes: int = 128 << 20,
     ) -> None:
         if not caches:
             raise ConfigError("no KV cache tensors given")
@@ -118,8 +118,11 @@ class PagedKVAdapter:
         self._flat = [self._as_pages(t) for t in self.caches]
         self._module: Any = torch.get_device_module(self.device)
         self._accelerated = self.device.type != "cpu"
-        self._stream: Any = self._module.Stream() if self._accelerated else None
         self._chunk_blocks = max(1, staging_bytes // self.payload_bytes)
+        self._work_stream: Any = None
+        self._copy_stream: Any = None
+        self._buffers: list[torch.Tensor] = []
+        self._buffer_free: list[Any] = [None, None]
 
     def _as_pages(self, t: torch.Tensor) -> torch.Tensor:
         """View the layer as bytes: (pages, tile) for block_dim 0, (outer, pages, tile) for 1."""
@@ -165,29 +168,39 @@ class PagedKVAdapter:
             raise ConfigError(f"host buffer must be a contiguous CPU tensor of >= {blocks} rows")
 
     def gather(self, page_ids: Any, out: torch.Tensor | None = None) -> TransferHandle:
-        """Start copying the pages of each block (rows of ``page_ids``) into host payloads."""
+        """Start copying the pages of each block (rows of ``page_ids``) into host payloads.
+
+        On an accelerator, chunks are double-buffered: while chunk i travels to the
+        host on the copy stream, chunk i+1 is gathered on the work stream.
+        """
         ids = self._page_ids(page_ids)
         blocks = ids.shape[0]
         host = out if out is not None else self.alloc_host(blocks)
         self._check_host(host, blocks)
-        dev_ids = ids.to(self.device, non_blocking=True)
-        ctx = self._module.stream(self._stream) if self._accelerated else _nullcontext()
-        with ctx:
-            if self._accelerated:
-                self._stream.wait_stream(self._module.current_stream(self.device))
-            step = self._chunk_blocks
+        step = self._chunk_blocks
+        if not self._accelerated:
             for start in range(0, blocks, step):
                 stop = min(blocks, start + step)
-                if self._accelerated:
-                    staging = torch.empty(
-                        (stop - start, self.payload_bytes), dtype=torch.uint8, device=self.device
-                    )
-                    self._stage_gather(dev_ids[start:stop], staging)
-                    host[start:stop].copy_(staging, non_blocking=True)
-                else:
-                    self._stage_gather(dev_ids[start:stop], host[start:stop])
-            done = self._record()
-        return TransferHandle(host, [], done, self._module)
+                self._stage_gather(ids[start:stop], host[start:stop])
+            return TransferHandle(host, [], None, self._module)
+        work, copy = self._streams()
+        dev_ids = ids.to(self.device, non_blocking=True)
+        caller = self._module.current_stream(self.device)
+        work.wait_stream(caller)
+        copy.wait_stream(caller)
+        for c, start in enumerate(range(0, blocks, step)):
+            stop = min(blocks, start + step)
+            buf = self._buffers[c % 2][: stop - start]
+            with self._module.stream(work):
+                if self._buffer_free[c % 2] is not None:
+                    work.wait_event(self._buffer_free[c % 2])
+                self._stage_gather(dev_ids[start:stop], buf)
+                gathered = self._event(work)
+            with self._module.stream(copy):
+                copy.wait_event(gathered)
+                host[start:stop].copy_(buf, non_blocking=True)
+                self._buffer_free[c % 2] = self._event(copy)
+        return TransferHandle(host, [], self._event(copy), self._module)
 
     def _stage_gather(self, ids: torch.Tensor, staging: torch.Tensor) -> None:
         """Gather the pages of ``ids`` (blocks, ppb) into ``staging`` (blocks, payload) rows."""
@@ -205,53 +218,71 @@ class PagedKVAdapter:
                 )
 
     def scatter(self, payloads: torch.Tensor, page_ids: Any) -> TransferHandle:
-        """Start copying host payloads (one row per block) into the pages of ``page_ids``."""
+        """Start copying host payloads (one row per block) into the pages of ``page_ids``.
+
+        On an accelerator, chunk i+1 travels to the device while chunk i is
+        spread into the layers; one event per layer is recorded after the last
+        chunk, so ``wait_layer(i)`` lets the engine start on layer i early.
+        """
         ids = self._page_ids(page_ids)
         blocks = ids.shape[0]
         self._check_host(payloads, blocks)
-        dev_ids = ids.to(self.device, non_blocking=True)
-        ppb = self.pages_per_block
-        ctx = self._module.stream(self._stream) if self._accelerated else _nullcontext()
-        events: list[Any] = []
-        with ctx:
-            if self._accelerated:
-                self._stream.wait_stream(self._module.current_stream(self.device))
-            step = self._chunk_blocks
-            chunks = range(0, blocks, step)
-            for c, start in enumerate(chunks):
-                stop = min(blocks, start + step)
-                n = stop - start
-                staging = payloads[start:stop]
-                if self._accelerated:
-                    staging = staging.to(self.device, non_blocking=True)
-                staged = staging.view(n, self.num_layers, ppb, self.tile_bytes)
-                chunk_ids = dev_ids[start:stop].reshape(-1)
-                last_chunk = c == len(chunks) - 1
-                for layer, pages in enumerate(self._flat):
-                    src = staged[:, layer].reshape(n * ppb, self.tile_bytes)
-                    if self.block_dim == 0:
-                        pages.index_copy_(0, chunk_ids, src)
-                    else:
-                        outer = pages.shape[0]
-                        pages.index_copy_(
-                            1, chunk_ids, src.view(n * ppb, outer, -1).permute(1, 0, 2)
-                        )
-                    if last_chunk:
-                        events.append(self._record())
-            done = self._record()
-        return TransferHandle(payloads, events, done, self._module)
-
-    def _record(self) -> Any:
+        step = self._chunk_blocks
         if not self._accelerated:
-            return None
+            for start in range(0, blocks, step):
+                stop = min(blocks, start + step)
+                self._spread(payloads[start:stop], ids[start:stop].reshape(-1), None)
+            return TransferHandle(payloads, [], None, self._module)
+        work, copy = self._streams()
+        dev_ids = ids.to(self.device, non_blocking=True)
+        caller = self._module.current_stream(self.device)
+        work.wait_stream(caller)
+        copy.wait_stream(caller)
+        events: list[Any] = []
+        chunks = list(range(0, blocks, step))
+        for c, start in enumerate(chunks):
+            stop = min(blocks, start + step)
+            buf = self._buffers[c % 2][: stop - start]
+            with self._module.stream(copy):
+                if self._buffer_free[c % 2] is not None:
+                    copy.wait_event(self._buffer_free[c % 2])
+                buf.copy_(payloads[start:stop], non_blocking=True)
+                arrived = self._event(copy)
+            with self._module.stream(work):
+                work.wait_event(arrived)
+                last = c == len(chunks) - 1
+                self._spread(buf, dev_ids[start:stop].reshape(-1), events if last else None)
+                self._buffer_free[c % 2] = self._event(work)
+        return TransferHandle(payloads, events, self._event(work), self._module)
+
+    def _spread(self, staging: torch.Tensor, page_ids: torch.Tensor, events: list[Any] | None) -> None:
+        """Copy (blocks, payload) rows into the pages ``page_ids``, layer by layer."""
+        n = staging.shape[0]
+        ppb = self.pages_per_block
+        staged = staging.view(n, self.num_layers, ppb, self.tile_bytes)
+        for layer, pages in enumerate(self._flat):
+            src = staged[:, layer].reshape(n * ppb, self.tile_bytes)
+            if self.block_dim == 0:
+                pages.index_copy_(0, page_ids, src)
+            else:
+                outer = pages.shape[0]
+                pages.index_copy_(1, page_ids, src.view(n * ppb, outer, -1).permute(1, 0, 2))
+            if events is not None:
+                events.append(self._event(self._streams()[0]))
+
+    def _streams(self) -> tuple[Any, Any]:
+        """The work and copy streams, and two staging buffers, made on first use."""
+        if self._work_stream is None:
+            self._work_stream = self._module.Stream()
+            self._copy_stream = self._module.Stream()
+            rows = min(self._chunk_blocks, self.num_pages)
+            self._buffers = [
+                torch.empty((rows, self.payload_bytes), dtype=torch.uint8, device=self.device)
+                for _ in range(2)
+            ]
+        return self._work_stream, self._copy_stream
+
+    def _event(self, stream: Any) -> Any:
         ev = self._module.Event()
-        ev.record(self._stream)
+        ev.record(stream)
         return ev
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
