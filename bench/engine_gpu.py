@@ -29,12 +29,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit, machine, parser, print_table, write_json  # noqa: E402
+from _common import commit, machine, parser, print_table, write_json
 
-from kvcache.client import Client, ClientConfig  # noqa: E402
-from kvcache.client.localcluster import LocalCluster  # noqa: E402
-from kvcache.engine import PagedKVAdapter  # noqa: E402
-from kvcache.keys import Namespace  # noqa: E402
+from kvcache.client import Client, ClientConfig
+from kvcache.client.localcluster import LocalCluster
+from kvcache.engine import PagedKVAdapter
+from kvcache.keys import Namespace
 
 LAYERS, KV_HEADS, HEAD, PAGE_TOKENS = 32, 8, 128, 16
 
@@ -73,7 +73,9 @@ def make_caches(num_pages: int, device: torch.device, heads: int, head: int) -> 
 def pages_equal(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Bit equality (random bits include NaN patterns, so compare the raw 16-bit words)."""
     return all(
-        torch.equal(c.view(torch.int16).index_select(0, src), c.view(torch.int16).index_select(0, dst))
+        torch.equal(
+            c.view(torch.int16).index_select(0, src), c.view(torch.int16).index_select(0, dst)
+        )
         for c in caches
     )
 
@@ -83,12 +85,16 @@ def main() -> None:
     p.add_argument("--sizes-gib", default="1,4", help="GiB moved per measurement (default 1,4)")
     p.add_argument("--tiny", action="store_true", help="a few MiB, to check the script on a CPU")
     p.add_argument("--nodes", type=int, default=12)
-    p.add_argument("--e2e-max-gib", type=float, default=4.0, help="largest size sent through the store")
+    p.add_argument(
+        "--e2e-max-gib", type=float, default=4.0, help="largest size sent through the store"
+    )
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads, head = (KV_HEADS, HEAD) if not args.tiny else (2, 32)
     page_bytes = LAYERS * heads * PAGE_TOKENS * 2 * head * 2
-    sizes = [8 << 20] if args.tiny else [int(float(s) * (1 << 30)) for s in args.sizes_gib.split(",")]
+    sizes = (
+        [8 << 20] if args.tiny else [int(float(s) * (1 << 30)) for s in args.sizes_gib.split(",")]
+    )
     if args.quick and not args.tiny:
         sizes = sizes[:1]
     repeat = 3 if args.quick or args.tiny else 7
@@ -111,52 +117,88 @@ def main() -> None:
         tag = f"{size / 2**30:g}gib"
         perm = torch.randperm(num_pages, generator=gen)
         src, dst = perm[:n].sort().values, perm[n : 2 * n]
-        host = adapter.alloc_host(n)
-        raw_dev = torch.empty(n * page_bytes, dtype=torch.uint8, device=device)
-        host_flat = host.view(-1)
-
-        t_gather = timed(lambda: adapter.gather(src[:, None], out=host).synchronize(), device, repeat)
-        t_raw_d2h = timed(lambda: host_flat.copy_(raw_dev, non_blocking=True), device, repeat)
-        adapter.gather(src[:, None], out=host).synchronize()
-        t_scatter = timed(lambda: adapter.scatter(host, dst[:, None]).synchronize(), device, repeat)
-        t_raw_h2d = timed(lambda: raw_dev.copy_(host_flat, non_blocking=True), device, repeat)
-        ok = pages_equal(caches, src.to(device), dst.to(device))
-        gb = n * page_bytes / 1e9
-        figures.update(
-            {
-                f"gather_gbps_{tag}": gb / t_gather,
-                f"raw_d2h_gbps_{tag}": gb / t_raw_d2h,
-                f"scatter_gbps_{tag}": gb / t_scatter,
-                f"raw_h2d_gbps_{tag}": gb / t_raw_h2d,
-                f"gather_vs_raw_{tag}": t_raw_d2h / t_gather,
-                f"scatter_vs_raw_{tag}": t_raw_h2d / t_scatter,
-                f"bit_equal_{tag}": ok,
-            }
-        )
-        rows.append([tag, f"{gb / t_gather:.1f}", f"{gb / t_raw_d2h:.1f}", f"{t_raw_d2h / t_gather:.2f}x",
-                     f"{gb / t_scatter:.1f}", f"{gb / t_raw_h2d:.1f}", f"{t_raw_h2d / t_scatter:.2f}x", str(ok)])  # fmt: skip
-        print(f"{tag}: gather {gb / t_gather:.1f} GB/s (raw {gb / t_raw_d2h:.1f}), "
-              f"scatter {gb / t_scatter:.1f} GB/s (raw {gb / t_raw_h2d:.1f}), bit-equal {ok}", flush=True)  # fmt: skip
-        del raw_dev
+        rows.append(copy_figures(adapter, caches, src, dst, tag, figures, device, repeat))
         if size <= args.e2e_max_gib * (1 << 30):
-            e2e_rows.append(end_to_end(adapter, caches, src, num_pages, n, tag, figures, args.nodes, device))
-        del host
+            e2e_rows.append(
+                end_to_end(adapter, caches, src, num_pages, n, tag, figures, args.nodes, device)
+            )
     # Headline ratios: the worst over the sizes moved.
     figures["gather_vs_raw"] = min(v for k, v in figures.items() if k.startswith("gather_vs_raw_"))
-    figures["scatter_vs_raw"] = min(v for k, v in figures.items() if k.startswith("scatter_vs_raw_"))
-    print(f"\nkvcache engine adapter benchmark — commit {figures['commit']}, {figures.get('gpu', device)}, {figures['machine']}")
+    figures["scatter_vs_raw"] = min(
+        v for k, v in figures.items() if k.startswith("scatter_vs_raw_")
+    )
+    print(
+        f"\nkvcache engine adapter benchmark — commit {figures['commit']}, {figures.get('gpu', device)}, {figures['machine']}"
+    )
     print_table(
         "Gather / scatter vs raw device<->pinned copies of the same bytes (same run, median)",
-        ["moved", "gather GB/s", "raw D2H GB/s", "gather/raw", "scatter GB/s", "raw H2D GB/s", "scatter/raw", "bit-equal"],
+        [
+            "moved",
+            "gather GB/s",
+            "raw D2H GB/s",
+            "gather/raw",
+            "scatter GB/s",
+            "raw H2D GB/s",
+            "scatter/raw",
+            "bit-equal",
+        ],
         rows,
     )
     if e2e_rows:
         print_table(
             f"End to end through a local {args.nodes}-daemon cluster (10+2 RS, loopback): where the time goes",
-            ["moved", "gather", "store (encode+PUT)", "match+load (GET+verify)", "scatter", "total GB/s", "bit-equal"],
+            [
+                "moved",
+                "gather",
+                "store (encode+PUT)",
+                "match+load (GET+verify)",
+                "scatter",
+                "total GB/s",
+                "bit-equal",
+            ],
             e2e_rows,
         )
     write_json(args.json, figures)
+
+
+def copy_figures(
+    adapter: PagedKVAdapter,
+    caches: list[torch.Tensor],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    tag: str,
+    figures: dict[str, Any],
+    device: torch.device,
+    repeat: int,
+) -> list[str]:
+    """Gather and scatter of pages vs raw copies of the same bytes, and bit equality."""
+    n = len(src)
+    page_bytes = adapter.payload_bytes
+    host = adapter.alloc_host(n)
+    raw_dev = torch.empty(n * page_bytes, dtype=torch.uint8, device=device)
+    host_flat = host.view(-1)
+    t_gather = timed(lambda: adapter.gather(src[:, None], out=host).synchronize(), device, repeat)
+    t_raw_d2h = timed(lambda: host_flat.copy_(raw_dev, non_blocking=True), device, repeat)
+    adapter.gather(src[:, None], out=host).synchronize()
+    t_scatter = timed(lambda: adapter.scatter(host, dst[:, None]).synchronize(), device, repeat)
+    t_raw_h2d = timed(lambda: raw_dev.copy_(host_flat, non_blocking=True), device, repeat)
+    ok = pages_equal(caches, src.to(device), dst.to(device))
+    gb = n * page_bytes / 1e9
+    figures.update(
+        {
+            f"gather_gbps_{tag}": gb / t_gather,
+            f"raw_d2h_gbps_{tag}": gb / t_raw_d2h,
+            f"scatter_gbps_{tag}": gb / t_scatter,
+            f"raw_h2d_gbps_{tag}": gb / t_raw_h2d,
+            f"gather_vs_raw_{tag}": t_raw_d2h / t_gather,
+            f"scatter_vs_raw_{tag}": t_raw_h2d / t_scatter,
+            f"bit_equal_{tag}": ok,
+        }
+    )
+    print(f"{tag}: gather {gb / t_gather:.1f} GB/s (raw {gb / t_raw_d2h:.1f}), "
+          f"scatter {gb / t_scatter:.1f} GB/s (raw {gb / t_raw_h2d:.1f}), bit-equal {ok}", flush=True)  # fmt: skip
+    return [tag, f"{gb / t_gather:.1f}", f"{gb / t_raw_d2h:.1f}", f"{t_raw_d2h / t_gather:.2f}x",
+            f"{gb / t_scatter:.1f}", f"{gb / t_raw_h2d:.1f}", f"{t_raw_h2d / t_scatter:.2f}x", str(ok)]  # fmt: skip
 
 
 def end_to_end(
@@ -177,14 +219,18 @@ def end_to_end(
     free = torch.ones(num_pages, dtype=torch.bool)
     free[src] = False
     candidates = torch.nonzero(free).view(-1)
-    dst = candidates[torch.randperm(len(candidates), generator=torch.Generator().manual_seed(3))[:n]]
+    dst = candidates[
+        torch.randperm(len(candidates), generator=torch.Generator().manual_seed(3))[:n]
+    ]
     host_out = adapter.alloc_host(n)
     host_in = adapter.alloc_host(n)
     with tempfile.TemporaryDirectory(prefix="kvcache-gpu-") as tmp:
         capacity = f"{int(2.5 * n * adapter.payload_bytes / nodes) + (256 << 20)}"
         env_cap = os.environ.get("KVCACHE_BENCH_CAPACITY", capacity)
         with LocalCluster(Path(tmp)).start(nodes=nodes, capacity=env_cap) as cluster:
-            config = ClientConfig(cluster_file=cluster.cluster_file, timeout_s=30.0, max_batch_blocks=64)
+            config = ClientConfig(
+                cluster_file=cluster.cluster_file, timeout_s=30.0, max_batch_blocks=64
+            )
             with Client(config) as client:
                 sync(device)
                 t0 = time.perf_counter()
@@ -197,14 +243,22 @@ def end_to_end(
                 t3 = time.perf_counter()
                 adapter.scatter(host_in[: loaded.blocks], dst[: loaded.blocks, None]).synchronize()
                 t4 = time.perf_counter()
-    ok = stored.written == n and loaded.blocks == n and pages_equal(caches, src.to(device), dst.to(device))
+    ok = (
+        stored.written == n
+        and loaded.blocks == n
+        and pages_equal(caches, src.to(device), dst.to(device))
+    )
     stages = {"gather": t1 - t0, "store": t2 - t1, "load": t3 - t2, "scatter": t4 - t3}
     total = t4 - t0
     for name, secs in stages.items():
         figures[f"e2e_{name}_gbps_{tag}"] = gb / secs
     figures[f"e2e_total_gbps_{tag}"] = gb / total
     figures[f"e2e_bit_equal_{tag}"] = ok
-    return [tag] + [f"{secs * 1000:.0f} ms ({gb / secs:.2f} GB/s)" for secs in stages.values()] + [f"{gb / total:.2f}", str(ok)]
+    return (
+        [tag]
+        + [f"{secs * 1000:.0f} ms ({gb / secs:.2f} GB/s)" for secs in stages.values()]
+        + [f"{gb / total:.2f}", str(ok)]
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""The codec interface shared by every backend, and the checks every call gets.
+
+A :class:`Codec` works on *stripe arrays*: uint8, C-contiguous, shape ``(B, n, L)``
+— B blocks, n = k + m shard rows of L bytes each. Row ``i`` of block ``b`` is shard
+``i`` of that block; the block's zero-padded payload is ``stripes[b, :k].reshape(-1)``.
+Many blocks per call let the backends amortise per-call work over the batch.
+
+Backends implement two primitives on validated arguments (:meth:`Codec._encode`,
+:meth:`Codec._rebuild`); argument checking and the choice of which shards to read
+live here, once, so both backends make the same choice. That matters: rebuilding
+reads exactly k *source* shards — the k lowest present indices — and any formula
+over the same k sources gives the same bytes (a k-subset of an MDS code determines
+the codeword), so the backends agree byte for byte even on arrays that are not
+codewords at all.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.erasure.params import ErasureParams
+from kvcache.errors import ErasureError, TooManyErasuresError
+
+__all__ = ["Backend", "Codec", "RebuildPlan", "plan_rebuild"]
+
+StripeArray = npt.NDArray[np.uint8]
+
+
+class Backend(enum.Enum):
+    """Which implementation of the GF(2^8) arithmetic a codec uses."""
+
+    ISAL = "isal"
+    """Intel ISA-L (``libisal.so.2``) through ctypes: SIMD table lookups, near memory speed."""
+    NUMPY = "numpy"
+    """Pure numpy, vectorised over whole shards and many stripes: always available."""
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildPlan:
+    """Which k shards a rebuild reads (``sources``) and which it writes (``targets``)."""
+
+    sources: tuple[int, ...]
+    targets: tuple[int, ...]
+
+
+def _indices(name: str, values: object, n: int) -> set[int]:
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ErasureError(f"{name} must be a sequence of shard indices, got {values!r}")
+    out: set[int] = set()
+    for value in values:
+        try:
+            index = operator.index(value)
+        except TypeError:
+            raise ErasureError(f"{name} must hold shard indices (ints), got {value!r}") from None
+        if not 0 <= index < n:
+            raise ErasureError(f"{name} holds shard index {index}, outside [0, {n})")
+        out.add(index)
+    return out
+
+
+def plan_rebuild(
+    params: ErasureParams, present: Sequence[int], rows: Sequence[int] | None = None
+) -> RebuildPlan:
+    """Check ``present``/``rows`` and choose the shards a rebuild reads and writes.
+
+    ``sources`` are the k lowest present indices (data shards first, so the decode
+    matrix is as close to the identity as it can be). ``targets`` are the requested
+    rows that are not present — default: every missing data row — in ascending
+    order; a requested row that is present is already valid and is left alone.
+    Fewer than k distinct present shards raise :class:`TooManyErasuresError`.
+    """
+    have = _indices("present", present, params.n)
+    if len(have) < params.k:
+        raise TooManyErasuresError(
+            f"only {len(have)} of {params.n} shards are present ({sorted(have)}); a stripe "
+            f"needs at least k={params.k} to be rebuilt, so this block must be recomputed",
+            needed=params.k,
+            available=len(have),
+        )
+    wanted = set(range(params.k)) if rows is None else _indices("rows", rows, params.n)
+    return RebuildPlan(
+        sources=tuple(sorted(have)[: params.k]),
+        targets=tuple(sorted(wanted - have)),
+    )
+
+
+class Codec(abc.ABC):
+    """Encode and rebuild batches of k + m Reed–Solomon stripes in place.
+
+    Parity is bit-identical to ``reedsolo.RSCodec(nsym=m)`` applied to every byte
+    column of a stripe (see :mod:`kvcache.erasure.gf`). Instances are stateless
+    apart from caches and safe to share between threads; get them from
+    :func:`kvcache.erasure.get_codec`.
+    """
+
+    backend: ClassVar[Backend]
+
+    def __init__(self, params: ErasureParams) -> None:
+        self._params = params
+
+    @property
+    def params(self) -> ErasureParams:
+        """The stripe shape this codec encodes."""
+        return self._params
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._params!r})"
+
+    def _check_stripes(self, stripes: StripeArray) -> None:
+        """Raise :class:`ErasureError` unless ``stripes`` is a writable (B, n, L) uint8 array."""
+        if not isinstance(stripes, np.ndarray):
+            raise ErasureError(f"stripes must be a numpy array, got {type(stripes).__name__}")
+        if stripes.dtype != np.uint8:
+            raise ErasureError(f"stripes must have dtype uint8, got {stripes.dtype}")
+        if stripes.ndim != 3 or stripes.shape[1] != self._params.n:
+            raise ErasureError(
+                f"stripes must have shape (B, n={self._params.n}, L), got {stripes.shape}"
+            )
+        if not stripes.flags.c_contiguous:
+            raise ErasureError("stripes must be C-contiguous; use np.ascontiguousarray first")
+        if not stripes.flags.writeable:
+            raise ErasureError("stripes must be writable: the codec writes shard rows in place")
+
+    def encode(self, stripes: StripeArray) -> None:
+        """Overwrite rows k..n-1 of every block with the parity of rows 0..k-1."""
+        self._check_stripes(stripes)
+        if stripes.shape[0] and stripes.shape[2]:
+            self._encode(stripes)
+
+    def reconstruct(
+        self,
+        stripes: StripeArray,
+        present: Sequence[int],
+        *,
+        rows: Sequence[int] | None = None,
+    ) -> None:
+        """Rewrite in place the shard rows that are lost, from k rows that are present.
+
+        ``present`` lists the shard indices valid in every block of the batch (at
+        least k of them). ``rows`` lists the shard indices to rebuild (default: the
+        missing data rows 0..k-1); rows that are present are left as they are, and if
+        no requested row is missing this returns without any field arithmetic.
+        """
+        self._check_stripes(stripes)
+        plan = plan_rebuild(self._params, present, rows)
+        if plan.targets and stripes.shape[0] and stripes.shape[2]:
+            self._rebuild(stripes, plan)
+
+    @abc.abstractmethod
+    def _encode(self, stripes: StripeArray) -> None:
+        """Backend primitive: parity of a validated, non-empty stripe array."""
+
+    @abc.abstractmethod
+    def _rebuild(self, stripes: StripeArray, plan: RebuildPlan) -> None:
+        """Backend primitive: write ``plan.targets`` from exactly ``plan.sources``."""
