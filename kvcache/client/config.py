@@ -35,6 +35,8 @@ class ClientConfig:
     down_retry_s: float = 5.0
     max_batch_blocks: int = 256
     token: str = ""
+    #: Let glibc reuse large freed buffers instead of mmap/munmap per batch (see kvcache.memtune).
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         if not self.k >= 1 or not self.m >= 0 or self.k + self.m > 255:

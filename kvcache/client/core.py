@@ -30,6 +30,7 @@ from kvcache.cluster import ClusterMap
 from kvcache.erasure import ErasureParams, get_codec
 from kvcache.errors import ConfigError, NodeError
 from kvcache.keys import BlockKey, Namespace, block_keys
+from kvcache.memtune import tune_malloc
 from kvcache.placement import Placement
 from kvcache.shard import check_class_name, shard_len_for
 from kvcache.wire import NO_INDEX, Header, Limits, Message, Op, make_items
@@ -76,6 +77,8 @@ class AsyncClient:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        if config.tune_malloc:
+            tune_malloc()
         self.cluster = cluster if cluster is not None else ClusterMap.load(config.cluster_file)
         self.placement = Placement(self.cluster, width=config.n)
         self.params = ErasureParams(k=config.k, m=config.m)

@@ -30,6 +30,15 @@ __all__ = ["LocalCluster", "free_ports"]
 
 log = logging.getLogger(__name__)
 
+#: Environment for the daemons: no spinning BLAS threads, and glibc's malloc settings from
+#: process start (kvcache.memtune explains why; the daemon also applies them itself).
+DAEMON_ENV = {
+    "OPENBLAS_NUM_THREADS": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(64 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(512 << 20),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
+
 CLUSTER_FILE = "cluster.toml"
 PIDS_FILE = "pids.json"
 
@@ -97,7 +106,7 @@ class LocalCluster:
             )
         self.root.mkdir(parents=True, exist_ok=True)
         ports = free_ports(2 * nodes)
-        env = dict(os.environ)
+        env = {**os.environ, **DAEMON_ENV}
         if token:
             env["KVCACHE_SERVER_TOKEN"] = token
         self._nodes = []
@@ -226,6 +235,7 @@ class LocalCluster:
                 "--admin-listen", f"127.0.0.1:{admin_port}",
             ],
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **DAEMON_ENV},
         )  # fmt: skip
         log_file.close()
         node.pid, node.proc = proc.pid, proc

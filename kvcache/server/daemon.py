@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from kvcache.memtune import tune_malloc
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.admin import AdminServer, OffsetClock, build_app
 from kvcache.server.config import ServerConfig
@@ -63,6 +64,7 @@ def run_daemon(
     wrapped so ``POST /debug/clock`` can shift it. ``on_ready`` is called
     once both ports are bound.
     """
+    tune_malloc()
     policy = policy or RetentionPolicy()
     offset_clock = OffsetClock(clock or time.time) if config.allow_clock_override else None
     store = ShardStore(
