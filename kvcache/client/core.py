@@ -193,9 +193,12 @@ class AsyncClient:
         k, n = self.config.k, self.config.n
         if not keys:
             return match_from_held(keys, [], k=k, n=n, tokens_per_block=tokens_per_block)
-        _rows, per_node = self._keys_and_holders(keys)
+        rows, per_node = self._keys_and_holders(keys)
         key_words = np.frombuffer(b"".join(keys), dtype="V16")
         up = self._node_up_mask()
+        # Shards per block that nodes still to answer may hold: once no block's
+        # outcome can change, stragglers are not waited for.
+        unanswered = np.zeros(len(keys), np.int64)
         tasks: dict[asyncio.Task[Message], tuple[int, npt.NDArray[np.int64]]] = {}
         for node, blocks in per_node.items():
             if not up[node]:
@@ -204,6 +207,7 @@ class AsyncClient:
             items["key"] = key_words[blocks]
             header = Header(op=Op.HAS, request_id=0, count=len(blocks))
             tasks[self._spawn(self._call(node, header, items))] = (node, blocks)
+            unanswered += (rows == node).sum(axis=1)
         held: list[HeldShards] = []
         started = self._clock()
         hedge_at = started + self._hedge_s(self.meta_latency)
@@ -215,14 +219,19 @@ class AsyncClient:
             # Everyone gets until the hedge deadline; after it, k answers are enough.
             if now >= deadline or (now >= hedge_at and answered >= k):
                 break
+            if answered >= k:
+                best = match_from_held(keys, held, k=k, n=n, tokens_per_block=1).best_count
+                if ((best >= k) | (best + unanswered < k)).all():
+                    break
             wake = hedge_at if now < hedge_at else deadline
             done, pending = await asyncio.wait(
                 pending, timeout=wake - now, return_when=asyncio.FIRST_COMPLETED
             )
             for task in done:
+                node, blocks = tasks[task]
+                unanswered -= (rows == node).sum(axis=1)
                 if task.cancelled() or task.exception() is not None:
                     continue
-                node, blocks = tasks[task]
                 recs = task.result().items
                 answered += 1
                 ordinal = recs["ordinal"].astype(np.int64)
