@@ -130,7 +130,11 @@ class Codec(abc.ABC):
             raise ErasureError("stripes must be writable: the codec writes shard rows in place")
 
     def encode(self, stripes: StripeArray) -> None:
-        """Overwrite rows k..n-1 of every block with the parity of rows 0..k-1."""
+        """Overwrite rows k..n-1 of every block with the parity of rows 0..k-1.
+
+        Raises :class:`ErasureError` unless ``stripes`` is a writable, C-contiguous
+        uint8 array of shape (B, n, L); B = 0 or L = 0 is a no-op.
+        """
         self._check_stripes(stripes)
         if stripes.shape[0] and stripes.shape[2]:
             self._encode(stripes)
@@ -148,6 +152,10 @@ class Codec(abc.ABC):
         least k of them). ``rows`` lists the shard indices to rebuild (default: the
         missing data rows 0..k-1); rows that are present are left as they are, and if
         no requested row is missing this returns without any field arithmetic.
+
+        Raises :class:`TooManyErasuresError` if fewer than k distinct shards are
+        present (even when nothing needs rebuilding: the stripe is broken either way),
+        and :class:`ErasureError` for an index outside [0, n) or a malformed array.
         """
         self._check_stripes(stripes)
         plan = plan_rebuild(self._params, present, rows)

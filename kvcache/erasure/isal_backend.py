@@ -12,7 +12,7 @@ major, so each block is one ``ec_encode_data`` call; for a batch, one numpy
 expression computes every row address (``base + (b·n + row)·L``) into a (B, k + r)
 uint64 table whose first k columns are the inputs and last r the outputs, and the
 loop passes pointers into that table — no bytes are copied, and the per-block cost
-on the Python side is one ctypes call (~0.5 µs, vs ~3 µs of SIMD work for a
+on the Python side is one ctypes call (~0.35 µs, vs ~2.5 µs of SIMD work for a
 10 + 2 block of 112 KiB).
 """
 
@@ -103,13 +103,16 @@ class IsalCodec(Codec):
             raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
         # pointers[b, i] = address of stripes[b, program.rows[i]]: k inputs, then outputs.
         pointers = self._offsets(program.rows, blocks, length) + _address(stripes)
-        stride = len(program.rows) * _POINTER
-        first = _address(pointers)
-        coding_offset = self._params.k * _POINTER
-        encode = self._lib.ec_encode_data
-        k, outputs, tables = self._params.k, program.outputs, program.tables_address
-        for data in range(first, first + blocks * stride, stride):
-            encode(length, k, outputs, tables, data, data + coding_offset)
+        self._lib.encode_blocks(
+            length,
+            self._params.k,
+            program.outputs,
+            program.tables_address,
+            first=_address(pointers),
+            count=blocks,
+            stride=len(program.rows) * _POINTER,
+            coding_offset=self._params.k * _POINTER,
+        )
 
     def _encode(self, stripes: StripeArray) -> None:
         self._run(stripes, self._encode_program)

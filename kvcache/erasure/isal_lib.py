@@ -30,19 +30,44 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIBRARY = "libisal.so.2"
 LIBRARY_ENV = "KVCACHE_ISAL_LIBRARY"
 
-EncodeFn = Callable[[int, int, int, int, int, int], None]
-"""ec_encode_data(len, k, rows, gftbls*, data**, coding**) with pointers as ints."""
 InitTablesFn = Callable[[int, int, int, int], None]
 """ec_init_tables(k, rows, a*, gftbls*) with pointers as ints."""
 
 
 @dataclass(frozen=True, slots=True)
 class IsalLib:
-    """The bound ISA-L functions (argument types set once, so calls convert cheaply)."""
+    """The bound ISA-L functions."""
 
     path: str
     ec_init_tables: InitTablesFn
-    ec_encode_data: EncodeFn
+    ec_encode_data: Callable[..., None]
+    """Declared without argtypes: see :meth:`encode_blocks`."""
+
+    def encode_blocks(
+        self,
+        length: int,
+        k: int,
+        outputs: int,
+        tables: int,
+        first: int,
+        count: int,
+        stride: int,
+        coding_offset: int,
+    ) -> None:
+        """Run ``ec_encode_data`` on ``count`` blocks, one call each.
+
+        Block i's k input row pointers are the uint64s at ``first + i·stride`` and its
+        ``outputs`` output row pointers follow at ``+ coding_offset``; ``tables`` is
+        the address of the ec_init_tables output. The function is declared without
+        ``argtypes`` and the pointers are wrapped here, which costs ~0.35 µs a call
+        against ~0.47 µs for ctypes' argtypes conversion: 64 calls per batch add up.
+        ``length``, ``k`` and ``outputs`` must fit a C int.
+        """
+        encode = self.ec_encode_data
+        pointer = ctypes.c_void_p
+        table = pointer(tables)
+        for data in range(first, first + count * stride, stride):
+            encode(length, k, outputs, table, pointer(data), pointer(data + coding_offset))
 
 
 def _bind(path: str) -> IsalLib:
@@ -52,8 +77,7 @@ def _bind(path: str) -> IsalLib:
     init.argtypes = [c_int, c_int, c_void_p, c_void_p]
     init.restype = None
     encode = lib.ec_encode_data
-    encode.argtypes = [c_int, c_int, c_int, c_void_p, c_void_p, c_void_p]
-    encode.restype = None
+    encode.restype = None  # no argtypes on purpose, see IsalLib.encode_blocks
     gf_mul = lib.gf_mul
     gf_mul.argtypes = [ctypes.c_ubyte, ctypes.c_ubyte]
     gf_mul.restype = ctypes.c_ubyte

@@ -24,12 +24,17 @@ _ALIGN = 64
 _GROUP_BYTES = 1 << 20  # copy then encode ~1 MiB of stripes at a time, while it is in cache
 
 
-def alloc_stripes(params: ErasureParams, blocks: int, shard_len: int) -> npt.NDArray[np.uint8]:
-    """A zeroed ``(blocks, n, shard_len)`` stripe array whose first byte is 64-byte aligned."""
+def alloc_stripes(
+    params: ErasureParams, blocks: int, shard_len: int, *, zeroed: bool = True
+) -> npt.NDArray[np.uint8]:
+    """A ``(blocks, n, shard_len)`` stripe array whose first byte is 64-byte aligned.
+
+    ``zeroed=False`` skips clearing it, for callers that write every byte anyway.
+    """
     if blocks < 0 or shard_len < 0:
         raise ErasureError(f"blocks and shard_len must be >= 0, got {blocks} and {shard_len}")
     size = blocks * params.n * shard_len
-    raw = np.zeros(size + _ALIGN, dtype=np.uint8)
+    raw = np.zeros(size + _ALIGN, dtype=np.uint8) if zeroed else np.empty(size + _ALIGN, np.uint8)
     skip = -raw.ctypes.data % _ALIGN
     return raw[skip : skip + size].reshape(blocks, params.n, shard_len)
 
@@ -60,13 +65,17 @@ def encode_payloads(codec: Codec, payloads: Sequence[Payload]) -> npt.NDArray[np
     if empty:
         raise ErasureError(f"payloads must not be empty; payload {empty[0]} is")
     length = params.shard_len(max(a.size for a in arrays))
-    stripes = alloc_stripes(params, len(arrays), length)
-    flat = stripes.reshape(len(arrays), -1)
+    # Not zeroed up front: every data byte is written below (payload, then padding) and
+    # encode writes every parity byte, so clearing the array first would touch it twice.
+    stripes = alloc_stripes(params, len(arrays), length, zeroed=False)
+    data = stripes[:, : params.k].reshape(len(arrays), -1)
     group = max(1, _GROUP_BYTES // (params.n * length))
     for start in range(0, len(arrays), group):
         stop = min(start + group, len(arrays))
         for b in range(start, stop):
-            flat[b, : arrays[b].size] = arrays[b]
+            size = arrays[b].size
+            data[b, :size] = arrays[b]
+            data[b, size:] = 0
         codec.encode(stripes[start:stop])
     return stripes
 
