@@ -255,7 +255,9 @@ class PagedKVAdapter:
                 self._buffer_free[c % 2] = self._event(work)
         return TransferHandle(payloads, events, self._event(work), self._module)
 
-    def _spread(self, staging: torch.Tensor, page_ids: torch.Tensor, events: list[Any] | None) -> None:
+    def _spread(
+        self, staging: torch.Tensor, page_ids: torch.Tensor, events: list[Any] | None
+    ) -> None:
         """Copy (blocks, payload) rows into the pages ``page_ids``, layer by layer."""
         n = staging.shape[0]
         ppb = self.pages_per_block
