@@ -291,20 +291,16 @@ class StripeAssembly:
         need = blocks[~self.got[blocks, :k].all(axis=1)]
         if len(need) == 0:
             return
-        # Use the first k shards present; group blocks with the same pattern.
+        # Use the first k shards present; one codec call per erasure pattern, in place.
         patterns: dict[tuple[int, ...], list[int]] = {}
         for b in need.tolist():
             present = tuple(np.nonzero(self.got[b])[0][:k].tolist())
             patterns.setdefault(present, []).append(b)
         for present, group in patterns.items():
-            idx = np.array(group)
-            sub = self.stripes[idx]
             try:
-                codec.reconstruct(sub, present)
+                codec.reconstruct(self.stripes, present, blocks=group)
             except ErasureError:
-                self.failed[idx] = True
-                continue
-            self.stripes[idx, :k] = sub[:, :k]
+                self.failed[group] = True
 
     def _repair(self, codec: Codec, b: int) -> bool:
         """Drop shards of block b that fail their own checksum and rebuild from the rest."""

@@ -145,6 +145,7 @@ class Codec(abc.ABC):
         present: Sequence[int],
         *,
         rows: Sequence[int] | None = None,
+        blocks: Sequence[int] | None = None,
     ) -> None:
         """Rewrite in place the shard rows that are lost, from k rows that are present.
 
@@ -156,11 +157,34 @@ class Codec(abc.ABC):
         Raises :class:`TooManyErasuresError` if fewer than k distinct shards are
         present (even when nothing needs rebuilding: the stripe is broken either way),
         and :class:`ErasureError` for an index outside [0, n) or a malformed array.
+
+        ``blocks``, if given, limits the work to those blocks of ``stripes`` (the
+        erasure pattern is theirs); the others are left untouched. A reader uses it
+        to rebuild the few blocks that lost a shard inside one large batch array.
         """
         self._check_stripes(stripes)
         plan = plan_rebuild(self._params, present, rows)
-        if plan.targets and stripes.shape[0] and stripes.shape[2]:
+        if not (plan.targets and stripes.shape[0] and stripes.shape[2]):
+            return
+        if blocks is None:
             self._rebuild(stripes, plan)
+            return
+        chosen = np.asarray(blocks, dtype=np.int64)
+        if chosen.ndim != 1 or (
+            chosen.size and (int(chosen.min()) < 0 or int(chosen.max()) >= stripes.shape[0])
+        ):
+            raise ErasureError(f"blocks must be indices into the {stripes.shape[0]} blocks")
+        if chosen.size:
+            self._rebuild_blocks(stripes, plan, chosen)
+
+    def _rebuild_blocks(
+        self, stripes: StripeArray, plan: RebuildPlan, blocks: npt.NDArray[np.int64]
+    ) -> None:
+        """Backend hook: rebuild only ``blocks``; by default on a gathered copy."""
+        sub = stripes[blocks]
+        self._rebuild(sub, plan)
+        targets = list(plan.targets)
+        stripes[blocks[:, None], np.array(targets)[None, :]] = sub[:, targets]
 
     @abc.abstractmethod
     def _encode(self, stripes: StripeArray) -> None:

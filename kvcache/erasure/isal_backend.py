@@ -97,12 +97,20 @@ class IsalCodec(Codec):
         block_rows = np.arange(blocks, dtype=np.uint64)[:, None] * np.uint64(self._params.n)
         return (block_rows + np.array(rows, dtype=np.uint64)[None, :]) * np.uint64(length)
 
-    def _run(self, stripes: StripeArray, program: _Program) -> None:
+    def _run(
+        self,
+        stripes: StripeArray,
+        program: _Program,
+        only: npt.NDArray[np.int64] | None = None,
+    ) -> None:
         blocks, _, length = stripes.shape
         if length > _MAX_LEN:
             raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
         # pointers[b, i] = address of stripes[b, program.rows[i]]: k inputs, then outputs.
         pointers = self._offsets(program.rows, blocks, length) + _address(stripes)
+        if only is not None:
+            pointers = np.ascontiguousarray(pointers[only])
+            blocks = len(only)
         self._lib.encode_blocks(
             length,
             self._params.k,
@@ -119,3 +127,9 @@ class IsalCodec(Codec):
 
     def _rebuild(self, stripes: StripeArray, plan: RebuildPlan) -> None:
         self._run(stripes, self._rebuild_program(plan.sources, plan.targets))
+
+    def _rebuild_blocks(
+        self, stripes: StripeArray, plan: RebuildPlan, blocks: npt.NDArray[np.int64]
+    ) -> None:
+        # In place: only the chosen blocks' row pointers are handed to ISA-L.
+        self._run(stripes, self._rebuild_program(plan.sources, plan.targets), blocks)
