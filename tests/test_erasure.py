@@ -513,3 +513,23 @@ def test_alloc_stripes_is_aligned_and_zeroed() -> None:
         assert stripes.ctypes.data % 64 == 0
         assert stripes.flags.c_contiguous and stripes.flags.writeable
         assert not stripes.any()
+
+
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.ISAL])
+def test_rebuild_only_chosen_blocks(backend: Backend) -> None:
+    if backend is Backend.ISAL and not isal_available():
+        pytest.skip("libisal2 not installed (CI enforces it separately)")
+    codec = get_codec(ErasureParams(), backend)
+    rng = np.random.default_rng(11)
+    stripes = np.zeros((6, 12, 256), np.uint8)
+    stripes[:, :10] = rng.integers(0, 256, (6, 10, 256), dtype=np.uint8)
+    codec.encode(stripes)
+    original = stripes.copy()
+    damaged = stripes.copy()
+    damaged[:, [2, 5]] = 0xAA
+    codec.reconstruct(damaged, [0, 1, 3, 4, 6, 7, 8, 9, 10, 11], blocks=[1, 4])
+    assert np.array_equal(damaged[[1, 4]], original[[1, 4]])
+    untouched = [0, 2, 3, 5]
+    assert (damaged[untouched][:, [2, 5]] == 0xAA).all()
+    with pytest.raises(ErasureError):
+        codec.reconstruct(damaged, list(range(10)), rows=[10], blocks=[6])
