@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -40,13 +41,16 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    import os
-
     return f"{model}, {os.cpu_count()} cores"
 
 
 def commit() -> str:
-    """The git commit the benchmark ran on (with +dirty if the tree has changes)."""
+    """The git commit the benchmark ran on (with +dirty if the tree has changes).
+
+    ``KVCACHE_COMMIT`` overrides it, for machines that get a copy of the tree without .git.
+    """
+    if os.environ.get("KVCACHE_COMMIT"):
+        return os.environ["KVCACHE_COMMIT"]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
