@@ -152,8 +152,14 @@ class AsyncClient:
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._settled)
         return task
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        """Forget a finished task; its error (already counted in node health) is consumed."""
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()
 
     def _keys_and_holders(
         self, keys: Sequence[BlockKey]
