@@ -19,5 +19,8 @@ if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-serv
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[dev]'
+# CPU torch for the engine adapter's tests: this machine kind keeps the 2.13.0 CPU wheel on disk
+# (PIP_FIND_LINKS); a bare `torch` requirement would pull a multi-GB CUDA build from PyPI.
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q 'torch==2.13.0'
+.venv/bin/python -m pip install -q -e '.[dev,engine]'
 echo "kvcache installed in $(pwd)/.venv"

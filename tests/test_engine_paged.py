@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from kvcache.engine import PagedKVAdapter  # noqa: E402
-from kvcache.errors import ConfigError  # noqa: E402
+from kvcache.engine import PagedKVAdapter
+from kvcache.errors import ConfigError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from kvcache.client.localcluster import LocalCluster  # noqa: E402
-from kvcache.engine.sglang_backend import KVCacheStorage  # noqa: E402
-from kvcache.errors import ConfigError  # noqa: E402
+from kvcache.client.localcluster import LocalCluster
+from kvcache.engine.sglang_backend import KVCacheStorage
+from kvcache.errors import ConfigError
 
 
 @dataclass
