@@ -21,6 +21,7 @@ __all__ = ["main"]
 _AREAS = (
     "kvcache.server.cli",
     "kvcache.client.cli",
+    "kvcache.retention.cli",
 )
 
 
