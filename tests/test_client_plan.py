@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcache.client.encoding import build_node_records, encode_stripes
 from kvcache.client.plan import HeldShards, StripeAssembly, match_from_held, plan_reads
-from kvcache.client.writes import build_node_records, encode_stripes
 from kvcache.erasure import Backend, ErasureParams, get_codec
 from kvcache.keys import BlockKey
 from kvcache.shard import HEADER_BYTES, split_shard

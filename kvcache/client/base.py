@@ -1,0 +1,159 @@
+"""State and plumbing shared by the client's operations: sockets, node health, placement.
+
+``AsyncClient`` (``kvcache.client.core``) is this base plus the read operations
+(``kvcache.client.reads``) and the store operations (``kvcache.client.storing``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+import zmq.asyncio
+
+from kvcache.client.config import ClientConfig
+from kvcache.client.health import LatencyTracker, NodeHealth
+from kvcache.client.transport import NodeChannel
+from kvcache.cluster import ClusterMap
+from kvcache.erasure import ErasureParams, get_codec
+from kvcache.errors import NodeError
+from kvcache.keys import BlockKey
+from kvcache.memtune import tune_malloc
+from kvcache.placement import Placement
+from kvcache.shard import check_class_name
+from kvcache.wire import Header, Limits, Message, Op
+
+__all__ = ["ClientBase"]
+
+log = logging.getLogger(__name__)
+
+
+class ClientBase:
+    """A connection to a cluster: one channel per node, health and latency bookkeeping."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        cluster: ClusterMap | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        if config.tune_malloc:
+            tune_malloc()
+        self.cluster = cluster if cluster is not None else ClusterMap.load(config.cluster_file)
+        self.placement = Placement(self.cluster, width=config.n)
+        self.params = ErasureParams(k=config.k, m=config.m)
+        self.codec = get_codec(self.params)
+        self.health = NodeHealth(retry_s=config.down_retry_s, clock=clock)
+        self.read_latency = LatencyTracker()
+        self.meta_latency = LatencyTracker()
+        self._clock = clock
+        self._ctx = zmq.asyncio.Context()
+        self._limits = Limits()
+        token = config.token.encode() if config.token else None
+        self._channels = [
+            NodeChannel(self._ctx, node, limits=self._limits, token=token)
+            for node in self.placement.nodes
+        ]
+        self._background: set[asyncio.Task[Any]] = set()
+        self.counters: dict[str, int] = {
+            "hedges": 0,
+            "node_errors": 0,
+            "blocks_loaded": 0,
+            "blocks_rebuilt": 0,
+            "blocks_written": 0,
+            "blocks_touched": 0,
+            "write_failures": 0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def aclose(self) -> None:
+        """Close every socket."""
+        for task in list(self._background):
+            task.cancel()
+        for ch in self._channels:
+            await ch.aclose()
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _node_up_mask(self) -> npt.NDArray[np.bool_]:
+        return np.array([self.health.is_up(ch.node.id) for ch in self._channels], bool)
+
+    def _hedge_s(self, tracker: LatencyTracker) -> float:
+        if self.config.hedge_ms is not None:
+            return self.config.hedge_ms / 1000.0
+        return tracker.hedge_after()
+
+    async def _call(
+        self,
+        node: int,
+        header: Header,
+        items: npt.NDArray[np.void] | None,
+        data: Any = None,
+    ) -> Message:
+        channel = self._channels[node]
+        try:
+            reply = await channel.request(header, items, data, timeout=self.config.timeout_s)
+        except NodeError as exc:
+            self.counters["node_errors"] += 1
+            self.health.mark_down(channel.node.id, str(exc))
+            channel.reset()
+            raise
+        self.health.mark_up(channel.node.id)
+        return reply
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._settled)
+        return task
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        """Forget a finished task; its error (already counted in node health) is consumed."""
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    def _keys_and_holders(
+        self, keys: Sequence[BlockKey]
+    ) -> tuple[npt.NDArray[np.int64], dict[int, npt.NDArray[np.int64]]]:
+        """Placement rows, and per node the block numbers it holds a shard of."""
+        rows = self.placement.holders(keys)
+        per_node: dict[int, npt.NDArray[np.int64]] = {}
+        if len(keys):
+            nodes_of = np.unique(rows)
+            for node in nodes_of.tolist():
+                per_node[node] = np.nonzero((rows == node).any(axis=1))[0]
+        return rows, per_node
+
+    @staticmethod
+    def _check_class(traffic_class: str) -> str:
+        return check_class_name(traffic_class)
+
+    async def stats(self) -> dict[str, Any]:
+        """Each node's STATS answer (or its error), by node id."""
+        calls = [
+            self._call(i, Header(op=Op.STATS, request_id=0, count=0), None)
+            for i in range(len(self._channels))
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        out: dict[str, Any] = {}
+        for ch, reply in zip(self._channels, results, strict=True):
+            if isinstance(reply, BaseException):
+                out[ch.node.id] = {"error": str(reply)}
+            else:
+                try:
+                    out[ch.node.id] = json.loads(bytes(reply.data))
+                except ValueError:
+                    out[ch.node.id] = {"error": "unreadable stats"}
+        return out
