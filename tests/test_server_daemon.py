@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from server_fixtures import DaemonProcess, block_records, http, wait_until
+from server_fixtures import (
+    DaemonProcess,
+    block_records,
+    get_items,
+    http,
+    put_items,
+    wait_until,
+)
 
 from kvcache.errors import AuthError
 from kvcache.retention import DAY_S
@@ -89,6 +96,25 @@ def test_batched_round_trip(daemon: DaemonProcess) -> None:
         'kvcache_server_items_total{op="get",status="not_found"}',
     ):
         assert name in text, name
+
+
+def test_pipelined_requests_are_answered_in_order(daemon: DaemonProcess) -> None:
+    """Several requests in flight on one socket: PUTs queued together share a transaction."""
+    blocks = [block_records(key(7000 + n), body_len=4096) for n in range(6)]
+    with Probe(daemon.data) as probe:
+        for n, shards in enumerate(blocks):
+            items, data = put_items(shards)
+            probe.send_frames(encode(Header(op=Op.PUT, request_id=100 + n, count=12), items, data))
+        wanted = [(k, i) for shards in blocks for k, i, _ in shards]
+        get = get_items(wanted)
+        probe.send_frames(encode(Header(op=Op.GET, request_id=200, count=len(get)), get))
+        replies = [decode(probe.recv_frames() or []) for _ in range(len(blocks) + 1)]
+    assert [r.header.request_id for r in replies] == [*range(100, 106), 200]
+    for reply in replies[:-1]:
+        assert reply.header.status == Status.OK
+        assert reply.items["status"].tolist() == [Status.OK] * 12
+    assert replies[-1].items["status"].tolist() == [Status.OK] * len(wanted)
+    assert bytes(replies[-1].data) == b"".join(r for shards in blocks for _, _, r in shards)
 
 
 def _raw(

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixtures import FakeClock, block_records, get_items, keys_items, put_items
 
-from kvcache.errors import StorageError
+from kvcache.errors import ProtocolError, StorageError
 from kvcache.retention import DAY_S, RetentionPolicy
-from kvcache.server.store import ShardStore
+from kvcache.server.store import ReplyTooLargeError, ShardStore
 from kvcache.shard import split_shard
 from kvcache.wire import NO_INDEX, Op, Status, make_items
 
@@ -371,3 +371,106 @@ def test_random_keys_smoke(store: ShardStore) -> None:
     assert put(store, shards) == [Status.OK] * 100
     status, records = get(store, [(k, i) for k, i, _ in shards])
     assert status == [Status.OK] * 100 and records == [r for _, _, r in shards]
+
+
+# ---------------------------------------------------------------------- batched paths
+
+
+def test_get_all_hits_duplicates_and_misses(store: ShardStore) -> None:
+    """The all-hits path (no per-item Python) and the per-item path answer alike."""
+    shards = block_records(key(1)) + block_records(key(2), traffic_class="agent")
+    put(store, shards)
+    wanted = [(k, i) for k, i, _ in shards]
+    records = [r for _, _, r in shards]
+    assert get(store, wanted) == ([Status.OK] * 24, records)
+    assert get(store, wanted[:3] + wanted[:3]) == ([Status.OK] * 6, records[:3] * 2)
+    status, got = get(store, [wanted[0], (key(9), 0), wanted[5], (key(1), 12)])
+    assert status == [Status.OK, Status.NOT_FOUND, Status.OK, Status.NOT_FOUND]
+    assert got == [records[0], b"", records[5], b""]
+    assert get(store, []) == ([], [])
+
+
+def test_get_with_due_and_pending_slides(store: ShardStore, clock: FakeClock) -> None:
+    agent = block_records(key(1), traffic_class="agent", indices=[0, 1])
+    chat = block_records(key(2), traffic_class="chat", indices=[0, 1])
+    put(store, agent + chat)
+    clock.step(HOUR)
+    wanted = [(k, i) for k, i, _ in agent + chat]
+    records = [r for _, _, r in agent + chat]
+    # chat traffic moves the agent shards by days: slides are recorded, not written.
+    assert get(store, wanted, "chat") == ([Status.OK] * 4, records)
+    assert store.expiry_of(key(1), 0) == (int((clock.now + 7 * DAY_S) * 1000), "chat")
+    assert store.counters["touches_written"] == 0
+    # With slides pending for some keys, a batch holding them takes the per-item path.
+    assert get(store, wanted) == ([Status.OK] * 4, records)
+    assert store.flush_touches() == 4  # chat shards move by the hour since their write
+    clock.step(6 * DAY_S)  # agent's own 3 days are long gone; the chat slide keeps them
+    assert held(store, key(1)) == held(store, key(2)) == {0, 1}
+    clock.step(DAY_S)  # past the slid expiry
+    assert get(store, wanted)[0] == [Status.NOT_FOUND] * 4
+
+
+def test_get_refuses_a_reply_over_the_limit(tmp_path: Path, clock: FakeClock) -> None:
+    shards = block_records(key(1), body_len=1024, indices=[0, 1, 2])
+    with open_store(tmp_path / "db", clock, max_reply_bytes=2 * len(shards[0][2])) as store:
+        put(store, shards)
+        assert get(store, [(key(1), 0), (key(1), 1)])[0] == [Status.OK] * 2
+        with pytest.raises(ReplyTooLargeError, match="at item 2"):
+            store.get(get_items([(key(1), i) for i in range(3)]))
+        with pytest.raises(ReplyTooLargeError, match="at item 3"):
+            store.get(get_items([(key(9), 0), (key(1), 0), (key(1), 1), (key(1), 2)]))
+
+
+def test_put_many_is_one_transaction_with_per_batch_replies(store: ShardStore) -> None:
+    first = block_records(key(1), indices=[0, 1, 2])
+    second = block_records(key(1), indices=[2, 3], seed=5) + block_records(key(2), indices=[0])
+    bad = list(second)
+    bad[1] = (key(9), 3, second[1][2])  # a record under another key
+    items, data = put_items(bad)
+    mismatched = (put_items(first)[0], memoryview(b"short"))
+    replies = store.put_many([put_items(first), (items, data), mismatched])
+    assert replies[0]["status"].tolist() == [Status.OK] * 3  # type: ignore[index]
+    assert replies[1]["status"].tolist() == [  # type: ignore[index]
+        Status.OK,
+        Status.WRONG_KEY,
+        Status.OK,
+    ]
+    assert isinstance(replies[2], ProtocolError)
+    # The later batch's record of (key 1, index 2) wins, counted once.
+    assert get(store, [(key(1), 2)])[1] == [second[0][2]]
+    assert held(store, key(1)) == {0, 1, 2} and held(store, key(2)) == {0}
+    assert store.usage()["shards"] == 4
+    assert store.recount() == store.usage()
+
+
+def test_put_many_failure_stores_nothing_of_any_batch(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(
+        tmp_path / "db", clock, capacity_bytes=1 << 30, map_size_bytes=1 << 20
+    ) as store:
+        small = block_records(key(1), body_len=1024, indices=[0, 1])
+        big = block_records(key(2), body_len=256 << 10, indices=[0, 1, 2, 3])
+        broken = list(small)
+        broken[1] = (key(1), 1, small[1][2][:-1] + b"\x00")  # body checksum mismatch
+        replies = store.put_many([put_items(broken), put_items(big)])
+        assert replies[0]["status"].tolist() == [  # type: ignore[index]
+            Status.NO_SPACE,
+            Status.CHECKSUM,
+        ]
+        assert replies[1]["status"].tolist() == [Status.NO_SPACE] * 4  # type: ignore[index]
+        assert held(store, key(1)) == set() and held(store, key(2)) == set()
+        assert store.counters["error_map_full"] == 1
+        assert store.usage()["shards"] == 0 and store.recount() == store.usage()
+
+
+def test_data_file_is_allocated_ahead_up_to_the_map_size(tmp_path: Path, clock: FakeClock) -> None:
+    data_file = tmp_path / "db" / "data.mdb"
+    with open_store(tmp_path / "db", clock, map_size_bytes=8 << 20) as store:
+        put(store, block_records(key(1), body_len=1024))
+        assert data_file.stat().st_size == 8 << 20  # a chunk ahead, capped by the map size
+    with open_store(tmp_path / "db", clock, map_size_bytes=256 << 20) as store:
+        assert get(store, [(key(1), 0)])[0] == [Status.OK]
+        put(store, block_records(key(2), body_len=1 << 20))  # 12 MiB: past the 8 allocated
+        size = data_file.stat().st_size
+        assert (12 + 64) << 20 <= size <= 256 << 20
+        assert data_file.stat().st_blocks * 512 >= size - (8 << 20)  # allocated, not sparse
+        assert held(store, key(2)) == set(range(12))

@@ -39,6 +39,7 @@ LATENCY_BUCKETS_S = (
     10.0,
 )
 _ITEM_STATUSES = [s for s in Status if s < 16]
+_OP_NAMES = {op: op.name.lower() for op in Op}
 _PREFIX = "kvcache_server"
 
 
@@ -82,10 +83,13 @@ class Metrics:
         bytes_in: int,
         bytes_out: int,
         statuses: npt.NDArray[np.uint8] | None = None,
+        counts: npt.NDArray[np.int64] | None = None,
     ) -> None:
-        """Record one answered request (``statuses``: its per-item outcomes)."""
-        name = op.name.lower()
-        counts = np.bincount(statuses, minlength=16)[:16] if statuses is not None else None
+        """Record one answered request: its per-item outcomes as ``statuses``, or
+        already counted per status value as ``counts`` (16 entries)."""
+        name = _OP_NAMES[op]
+        if counts is None and statuses is not None:
+            counts = np.bincount(statuses, minlength=16)[:16]
         with self._lock:
             self._requests[name] += 1
             self._bytes_in[name] += bytes_in

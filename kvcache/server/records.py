@@ -225,52 +225,55 @@ def check_put(items: npt.NDArray[np.void], data: memoryview) -> CheckedPut:
         & _names_ok(gathered[:, _NAME_AT : _NAME_AT + 16], class_len)
     )
     view = memoryview(data)
-    positions: list[int] = []
-    keys_ok: list[int] = []
+    # Only the two checksums are per record; everything around them is columns.
+    sel = np.flatnonzero(ok)
+    rows = cand[sel]
+    checks = hdr["check"][sel].tolist()
+    shard_hashes = hdr["shard_hash"][sel].tolist()
     records: list[memoryview] = []
-    class_raw: list[bytes] = []
+    passed: list[int] = []
     hash_fail: list[int] = []
-    stripes: list[int] = []
-    shard_hashes = hdr["shard_hash"]
-    stripe_ids = hdr["stripe_id"]
-    checks = hdr["check"]
-    for j in np.flatnonzero(ok).tolist():
-        i = int(cand[j])
-        start = int(offsets[i])
-        record = view[start : start + int(lengths[i])]
-        if xxhash.xxh3_64_intdigest(record[:_CHECKED_LEN]) & 0xFFFFFFFF != int(checks[j]):
+    digest = xxhash.xxh3_64_intdigest
+    for t, (start, length) in enumerate(
+        zip(offsets[rows].tolist(), lengths[rows].tolist(), strict=True)
+    ):
+        record = view[start : start + length]
+        if digest(record[:_CHECKED_LEN]) & 0xFFFFFFFF != checks[t]:
             continue  # header corrupted: BAD_ITEM
-        if xxhash.xxh3_64_intdigest(record[HEADER_BYTES:]) != int(shard_hashes[j]):
-            hash_fail.append(i)
+        if digest(record[HEADER_BYTES:]) != shard_hashes[t]:
+            hash_fail.append(t)
             continue
-        positions.append(i)
-        keys_ok.append(j)
+        passed.append(t)
         records.append(record)
-        class_raw.append(bytes(gathered[j, _NAME_AT : _NAME_AT + int(class_len[j])]))
-        stripes.append(int(stripe_ids[j]))
-    status[hash_fail] = Status.CHECKSUM
-    if not positions:
+    status[rows[hash_fail]] = Status.CHECKSUM
+    if not passed:
         return CheckedPut(status, [], [], [], [], [])
-    pos = np.asarray(positions)
-    sel = np.asarray(keys_ok)
+    sel = sel[passed]
+    pos = rows[passed]
     item_keys = np.frombuffer(items["key"][pos].tobytes(), np.uint8).reshape(-1, 16)
     hdr_keys = gathered[sel, _KEY_AT : _KEY_AT + 16]
     same = (item_keys == hdr_keys).all(axis=1) & (
         items["index"][pos].astype(np.int64) == hdr["shard_index"][sel]
     )
     status[pos[~same]] = Status.WRONG_KEY
-    status[pos[same]] = Status.OK
-    keep = np.flatnonzero(same).tolist()
-    names: dict[bytes, str] = {}
-    classes = [names.setdefault(class_raw[t], class_raw[t].decode("ascii")) for t in keep]
     good = pos[same]
+    status[good] = Status.OK
+    keep = sel[same]
+    # Valid names are non-NUL bytes padded with NULs (checked above), so the
+    # field as a NUL-stripped bytes string is the name.
+    raw_names = np.ascontiguousarray(gathered[keep, _NAME_AT : _NAME_AT + 16]).view("S16")
+    names: dict[bytes, str] = {}
+    classes = [
+        names.get(raw) or names.setdefault(raw, raw.decode("ascii"))
+        for raw in raw_names.ravel().tolist()
+    ]
     return CheckedPut(
         status,
         good.tolist(),
         store_keys(items["key"][good], items["index"][good]),
-        [records[t] for t in keep],
+        [records[t] for t in np.flatnonzero(same).tolist()] if not same.all() else records,
         classes,
-        [stripes[t] for t in keep],
+        hdr["stripe_id"][keep].tolist(),
     )
 
 

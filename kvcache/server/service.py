@@ -6,6 +6,13 @@ is the loop that owns the sockets: it receives with a hard cap on frames per
 message, answers every request (an error reply for bad input, never a crash),
 and runs the store's bounded retention work between requests. Every other
 thread talks to it only through :meth:`DataService.submit`.
+
+Group commit: when a PUT arrives with more PUTs already queued behind it, the
+loop takes those along (:meth:`DataService.handle_many`) and the store writes
+them in one LMDB transaction, with one reply per request. Measured: no gain
+with ``sync = "periodic"`` (the commit's cost is its pages, not a fixed part),
+5-21 % less time per batch with ``sync = "commit"``, where every transaction
+pays an fsync (groups of 2-4, docs/server.md "Performance").
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import lmdb
@@ -33,6 +41,7 @@ from kvcache.server.metrics import Metrics, store_errors
 from kvcache.server.store import ReplyTooLargeError, ShardStore
 from kvcache.wire import (
     FLAG_REPLY,
+    HEADER_BYTES,
     NO_INDEX,
     Frame,
     Header,
@@ -56,6 +65,11 @@ MAX_FRAMES = 4
 MAX_SHARD_INDEX = 254
 #: Requests handled per wake-up before retention work and control calls get a turn.
 _BURST = 32
+#: At most this many queued PUT requests share one write transaction (group commit) ...
+_GROUP_REQUESTS = 16
+#: ... and at most this many bytes of them (or capacity / 8 when smaller), so a group
+#: is never refused for space where the same requests one by one would have fitted.
+_GROUP_BYTES = 64 << 20
 #: Retention work runs at least this often, even under a steady request load.
 _MAINTAIN_EVERY_S = 0.05
 _IDLE_POLL_MS = 200
@@ -105,56 +119,141 @@ class DataService:
         self._monitor: zmq.Socket[Any] | None = None
         self.endpoint = ""
         self.serving = threading.Event()
+        self._group_bytes = min(_GROUP_BYTES, store.capacity_bytes // 8)
 
     # ------------------------------------------------------------------ sans-I/O core
 
     def handle(self, frames: list[Frame]) -> list[Frame]:
         """Reply frames for one request's frames (without the ROUTER identity). Never raises."""
-        started = time.perf_counter()
-        header: Header | None = None
+        return self.handle_many([frames])[0]
+
+    def handle_many(
+        self, requests: Sequence[list[Frame]], *, group_bytes: int | None = None
+    ) -> list[list[Frame]]:
+        """Reply frames for several requests, in order. Never raises.
+
+        PUT requests next to each other share one write transaction (group
+        commit, see :meth:`ShardStore.put_many`), up to ``group_bytes`` of
+        them (default: the service's limit); anything else is handled on its
+        own, after the PUTs received before it are stored.
+        """
+        limit = self._group_bytes if group_bytes is None else group_bytes
+        replies: list[list[Frame]] = []
+        group: list[_Pending] = []
+        group_size = 0
+        for frames in requests:
+            started = time.perf_counter()
+            message = self._decode(frames, replies)
+            if message is None:
+                continue
+            request = _Pending(message, len(replies), started, _size(frames))
+            if group and (message.header.op is not Op.PUT or group_size + request.size > limit):
+                self._put_group(group, replies)
+                group, group_size = [], 0
+            if message.header.op is Op.PUT:
+                group.append(request)
+                group_size += request.size
+                replies.append([])  # filled in by _put_group
+            else:
+                replies.append(self._handle_one(request))
+        if group:
+            self._put_group(group, replies)
+        return replies
+
+    def _decode(self, frames: list[Frame], replies: list[list[Frame]]) -> Message | None:
+        """The request, or None with an error reply appended."""
         try:
             message = decode(frames, limits=self.limits, token=self._token)
             header = message.header
             if header.is_reply or header.status != Status.OK:
                 raise ProtocolError("a request must not carry the reply flag or a status")
-            items, data, statuses = self._dispatch(message)
-            reply = Header(
-                op=header.op, request_id=header.request_id, count=len(items), flags=FLAG_REPLY
-            )
-            out = encode(reply, items, data, token=self._token)
         except AuthError as exc:
-            return self._fail(header or _peek(frames), Status.UNAUTHORIZED, "unauthorized", exc)
+            replies.append(self._fail(_peek(frames), Status.UNAUTHORIZED, "unauthorized", exc))
+            return None
+        except ProtocolError as exc:
+            replies.append(self._fail(_peek(frames), Status.BAD_REQUEST, "bad_request", exc))
+            return None
+        except Exception as exc:  # a bug must cost one reply, never the daemon
+            log.exception("request decoding failed")
+            replies.append(self._fail(_peek(frames), Status.UNAVAILABLE, "internal", exc))
+            return None
+        return message
+
+    def _handle_one(self, request: _Pending) -> list[Frame]:
+        header = request.message.header
+        try:
+            items, data, statuses = self._dispatch(request.message)
+            out = self._reply(header, items, data)
         except ReplyTooLargeError as exc:
             return self._fail(header, Status.TOO_LARGE, "too_large", exc)
         except ProtocolError as exc:
-            return self._fail(header or _peek(frames), Status.BAD_REQUEST, "bad_request", exc)
+            return self._fail(header, Status.BAD_REQUEST, "bad_request", exc)
         except (KVCacheError, lmdb.Error, OSError) as exc:
             log.error("request %s failed in the store: %s", _describe(header), exc)
             return self._fail(header, Status.UNAVAILABLE, "storage", exc)
         except Exception as exc:  # a bug must cost one reply, never the daemon
             log.exception("request %s failed", _describe(header))
             return self._fail(header, Status.UNAVAILABLE, "internal", exc)
-        self.metrics.observe(
-            header.op,
-            time.perf_counter() - started,
-            bytes_in=_size(frames),
-            bytes_out=_size(out),
-            statuses=statuses,
-        )
-        for status, kind in _COUNTED_ITEM_ERRORS:
-            if statuses is not None and (n := int(np.count_nonzero(statuses == status))):
-                self.metrics.error(kind, n)
+        self._observe(request, out, statuses)
         return out
+
+    def _put_group(self, group: list[_Pending], replies: list[list[Frame]]) -> None:
+        """Store consecutive PUT requests in one transaction; fill in their replies."""
+        try:
+            results = self.store.put_many([(r.message.items, r.message.data) for r in group])
+        except (KVCacheError, lmdb.Error, OSError) as exc:
+            log.error("%d PUT request(s) failed in the store: %s", len(group), exc)
+            for r in group:
+                replies[r.slot] = self._fail(r.message.header, Status.UNAVAILABLE, "storage", exc)
+            return
+        except Exception as exc:  # a bug must cost the replies, never the daemon
+            log.exception("%d PUT request(s) failed", len(group))
+            for r in group:
+                replies[r.slot] = self._fail(r.message.header, Status.UNAVAILABLE, "internal", exc)
+            return
+        for request, result in zip(group, results, strict=True):
+            header = request.message.header
+            if isinstance(result, ProtocolError):
+                replies[request.slot] = self._fail(
+                    header, Status.BAD_REQUEST, "bad_request", result
+                )
+                continue
+            out = self._reply(header, result, b"")
+            self._observe(request, out, result["status"])
+            replies[request.slot] = out
+
+    def _reply(
+        self, header: Header, items: npt.NDArray[np.void], data: bytes | memoryview
+    ) -> list[Frame]:
+        reply = Header(
+            op=header.op, request_id=header.request_id, count=len(items), flags=FLAG_REPLY
+        )
+        return encode(reply, items, data, token=self._token)
+
+    def _observe(
+        self, request: _Pending, out: list[Frame], statuses: npt.NDArray[np.uint8] | None
+    ) -> None:
+        """Metrics of one answered request: one bincount of its item statuses."""
+        counts = None if statuses is None else np.bincount(statuses, minlength=16)[:16]
+        self.metrics.observe(
+            request.message.header.op,
+            time.perf_counter() - request.started,
+            bytes_in=request.size,
+            bytes_out=_size(out),
+            counts=counts,
+        )
+        if counts is not None and counts[0] != len(statuses):  # type: ignore[arg-type]
+            for status, kind in _COUNTED_ITEM_ERRORS:
+                if n := int(counts[status]):
+                    self.metrics.error(kind, n)
 
     def _dispatch(
         self, message: Message
     ) -> tuple[npt.NDArray[np.void], bytes | memoryview, npt.NDArray[np.uint8] | None]:
+        """Every op but PUT, which :meth:`_put_group` stores."""
         op = message.header.op
         items = message.items
         cls = message.header.traffic_class
-        if op is Op.PUT:
-            reply = self.store.put(items, message.data)
-            return reply, b"", reply["status"]
         if op is Op.GET:
             bad = items["index"] > MAX_SHARD_INDEX
             if bad.any():
@@ -244,9 +343,11 @@ class DataService:
             while not stop.is_set():
                 events = dict(poller.poll(0 if more_work else _IDLE_POLL_MS))
                 if sock in events:
-                    for _ in range(_BURST):
-                        if stop.is_set() or not self._serve_one(sock):
+                    answered = 0
+                    while answered < _BURST and not stop.is_set():
+                        if not (n := self._serve_one(sock)):
                             break
+                        answered += n
                 if monitor in events:
                     self._drain_monitor(monitor)
                 if self._wake_r in events:
@@ -285,34 +386,62 @@ class DataService:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
 
-    def _serve_one(self, sock: zmq.Socket[Any]) -> bool:
+    def _serve_one(self, sock: zmq.Socket[Any]) -> int:
+        """Answer the next request, and the PUTs queued right behind a PUT (group commit).
+
+        Returns how many requests were answered (0: none was waiting).
+        """
+        received = self._recv(sock)
+        if received is None:
+            return 0
+        batch = [received]
+        if _is_put(received[1]):
+            budget = self._group_bytes - _size(received[1])
+            while len(batch) < _GROUP_REQUESTS and budget > 0:
+                more = self._recv(sock)
+                if more is None:
+                    break
+                batch.append(more)
+                if not _is_put(more[1]):
+                    break
+                budget -= _size(more[1])
+        replies = iter(self.handle_many([frames for _, frames, dropped in batch if not dropped]))
+        for identity, frames, dropped in batch:
+            reply = (
+                self._fail(
+                    _peek(frames),
+                    Status.BAD_REQUEST,
+                    "bad_request",
+                    ProtocolError(
+                        f"message has {len(frames) + dropped} frames, at most {MAX_FRAMES}"
+                    ),
+                )
+                if dropped
+                else next(replies)
+            )
+            try:
+                _send_reply(sock, identity, reply)
+            except zmq.ZMQError as exc:  # pragma: no cover - peer gone with ROUTER_MANDATORY off
+                log.debug("reply not sent: %s", exc)
+        return len(batch)
+
+    @staticmethod
+    def _recv(sock: zmq.Socket[Any]) -> tuple[zmq.Frame, list[Frame], int] | None:
+        """(identity, up to MAX_FRAMES frames, frames dropped beyond that) of a waiting message."""
         try:
-            first = sock.recv(zmq.NOBLOCK, copy=False)
+            identity = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return False
+            return None
         frames: list[Frame] = []
         dropped = 0
-        frame = first
+        frame = identity
         while frame.more:
             frame = sock.recv(copy=False)
             if len(frames) < MAX_FRAMES:
                 frames.append(frame.buffer)
             else:
                 dropped += 1
-        if dropped:
-            reply = self._fail(
-                _peek(frames),
-                Status.BAD_REQUEST,
-                "bad_request",
-                ProtocolError(f"message has {len(frames) + dropped} frames, at most {MAX_FRAMES}"),
-            )
-        else:
-            reply = self.handle(frames)
-        try:
-            sock.send_multipart([first, *reply], copy=False)
-        except zmq.ZMQError as exc:  # pragma: no cover - peer gone with ROUTER_MANDATORY off
-            log.debug("reply not sent: %s", exc)
-        return True
+        return identity, frames, dropped
 
     def _maintain(self) -> bool:
         try:
@@ -356,12 +485,22 @@ class DataService:
 
 
 _COUNTED_ITEM_ERRORS = (
-    (Status.BAD_ITEM, "bad_item"),
-    (Status.CHECKSUM, "checksum"),
-    (Status.WRONG_KEY, "wrong_key"),
-    (Status.NO_SPACE, "no_space"),
-    (Status.INTERNAL, "internal_item"),
+    (int(Status.BAD_ITEM), "bad_item"),
+    (int(Status.CHECKSUM), "checksum"),
+    (int(Status.WRONG_KEY), "wrong_key"),
+    (int(Status.NO_SPACE), "no_space"),
+    (int(Status.INTERNAL), "internal_item"),
 )
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A decoded request waiting for its reply: where the reply goes, when it began."""
+
+    message: Message
+    slot: int
+    started: float
+    size: int
 
 
 def _peek(frames: list[Frame]) -> Header | None:
@@ -370,6 +509,32 @@ def _peek(frames: list[Frame]) -> Header | None:
         return Header.unpack(frames[0]) if frames else None
     except ProtocolError:
         return None
+
+
+def _is_put(frames: list[Frame]) -> bool:
+    """Whether a request's header frame names a PUT (checked properly when decoded)."""
+    return bool(frames) and len(frames[0]) == HEADER_BYTES and frames[0][3] == _PUT
+
+
+_PUT = int(Op.PUT)
+
+
+_SNDMORE = int(zmq.SNDMORE)
+#: Frames at least this large are sent without a copy (zmq keeps a reference instead).
+_ZERO_COPY_BYTES = 1 << 16
+
+
+def _send_reply(sock: zmq.Socket[Any], identity: zmq.Frame, frames: list[Frame]) -> None:
+    """``send_multipart([identity, *frames], copy=False)`` without its per-frame Python cost.
+
+    Small frames are copied (cheaper than a zero-copy frame's bookkeeping),
+    the large data frame is handed over without a copy. Measured: GET
+    throughput +14 % at window 1 against ``send_multipart``.
+    """
+    sock.send(identity, _SNDMORE, copy=False)
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _SNDMORE if i < last else 0, copy=len(frame) < _ZERO_COPY_BYTES)
 
 
 def _size(frames: list[Frame]) -> int:
