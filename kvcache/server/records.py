@@ -33,6 +33,7 @@ from kvcache.wire import Status, data_offsets
 __all__ = [
     "HEADER_DTYPE",
     "KEY_LEN",
+    "RETENTION_HEAD",
     "CheckedPut",
     "Retention",
     "check_put",
@@ -93,6 +94,8 @@ for _c in b"_-":
 
 _RETENTION = struct.Struct(">QIQ")
 _EXPIRY = struct.Struct(">Q")
+#: The fixed head of a packed Retention record (expiry_ms, size, stripe), for hot loops.
+RETENTION_HEAD = _RETENTION
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from kvcache.errors import CapacityError, ConfigError, ProtocolError, StorageErr
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.config import SyncMode, default_map_size
 from kvcache.server.records import (
+    RETENTION_HEAD,
     CheckedPut,
     Retention,
     check_put,
@@ -386,15 +387,34 @@ class ShardStore:
 
     def has(self, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
         """One record (ordinal, shard index, stripe id) per live shard of each asked key."""
+        # The match path of every request: one cursor walk, no objects per shard.
         found: list[tuple[int, int, int]] = []
+        append = found.append
         now = self.now_ms()
+        pending = self._pending
+        unpack = RETENTION_HEAD.unpack_from
         with self._env.begin(buffers=True) as txn:
             cursor = txn.cursor(db=self._retention)
+            set_range, key_of, value_of, step = (
+                cursor.set_range,
+                cursor.key,
+                cursor.value,
+                cursor.next,
+            )
             for ordinal, key in enumerate(_keys16(items)):
-                for skey, raw in _prefix(cursor, key):
-                    if self._expiry_of(skey, raw) > now:
-                        rec = Retention.unpack(raw)
-                        found.append((ordinal, _index_of(skey), rec.stripe))
+                if not set_range(key):
+                    continue
+                while True:
+                    skey = key_of()
+                    if skey[:16] != key:
+                        break
+                    expiry, _size, stripe = unpack(value_of())
+                    if pending:
+                        expiry = max(expiry, pending.get(bytes(skey), (0,))[0])
+                    if expiry > now:
+                        append((ordinal, (skey[16] << 8) | skey[17], stripe))
+                    if not step():
+                        break
         reply = make_items(Op.HAS, len(found), reply=True)
         if found:
             arr = np.array(found, dtype=np.uint64)
