@@ -184,3 +184,24 @@ def test_racing_writers_never_mix(shared_cluster: LocalCluster) -> None:
     finally:
         for c in clients:
             c.close()
+
+
+def test_node_marked_down_is_probed_when_others_die(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A node marked down (it was paused) is still asked once skipping it would leave
+    fewer than k holders: after it resumes and two others die, loads stay whole."""
+    cluster = cluster_factory()
+    space, tokens = ns("probe"), prompt(12, 10)
+    with client_for(cluster, timeout_s=0.5, down_retry_s=600.0) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        cluster.pause(5)
+        try:
+            client.match_prefix(space, tokens)
+            client.stats()  # waits out the timeout on the paused node: it is marked down
+        finally:
+            cluster.resume(5)
+        assert "node-05" in client.aclient.health.down_nodes()
+        cluster.kill(0)
+        cluster.kill(1)
+        assert_loads(client, space, tokens, 12)

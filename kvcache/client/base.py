@@ -86,8 +86,17 @@ class ClientBase:
 
     # ------------------------------------------------------------------ helpers
 
-    def _node_up_mask(self) -> npt.NDArray[np.bool_]:
-        return np.array([self.health.is_up(ch.node.id) for ch in self._channels], bool)
+    def _node_up_mask(
+        self, holders: npt.NDArray[np.int64] | None = None, need: int = 0
+    ) -> npt.NDArray[np.bool_]:
+        """Nodes to use: those not marked down; all of them when, for some block of
+        ``holders``, skipping the down ones would leave fewer than ``need`` holders
+        (then the call doubles as the down nodes' probe instead of failing for sure)."""
+        up = np.array([self.health.is_up(ch.node.id) for ch in self._channels], bool)
+        short = holders is not None and len(holders) and not up.all()
+        if short and int(up[holders].sum(axis=1).min()) < need:
+            up[:] = True
+        return up
 
     def _hedge_s(self, tracker: LatencyTracker) -> float:
         if self.config.hedge_ms is not None:

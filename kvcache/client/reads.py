@@ -68,15 +68,40 @@ class ReadOps(ClientBase):
         if not keys:
             return match_from_held(keys, [], k=k, n=n, tokens_per_block=tokens_per_block)
         rows, per_node = self._keys_and_holders(keys)
+        up = self._node_up_mask(rows, settle)
+        asked = [node for node in per_node if up[node]]
+        held = await self._has_round(keys, rows, per_node, asked, settle)
+        skipped = [node for node in per_node if not up[node]]
+        if skipped:
+            # Nodes marked down were skipped; if some block fell short of ``settle`` and
+            # the skipped nodes could make up the difference, ask them now (their probe).
+            best = match_from_held(keys, held, k=k, n=n, tokens_per_block=1).best_count
+            could = np.zeros(len(keys), np.int64)
+            for node in skipped:
+                could += (rows == node).sum(axis=1)
+            if ((best < settle) & (best + could >= settle)).any():
+                held += await self._has_round(keys, rows, per_node, skipped, settle, record=False)
+        return match_from_held(keys, held, k=k, n=n, tokens_per_block=tokens_per_block)
+
+    async def _has_round(
+        self,
+        keys: list[BlockKey],
+        rows: npt.NDArray[np.int64],
+        per_node: dict[int, npt.NDArray[np.int64]],
+        nodes: Sequence[int],
+        settle: int,
+        *,
+        record: bool = True,
+    ) -> list[HeldShards]:
+        """One batched HAS to each of ``nodes``; waits as long as an answer can still matter."""
+        k, n = self.config.k, self.config.n
         key_words = np.frombuffer(b"".join(keys), dtype="V16")
-        up = self._node_up_mask()
         # Shards per block that nodes still to answer may hold: once no block's
         # outcome can change, stragglers are not waited for.
         unanswered = np.zeros(len(keys), np.int64)
         tasks: dict[asyncio.Task[Message], tuple[int, npt.NDArray[np.int64]]] = {}
-        for node, blocks in per_node.items():
-            if not up[node]:
-                continue
+        for node in nodes:
+            blocks = per_node[node]
             items = make_items(Op.HAS, len(blocks), reply=False)
             items["key"] = key_words[blocks]
             header = Header(op=Op.HAS, request_id=0, count=len(blocks))
@@ -118,9 +143,9 @@ class ReadOps(ClientBase):
                         stripe=recs["stripe"][valid].astype(np.uint64),
                     )
                 )
-        if not pending:
+        if record and not pending:
             self.meta_latency.record(self._clock() - started)
-        return match_from_held(keys, held, k=k, n=n, tokens_per_block=tokens_per_block)
+        return held
 
     # ------------------------------------------------------------------ load
 

@@ -117,7 +117,7 @@ class StoreOps(ReadOps):
             now_ms=int(time.time() * 1000),
         )  # fmt: skip
         holders = self.placement.holders(keys)
-        up = self._node_up_mask()
+        up = self._node_up_mask(holders, self.config.min_write_shards)
         acks = np.zeros((len(keys), n), bool)
         tasks: dict[
             asyncio.Task[Message], tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]
