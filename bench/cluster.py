@@ -60,12 +60,24 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
     return proc, port
 
 
+def redis_parsers() -> dict[str, object]:
+    """redis-py's response parsers available here: pure Python, and hiredis if installed."""
+    from redis._parsers import _HiredisParser, _RESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+
+    parsers: dict[str, object] = {"redis-py": _RESP2Parser}
+    if HIREDIS_AVAILABLE:
+        parsers["redis-py+hiredis"] = _HiredisParser
+    return parsers
+
+
 def bench_redis(
-    port: int, payloads: list[np.ndarray], rounds: int, batch: int
+    port: int, payloads: list[np.ndarray], rounds: int, batch: int, parser: object
 ) -> tuple[float, float]:
     import redis
 
-    r = redis.Redis(host="127.0.0.1", port=port)
+    pool = redis.ConnectionPool(host="127.0.0.1", port=port, parser_class=parser)
+    r = redis.Redis(connection_pool=pool)
     names = [f"blk:{i}".encode() for i in range(len(payloads))]
     blobs = [p.tobytes() for p in payloads]
     total = sum(len(b) for b in blobs)
@@ -112,8 +124,14 @@ def main() -> None:
         total = blocks * P
 
         redis_proc, port = start_redis(tmp)
+        redis_runs: dict[str, tuple[float, float]] = {}
         try:
-            redis_get, redis_set = bench_redis(port, payloads, rounds, batch)
+            # The baseline is the best Redis a user could reach for: per operation, the
+            # faster of redis-py's two parsers.
+            for name, parser_class in redis_parsers().items():
+                redis_runs[name] = bench_redis(port, payloads, rounds, batch, parser_class)
+            redis_get = max(get for get, _ in redis_runs.values())
+            redis_set = max(put for _, put in redis_runs.values())
         finally:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
@@ -132,9 +150,13 @@ def main() -> None:
                     assert res.written == blocks, res
                 client.store(space, tokens, payloads)
 
-                def load_all() -> float:
+                def load_all(with_match: bool = False) -> float:
+                    """A GET of every block: the load of a matched prefix (optionally with
+                    the match, the HAS round Redis has no counterpart of, in the time)."""
                     t = time.perf_counter()
                     match = client.match_prefix(space, tokens)
+                    if not with_match:
+                        t = time.perf_counter()
                     res = client.load(space, match)
                     elapsed = time.perf_counter() - t
                     assert res.blocks == blocks, (res.blocks, blocks)
@@ -142,6 +164,7 @@ def main() -> None:
 
                 load_all()
                 get_t = min(load_all() for _ in range(rounds))
+                get_match_t = min(load_all(with_match=True) for _ in range(rounds))
                 # Check the bytes once, outside the timing.
                 res = client.load_prefix(space, tokens)
                 wrong = sum(
@@ -149,18 +172,20 @@ def main() -> None:
                     for a, b in zip(res.payloads, payloads, strict=True)
                 )
 
-                # Latency: loads of 64-block prompts, healthy vs one daemon paused.
+                # Latency: match + load of 64-block prompts, healthy vs one daemon paused.
+                short = [prompt(64, 100 + i) for i in range(8)]
+                for sp in short:
+                    client.store(space, sp, [payload_for_key(k, P) for k in block_keys(space, sp)])
+
                 def latencies(count: int) -> np.ndarray:
                     out = []
-                    per = 64
                     for i in range(count):
-                        s = (i * per) % (blocks - per + 1)
-                        sub = tokens[: (s + per) * TPB]
+                        sp = short[i % len(short)]
                         t = time.perf_counter()
-                        m = client.match_prefix(space, sub)
+                        m = client.match_prefix(space, sp)
                         got = client.load(space, m)
                         out.append(time.perf_counter() - t)
-                        assert got.blocks == s + per
+                        assert got.blocks == 64, got.blocks
                     return np.array(out) * 1000
 
                 healthy_lat = latencies(latency_loads)
@@ -185,9 +210,13 @@ def main() -> None:
                 )
 
     kv_get = total / get_t / 1e9
+    kv_get_match = total / get_match_t / 1e9
     kv_put = total / put_t / 1e9
     dead_gbps = total / dead_t / 1e9
     p99_h, p99_s = float(np.percentile(healthy_lat, 99)), float(np.percentile(stopped_lat, 99))
+    for name, (g, s) in redis_runs.items():
+        figures[f"redis_get_gbps_{name}"] = g
+        figures[f"redis_set_gbps_{name}"] = s
     figures.update(
         {
             "kvcache_get_gbps": kv_get,
@@ -195,6 +224,8 @@ def main() -> None:
             "redis_get_gbps": redis_get,
             "redis_set_gbps": redis_set,
             "get_vs_redis": kv_get / redis_get,
+            "kvcache_get_with_match_gbps": kv_get_match,
+            "get_with_match_vs_redis": kv_get_match / redis_get,
             "put_vs_redis": kv_put / redis_set,
             "load_p50_healthy_ms": float(np.percentile(healthy_lat, 50)),
             "load_p99_healthy_ms": p99_h,
@@ -216,11 +247,18 @@ def main() -> None:
         ["operation", "kvcache GB/s", "Redis GB/s", "ratio", "target"],
         [
             [
-                "GET / load",
+                "GET / load of a matched prefix",
                 f"{kv_get:.2f}",
                 f"{redis_get:.2f}",
                 f"{kv_get / redis_get:.2f}x",
                 ">= 1.0x",
+            ],
+            [
+                "GET / match_prefix + load",
+                f"{kv_get_match:.2f}",
+                f"{redis_get:.2f}",
+                f"{kv_get_match / redis_get:.2f}x",
+                "(reported)",
             ],
             [
                 "PUT / store",
@@ -243,6 +281,11 @@ def main() -> None:
         "Prefix match",
         ["case", "time", "target"],
         [["match_prefix, 77K-token prompt (150 blocks)", f"{match_ms:.2f} ms", "<= 5 ms"]],
+    )
+    print_table(
+        "Redis baseline by redis-py parser (the faster one per operation is the baseline above)",
+        ["parser", "GET GB/s", "SET GB/s"],
+        [[name, f"{g:.2f}", f"{s:.2f}"] for name, (g, s) in redis_runs.items()],
     )
     print(f"\nwrong bytes: {wrong}")
     write_json(args.json, figures)
