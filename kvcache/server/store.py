@@ -173,6 +173,23 @@ class ShardStore:
         self._page_size = int(self._env.stat()["psize"])
         self._datafd = os.open(self.path / "data.mdb", os.O_RDWR)
         self._allocated = os.fstat(self._datafd).st_size
+        # Periodic syncs run on their own thread: an fsync of hundreds of megabytes on
+        # the service thread stalled every request behind it (tail latency spikes).
+        self._stop_sync = threading.Event()
+        self._syncer: threading.Thread | None = None
+        if self._sync is SyncMode.PERIODIC:
+            self._syncer = threading.Thread(
+                target=self._sync_periodically, name="kvcache-lmdb-sync", daemon=True
+            )
+            self._syncer.start()
+
+    def _sync_periodically(self) -> None:
+        while not self._stop_sync.wait(self._sync_interval):
+            try:
+                self._env.sync(True)
+            except lmdb.Error as exc:  # reported, retried at the next interval
+                log.error("periodic LMDB sync failed: %s", exc)
+            self._last_sync = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,6 +197,9 @@ class ShardStore:
         """Write pending hits, sync, and close the environment (idempotent)."""
         if self._lockfile < 0:
             return
+        self._stop_sync.set()
+        if self._syncer is not None:
+            self._syncer.join()
         try:
             self.flush_touches()
             self._env.sync(True)
@@ -486,12 +506,6 @@ class ShardStore:
         if self._used > self._high:
             self.evict(self._low, limit=self._sweep_batch)
             more |= self._used > self._low
-        if (
-            self._sync is SyncMode.PERIODIC
-            and time.monotonic() - self._last_sync >= self._sync_interval
-        ):
-            self._env.sync(True)
-            self._last_sync = time.monotonic()
         return more
 
     def flush_touches(self) -> int:
