@@ -95,7 +95,9 @@ class ClientBase:
         up = np.array([self.health.is_up(ch.node.id) for ch in self._channels], bool)
         short = holders is not None and len(holders) and not up.all()
         if short and int(up[holders].sum(axis=1).min()) < need:
-            up[:] = True
+            for i, ch in enumerate(self._channels):
+                if not up[i] and self.health.may_probe(ch.node.id):
+                    up[i] = True
         return up
 
     def _hedge_s(self, tracker: LatencyTracker) -> float:

@@ -21,10 +21,12 @@ Clock = Callable[[], float]
 class NodeHealth:
     """Which nodes are believed down, and until when they are skipped."""
 
-    def __init__(self, *, retry_s: float, clock: Clock) -> None:
+    def __init__(self, *, retry_s: float, clock: Clock, probe_every_s: float = 1.0) -> None:
         self._retry_s = retry_s
         self._clock = clock
+        self._probe_every_s = probe_every_s
         self._down_until: dict[str, float] = {}
+        self._probed_at: dict[str, float] = {}
 
     def is_up(self, node: str) -> bool:
         """False while ``node`` is marked down and its retry time has not come."""
@@ -36,6 +38,15 @@ class NodeHealth:
         if node not in self._down_until:
             log.warning("node %s marked down: %s", node, reason)
         self._down_until[node] = self._clock() + self._retry_s
+
+    def may_probe(self, node: str) -> bool:
+        """Whether a down node may be asked early (when a call is short of nodes without it);
+        at most once per ``probe_every_s``, so a dead node costs one connect wait a second."""
+        now = self._clock()
+        if now - self._probed_at.get(node, float("-inf")) < self._probe_every_s:
+            return False
+        self._probed_at[node] = now
+        return True
 
     def mark_up(self, node: str) -> None:
         """``node`` answered: use it again."""
