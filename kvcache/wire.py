@@ -309,8 +309,10 @@ def data_offsets(items: npt.NDArray[np.void]) -> npt.NDArray[np.int64]:
     return offsets
 
 
-def error_reply(request: Header | None, status: Status, text: str) -> list[Frame]:
-    """Frames of a failed reply: no items, the error text as data."""
+def error_reply(
+    request: Header | None, status: Status, text: str, *, token: bytes | None = None
+) -> list[Frame]:
+    """Frames of a failed reply: no items, the error text as data (MAC'd with ``token``)."""
     header = Header(
         op=request.op if request else Op.STATS,
         request_id=request.request_id if request else 0,
@@ -318,7 +320,7 @@ def error_reply(request: Header | None, status: Status, text: str) -> list[Frame
         status=status,
         flags=FLAG_REPLY,
     )
-    return encode(header, None, text.encode("utf-8"))
+    return encode(header, None, text.encode("utf-8"), token=token)
 
 
 def _mac(token: bytes, frames: Sequence[Frame]) -> bytes:

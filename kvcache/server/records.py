@@ -27,7 +27,14 @@ import numpy.typing as npt
 import xxhash
 
 from kvcache.errors import ProtocolError
-from kvcache.shard import HEADER_BYTES, MAGIC, MAX_CLASS_NAME, SHARD_ALIGNMENT, VERSION
+from kvcache.shard import (
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    MAGIC,
+    MAX_CLASS_NAME,
+    SHARD_ALIGNMENT,
+    VERSION,
+)
 from kvcache.wire import Status, data_offsets
 
 __all__ = [
@@ -50,39 +57,12 @@ __all__ = [
 #: key's shards are adjacent and in index order.
 KEY_LEN = 18
 
-#: The shard header (format v1) as a numpy record, field for field.
-HEADER_DTYPE = np.dtype(
-    [
-        ("magic", "S4"),
-        ("version", "u1"),
-        ("header_len", "u1"),
-        ("k", "u1"),
-        ("m", "u1"),
-        ("shard_index", "u1"),
-        ("class_len", "u1"),
-        ("reserved", "<u2"),
-        ("payload_len", "<u4"),
-        ("shard_len", "<u4"),
-        ("stripe_id", "<u8"),
-        ("block_key", "V16"),
-        ("payload_hash", "V16"),
-        ("shard_hash", "<u8"),
-        ("created_ms", "<u8"),
-        ("expiry_ms", "<u8"),
-        ("class_name", "V16"),
-        ("check", "<u4"),
-    ]
-)
-if HEADER_DTYPE.itemsize != HEADER_BYTES:  # pragma: no cover - format drift guard
-    raise ImportError(
-        f"HEADER_DTYPE is {HEADER_DTYPE.itemsize} bytes, shard headers {HEADER_BYTES}"
-    )
 _CHECKED_LEN = HEADER_BYTES - 4
 _STRIPE = struct.Struct("<Q")
 _FIELDS: Mapping[str, Any] = HEADER_DTYPE.fields or {}
 _STRIPE_OFFSET: int = _FIELDS["stripe_id"][1]
 _KEY_AT: int = _FIELDS["block_key"][1]
-_NAME_AT: int = _FIELDS["class_name"][1]
+_NAME_AT: int = _FIELDS["traffic_class"][1]
 
 _NAME_FIRST = np.zeros(256, dtype=bool)
 _NAME_REST = np.zeros(256, dtype=bool)
@@ -231,7 +211,7 @@ def check_put(items: npt.NDArray[np.void], data: memoryview) -> CheckedPut:
     # Only the two checksums are per record; everything around them is columns.
     sel = np.flatnonzero(ok)
     rows = cand[sel]
-    checks = hdr["check"][sel].tolist()
+    checks = hdr["header_check"][sel].tolist()
     shard_hashes = hdr["shard_hash"][sel].tolist()
     records: list[memoryview] = []
     passed: list[int] = []

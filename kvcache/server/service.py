@@ -50,10 +50,11 @@ from kvcache.wire import (
     Status,
     decode,
     encode,
+    error_reply,
     make_items,
 )
 
-__all__ = ["MAX_FRAMES", "MAX_SHARD_INDEX", "DataService", "error_frames"]
+__all__ = ["MAX_FRAMES", "MAX_SHARD_INDEX", "DataService"]
 
 log = logging.getLogger(__name__)
 
@@ -73,23 +74,6 @@ _GROUP_BYTES = 64 << 20
 #: Retention work runs at least this often, even under a steady request load.
 _MAINTAIN_EVERY_S = 0.05
 _IDLE_POLL_MS = 200
-
-
-def error_frames(
-    request: Header | None, status: Status, text: str, *, token: bytes | None = None
-) -> list[Frame]:
-    """A failed reply (no items, ``text`` as data), MAC'd when a token is set.
-
-    Like :func:`kvcache.wire.error_reply`, which cannot add a MAC.
-    """
-    header = Header(
-        op=request.op if request else Op.STATS,
-        request_id=request.request_id if request else 0,
-        count=0,
-        status=status,
-        flags=FLAG_REPLY,
-    )
-    return encode(header, None, text.encode("utf-8"), token=token)
 
 
 class DataService:
@@ -304,9 +288,9 @@ class DataService:
         self.metrics.error(kind)
         log.debug("request %s refused (%s): %s", _describe(header), kind, exc)
         try:
-            return error_frames(header, status, f"{kind}: {exc}", token=self._token)
+            return error_reply(header, status, f"{kind}: {exc}", token=self._token)
         except Exception:  # pragma: no cover - a header that decoded always re-encodes
-            return error_frames(None, status, kind, token=self._token)
+            return error_reply(None, status, kind, token=self._token)
 
     # ------------------------------------------------------------------ socket loop
 
