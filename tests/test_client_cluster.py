@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from vllm_e2e.damage import damage_block
 
 from kvcache.client import Client, ClientConfig
 from kvcache.client.localcluster import LocalCluster
@@ -205,3 +206,23 @@ def test_node_marked_down_is_probed_when_others_die(
         cluster.kill(0)
         cluster.kill(1)
         assert_loads(client, space, tokens, 12)
+
+
+def test_damaged_block_ends_the_load_and_the_next_store_repairs_it(
+    shared_cluster: LocalCluster,
+) -> None:
+    """Three shards of block 2 replaced by wrong bytes with self-consistent checksums: a
+    match still counts 12 shards, the load refuses the block (never wrong bytes), and the
+    next store rewrites it instead of merely touching it."""
+    space, tokens = ns("damaged"), prompt(5, 11)
+    pay = payloads_for(space, tokens)
+    keys = block_keys(space, tokens)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, pay)
+        damage_block(shared_cluster, keys[2])
+        assert client.match_prefix(space, tokens).hit_blocks == 5
+        assert_loads(client, space, tokens, 2)
+        assert client.counters["blocks_corrupt"] == 1
+        again = client.store(space, tokens, pay, traffic_class="chat")
+        assert again.written == 1 and again.touched == 4
+        assert_loads(client, space, tokens, 5)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -33,6 +34,8 @@ from kvcache.wire import Header, Limits, Message, Op
 __all__ = ["ClientBase"]
 
 log = logging.getLogger(__name__)
+
+_MAX_SUSPECT = 65536
 
 
 class ClientBase:
@@ -64,6 +67,8 @@ class ClientBase:
             for node in self.placement.nodes
         ]
         self._background: set[asyncio.Task[Any]] = set()
+        # Keys whose stored stripe failed verification on a load: stores rewrite them.
+        self._suspect: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
         self.counters: dict[str, int] = {
             "hedges": 0,
             "node_errors": 0,
@@ -72,6 +77,7 @@ class ClientBase:
             "blocks_written": 0,
             "blocks_touched": 0,
             "write_failures": 0,
+            "blocks_corrupt": 0,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -99,6 +105,13 @@ class ClientBase:
                 if not up[i] and self.health.may_probe(ch.node.id):
                     up[i] = True
         return up
+
+    def suspect(self, key: BlockKey) -> None:
+        """Remember that ``key``'s stored stripe failed verification (bounded memory)."""
+        self._suspect[key] = None
+        self._suspect.move_to_end(key)
+        while len(self._suspect) > _MAX_SUSPECT:
+            self._suspect.popitem(last=False)
 
     def _hedge_s(self, tracker: LatencyTracker) -> float:
         if self.config.hedge_ms is not None:

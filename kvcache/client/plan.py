@@ -207,6 +207,9 @@ class StripeAssembly:
         self.payload_hash = np.zeros(blocks, "V16")
         self.have_hash = np.zeros(blocks, bool)
         self.failed = np.zeros(blocks, bool)
+        #: After finish(): the block that had enough shards but no bytes matching the
+        #: writer's hash (a damaged stripe, not a missing one), else -1.
+        self.corrupt = -1
 
     @property
     def blocks(self) -> int:
@@ -270,9 +273,8 @@ class StripeAssembly:
         self._rebuild(codec, np.arange(limit))
         good = 0
         for b in range(limit):
-            if self.failed[b]:
-                break
-            if not self._verified(b) and not self._repair(codec, b):
+            if self.failed[b] or (not self._verified(b) and not self._repair(codec, b)):
+                self.corrupt = b
                 break
             good += 1
         return good

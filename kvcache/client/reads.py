@@ -195,6 +195,11 @@ class ReadOps(ClientBase):
             stop = min(total, start + step)
             asm = await self._load_batch(match, start, stop, payload_len, cls)
             good = asm.finish(self.codec)
+            if asm.corrupt >= 0:
+                # Enough shards but wrong bytes: the next store must rewrite this block
+                # rather than trust its shard count and merely touch it.
+                self.counters["blocks_corrupt"] += 1
+                self.suspect(match.keys[start + asm.corrupt])
             for b in range(good):
                 view = asm.payload(b)
                 if out is not None:

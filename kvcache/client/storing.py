@@ -87,6 +87,8 @@ class StoreOps(ReadOps):
             raise ConfigError(f"{len(keys)} keys but {len(payloads)} payloads")
         match = await self.match_keys(keys, settle_at=self.config.min_write_shards)
         present = match.best_count >= self.config.min_write_shards
+        if self._suspect:
+            present &= np.array([key not in self._suspect for key in keys], bool)
         touched = 0
         if present.any():
             touched = await self._touch_keys([keys[i] for i in np.nonzero(present)[0]], cls)
@@ -101,6 +103,8 @@ class StoreOps(ReadOps):
             )
             written += int(ok.sum())
             failed.extend((first_block + batch[~ok]).tolist())
+            for i in batch[ok].tolist():
+                self._suspect.pop(keys[i], None)
         self.counters["blocks_written"] += written
         self.counters["blocks_touched"] += touched
         self.counters["write_failures"] += len(failed)
