@@ -74,23 +74,34 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
-    print(
-        f"{'node':<10} {'up':<4} {'shards':>9} {'bytes':>12} {'capacity':>12}  per class (shards/bytes/hits)"
-    )
+    print(format_status(stats))
+    return 0 if all(s.get("up") for s in stats) else 1
+
+
+def format_status(stats: list[dict[str, Any]]) -> str:
+    """The ``kvcache status`` table from each node's ``/stats``: capacity, bytes, shards,
+    and per class shards / bytes / shard hits (GET)."""
+    lines = [
+        f"{'node':<10} {'up':<4} {'shards':>9} {'bytes':>14} {'capacity':>14}  "
+        "per class: shards / bytes / hits"
+    ]
     for s in stats:
         if not s.get("up"):
-            print(f"{s['node']:<10} {'no':<4} {s.get('error', '')}")
+            lines.append(f"{s['node']:<10} {'no':<4} {s.get('error', '')}")
             continue
-        classes = s.get("classes", {})
+        usage = s.get("usage", {})
+        hits = s.get("hits", {}).get("get", {})
+        classes = usage.get("classes", {})
         per_class = ", ".join(
-            f"{name}: {c.get('shards', 0)}/{c.get('bytes', 0)}/{c.get('hits', 0)}"
-            for name, c in sorted(classes.items())
+            f"{name}: {classes.get(name, {}).get('shards', 0)} / "
+            f"{classes.get(name, {}).get('bytes', 0):,} / {hits.get(name, 0)}"
+            for name in sorted(set(classes) | set(hits))
         )
-        print(
-            f"{s['node']:<10} {'yes':<4} {s.get('shards', 0):>9} {s.get('used_bytes', 0):>12} "
-            f"{s.get('capacity_bytes', 0):>12}  {per_class}"
+        lines.append(
+            f"{s['node']:<10} {'yes':<4} {usage.get('shards', 0):>9} "
+            f"{usage.get('used_bytes', 0):>14,} {usage.get('capacity_bytes', 0):>14,}  {per_class}"
         )
-    return 0 if all(s.get("up") for s in stats) else 1
+    return "\n".join(lines)
 
 
 def _down(args: argparse.Namespace) -> int:

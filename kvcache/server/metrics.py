@@ -70,6 +70,8 @@ class Metrics:
         self._items = {op: np.zeros(16, dtype=np.int64) for op in ops}
         self._latency = {op: _Histogram() for op in ops}
         self._errors: dict[str, int] = {}
+        #: Shards served by GET and keys refreshed by TOUCH, by (kind, traffic class).
+        self._hits: dict[tuple[str, str], int] = {}
         #: Data-path peers connected now, and connections closed so far (by the
         #: peer, or by libzmq for a frame over the size limit). Service thread only.
         self.connections = 0
@@ -103,6 +105,12 @@ class Metrics:
         with self._lock:
             self._errors[kind] = self._errors.get(kind, 0) + count
 
+    def hit(self, kind: str, traffic_class: str, count: int) -> None:
+        """Count ``count`` hits of ``kind`` ("get" shards, "touch" keys) for a class."""
+        with self._lock:
+            key = (kind, traffic_class)
+            self._hits[key] = self._hits.get(key, 0) + count
+
     def errors(self) -> dict[str, int]:
         """Errors counted so far, by kind."""
         with self._lock:
@@ -121,6 +129,10 @@ class Metrics:
                     for op, c in self._items.items()
                 },
                 "errors": dict(self._errors),
+                "hits": {
+                    kind: {c: n for (k, c), n in sorted(self._hits.items()) if k == kind}
+                    for kind in ("get", "touch")
+                },
                 "connections": self.connections,
                 "disconnects": self.disconnects,
             }
@@ -165,6 +177,15 @@ class Metrics:
                 "counter",
                 "Failed requests and items, by kind.",
                 ((f'kind="{k}"', n) for k, n in sorted(errors.items()) if n),
+            )
+            lines += _family(
+                "hits_total",
+                "counter",
+                "Shards served by GET and keys refreshed by TOUCH, by traffic class.",
+                (
+                    (f'kind="{kind}",class="{_esc(cls)}"', n)
+                    for (kind, cls), n in sorted(self._hits.items())
+                ),
             )
             lines += _family(
                 "connections", "gauge", "Connected data-path peers.", [("", self.connections)]

@@ -245,13 +245,16 @@ class DataService:
                 full = make_items(Op.GET, len(items), reply=True)
                 full["status"] = Status.BAD_ITEM
                 full[~bad] = reply
+                self._count_hits("get", cls, full["status"])
                 return full, data, full["status"]
             reply, data = self.store.get(items, cls)
+            self._count_hits("get", cls, reply["status"])
             return reply, data, reply["status"]
         if op is Op.HAS:
             return self.store.has(items), b"", None
         if op is Op.TOUCH:
             reply = self.store.touch(items, cls)
+            self._count_hits("touch", cls, reply["status"])
             return reply, b"", reply["status"]
         if op is Op.DELETE:
             bad = (items["index"] > MAX_SHARD_INDEX) & (items["index"] != NO_INDEX)
@@ -262,6 +265,13 @@ class DataService:
             return reply, b"", reply["status"]
         # Op.STATS
         return make_items(Op.STATS, 0, reply=True), json.dumps(self.stats()).encode(), None
+
+    def _count_hits(self, kind: str, cls: str, statuses: npt.NDArray[np.uint8]) -> None:
+        """Hits by the class the policy counts them under (unnamed: ``unlabelled``)."""
+        n = int(np.count_nonzero(statuses == Status.OK))
+        if n:
+            name = self.store.policy.resolve(cls) if cls else "unlabelled"
+            self.metrics.hit(kind, name, n)
 
     def stats(self) -> dict[str, Any]:
         """What STATS and ``/stats`` report."""
