@@ -237,10 +237,10 @@ def external_tokens(*, hit_blocks: int, local_tokens: int, loadable: int, block_
 
 
 @dataclass(frozen=True, slots=True)
-class LoadSpec:
-    """Load blocks ``first_block ..`` of a prompt into vLLM blocks ``block_ids``.
+class BlockSpan:
+    """Prompt blocks ``first_block ..`` of request ``req_id`` and their vLLM blocks ``block_ids``.
 
-    ``tokens`` holds exactly the prompt tokens up to the last block to load:
+    ``tokens`` holds exactly the prompt tokens up to the last block covered:
     block keys chain over everything before them.
     """
 
@@ -251,23 +251,18 @@ class LoadSpec:
 
     @property
     def end_block(self) -> int:
-        """One past the last prompt block this spec covers."""
+        """One past the last prompt block this span covers."""
         return self.first_block + len(self.block_ids)
 
 
 @dataclass(frozen=True, slots=True)
-class SaveSpec:
-    """Save prompt blocks ``first_block ..`` from vLLM blocks ``block_ids`` (same shape as LoadSpec)."""
+class LoadSpec(BlockSpan):
+    """Load these blocks from the store into vLLM's blocks before the forward pass."""
 
-    req_id: str
-    tokens: TokenArray
-    first_block: int
-    block_ids: tuple[int, ...]
 
-    @property
-    def end_block(self) -> int:
-        """One past the last prompt block this spec covers."""
-        return self.first_block + len(self.block_ids)
+@dataclass(frozen=True, slots=True)
+class SaveSpec(BlockSpan):
+    """Save these blocks from vLLM's blocks into the store after the forward pass."""
 
 
 @dataclass(frozen=True, slots=True)
