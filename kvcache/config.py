@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import tomllib
 import types
 import typing
@@ -21,7 +22,12 @@ from typing import Any, TypeVar
 
 from kvcache.errors import ConfigError
 
-__all__ = ["build_config", "env_overrides", "load_toml"]
+__all__ = ["build_config", "env_overrides", "load_toml", "parse_size"]
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*\Z")
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+#: Sizes past this are a typo, not a disk (and would overflow LMDB's and the wire's fields).
+MAX_SIZE = 1 << 60
 
 T = TypeVar("T")
 
@@ -45,6 +51,22 @@ def env_overrides(cls: type[Any], prefix: str) -> dict[str, str]:
         if name in os.environ:
             out[f.name] = os.environ[name]
     return out
+
+
+def parse_size(value: object, *, what: str = "size") -> int:
+    """Bytes from an int or a string such as ``"64MiB"``, ``"10G"``, ``"512k"`` (binary units)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a byte count, got {value!r}")
+    size: int | None = None
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE_RE.match(value.lower())):
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    if size is not None:
+        if not 0 <= size <= MAX_SIZE:
+            raise ConfigError(f"{what} of {value!r} is out of range (0 .. 1 EiB)")
+        return size
+    raise ConfigError(f"{what} must be bytes or a size such as '512MiB' or '10G', got {value!r}")
 
 
 def build_config(cls: type[T], *layers: Mapping[str, Any], source: str = "config") -> T:

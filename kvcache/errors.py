@@ -4,14 +4,16 @@ Every exception kvcache raises on purpose derives from :class:`KVCacheError`::
 
     KVCacheError
     ├── ConfigError              a configuration value is missing or invalid
+    │   └── ArgumentError        an argument to a kvcache call is invalid (also a ValueError)
     ├── FormatError              untrusted bytes do not parse (the peer/disk sent something wrong)
     │   ├── ShardFormatError     a shard header or shard body is malformed
     │   └── ProtocolError        a wire message is malformed
     ├── IntegrityError           bytes parsed but their checksum does not match
     ├── ErasureError             the erasure codec cannot do what was asked
     │   └── TooManyErasuresError fewer than k shards of a stripe are available
-    ├── StorageError             the local store failed (LMDB, disk)
-    │   └── CapacityError        the store is full and could not make room
+    ├── StorageError             the local store failed (LMDB, disk); ``kind`` says how
+    │   ├── CapacityError        the store is full and could not make room
+    │   └── QuotaError           a tenant is at its byte quota and its own shards cannot make room
     ├── AuthError                a request lacked valid credentials
     └── ClusterError             talking to storage nodes failed
         ├── NodeError            one node answered with an error or not at all
@@ -25,6 +27,7 @@ attributes; their messages say what failed, the value seen and what to do.
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
     "AuthError",
     "CapacityError",
     "ClusterError",
@@ -36,6 +39,7 @@ __all__ = [
     "NodeError",
     "NodeTimeoutError",
     "ProtocolError",
+    "QuotaError",
     "ShardFormatError",
     "StorageError",
     "TooManyErasuresError",
@@ -49,6 +53,10 @@ class KVCacheError(Exception):
 
 class ConfigError(KVCacheError):
     """A configuration value is missing or invalid; the message names the field."""
+
+
+class ArgumentError(ConfigError, ValueError):
+    """An argument to a kvcache call is invalid; raised before any I/O."""
 
 
 class FormatError(KVCacheError):
@@ -86,11 +94,29 @@ class TooManyErasuresError(ErasureError):
 
 
 class StorageError(KVCacheError):
-    """The local shard store failed (LMDB error, disk full)."""
+    """The local shard store failed.
+
+    ``kind`` names how, for counters and replies: ``capacity``, ``quota``,
+    ``map_full``, ``disk_full``, ``disk_io`` or ``storage`` (anything else).
+    """
+
+    def __init__(self, message: str, *, kind: str = "storage") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class CapacityError(StorageError):
     """The store is full and eviction could not make enough room."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="capacity")
+
+
+class QuotaError(StorageError):
+    """A tenant is at its byte quota and evicting its own shards could not make room."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="quota")
 
 
 class AuthError(KVCacheError):

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.server.probe import fake_shard
+from kvcache.credentials import Credentials
+from kvcache.server.probe import Probe, fake_shard
 from kvcache.wire import Op, make_items
 
 __all__ = [
@@ -135,13 +136,21 @@ class DaemonProcess:
         retention: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         preexec: Callable[[], None] | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.root = root
         self.data_dir = root / "data"
         self.config_path = root / "node.toml"
         self.ready_path = root / "ready.json"
         self.log_path = root / "daemon.log"
-        settings = {"capacity_bytes": 256 << 20, "node_id": "test-node"}
+        self.credentials_path = root / "credentials.toml"
+        self.credentials = credentials or Credentials.generate(("default", "alice"))
+        self.credentials.write(self.credentials_path)
+        settings: dict[str, Any] = {
+            "capacity_bytes": 256 << 20,
+            "node_id": "test-node",
+            "credentials_file": str(self.credentials_path),
+        }
         settings.update(server or {})
         lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in settings.items()]
         if retention:
@@ -206,6 +215,18 @@ class DaemonProcess:
             raise AssertionError(
                 f"daemon ignored SIGTERM for {timeout_s} s:\n{self.log()}"
             ) from None
+
+    @property
+    def admin_token(self) -> str:
+        """The admin token of the daemon's credentials."""
+        assert self.credentials.admin_token is not None
+        return self.credentials.admin_token
+
+    def probe(self, tenant: str = "default", **kwargs: Any) -> Probe:
+        """An authenticated single-node connection as ``tenant``."""
+        entry = self.credentials.tenant(tenant)
+        assert entry is not None
+        return Probe(self.data, tenant=tenant, secret=entry.secret, **kwargs)
 
     def kill(self) -> None:
         """SIGKILL (``kill -9``) and reap."""

@@ -38,7 +38,8 @@ def test_up_status_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     try:
         space = Namespace(model="cli", revision="1", layout=REFERENCE_LAYOUT)
         tokens = np.arange(512 * 3, dtype=np.uint32)
-        with Client(ClientConfig(cluster_file=root / "cluster.toml")) as client:
+        assert (root / "credentials.toml").stat().st_mode & 0o777 == 0o600
+        with Client(ClientConfig.load(root / "client.toml")) as client:
             client.store(
                 space,
                 tokens,
@@ -106,3 +107,70 @@ def test_demo_writes_a_verified_summary(tmp_path: Path) -> None:
 def test_demo_rejects_a_bad_fault(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--fault", "explode:1", "--limit", "1"]) == 1
     assert "--fault must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["server", "--data-dir", "{file}"], "not a directory"),
+        (["server", "--data-dir", "{file}/sub"], "not a directory"),
+        (["server", "--data-dir", "/proc/kvcache-test"], "data directory"),
+        (["server", "--data-dir", "{dir}/d", "--capacity", "1e30"], "capacity"),
+        (["server", "--data-dir", "{dir}/d", "--capacity", "9999999TiB"], "out of range"),
+        (["server", "--data-dir", "{dir}/d", "--listen", "udp://x"], "listen"),
+        (["server", "--data-dir", "{dir}/d", "--credentials", "{dir}/none.toml"], "does not exist"),
+        (["server", "--config", "{dir}/missing.toml"], "does not exist"),
+        (["up", "--dir", "{file}"], "not a directory"),
+        (["status", "--dir", "{dir}/nowhere"], "no local cluster"),
+        (["down", "--dir", "{dir}/nowhere"], "no local cluster"),
+    ],
+)
+def test_user_mistakes_get_a_message_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    argv = [a.format(file=file, dir=tmp_path) for a in args]
+    assert main(["--log-level", "ERROR", *argv]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert needle in err
+
+
+def test_credentials_readable_by_others_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcache.credentials import Credentials
+
+    path = Credentials.generate().write(tmp_path / "creds.toml")
+    path.chmod(0o644)
+    argv = ["server", "--data-dir", str(tmp_path / "d"), "--credentials", str(path)]
+    assert main(["--log-level", "ERROR", *argv]) == 1
+    assert "chmod 600" in capsys.readouterr().err
+
+
+def test_down_signals_only_our_daemons_and_restart_keeps_settings(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from kvcache.client.localcluster import LocalCluster
+
+    cluster = LocalCluster(tmp_path / "c").start(nodes=2, capacity="96MiB")
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # Restart keeps every flag: capacity and credentials included.
+        cluster.kill(1)
+        cluster.restart(1)
+        stats = cluster.node_stats()
+        assert all(s["up"] and s["usage"]["capacity_bytes"] == 96 << 20 for s in stats)
+        # A stale record pointing at another program's pid: down must leave it alone.
+        records = json.loads((tmp_path / "c" / "nodes.json").read_text())
+        records["node-00"]["pid"] = bystander.pid
+        (tmp_path / "c" / "nodes.json").write_text(json.dumps(records))
+        assert main(["--log-level", "ERROR", "down", "--dir", str(tmp_path / "c")]) == 0
+        assert bystander.poll() is None  # still running
+    finally:
+        bystander.kill()
+        bystander.wait()
+        cluster.stop()

@@ -13,6 +13,7 @@ from vllm_e2e.damage import damage_block
 
 from kvcache.client import Client, ClientConfig
 from kvcache.client.localcluster import LocalCluster
+from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.workload import payload_for_key
@@ -36,7 +37,7 @@ def payloads_for(space: Namespace, tokens: np.ndarray) -> list[np.ndarray]:
 
 
 def client_for(cluster: LocalCluster, **kw: object) -> Client:
-    return Client(ClientConfig(cluster_file=cluster.cluster_file, **kw))  # type: ignore[arg-type]
+    return Client(cluster.client_config(**kw))
 
 
 def assert_loads(client: Client, space: Namespace, tokens: np.ndarray, blocks: int) -> None:
@@ -135,8 +136,8 @@ def test_paused_daemon_costs_no_wait(cluster_factory: Callable[..., LocalCluster
 
 
 def test_racing_writers_never_mix(shared_cluster: LocalCluster) -> None:
-    """Two writers store different bytes under the same keys while a reader loads:
-    every block ever returned equals one writer's bytes, never a mix."""
+    """Two writers delete and store different bytes under the same keys while a reader
+    loads: every block ever returned equals one writer's bytes, never a mix."""
     space, tokens = ns("race"), prompt(6, 9)
     keys = block_keys(space, tokens)
     variants = [
@@ -175,13 +176,71 @@ def test_racing_writers_never_mix(shared_cluster: LocalCluster) -> None:
         writing.clear()
         reader.join(timeout=60)
         assert bad == []
-        # A race may leave a block with no full stripe of either writer (a miss, never a
-        # mix); the next store repairs exactly those and touches the rest.
+        # Deleting and storing again gives whole blocks.
+        clients[0].delete(space, tokens)
         clients[0].store(space, tokens, variants[0])
         final = clients[2].load_prefix(space, tokens)
         assert final.blocks == len(keys)
         for b, got in enumerate(final.payloads):
-            assert np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])
+            assert np.array_equal(got, variants[0][b])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_concurrent_stores_never_ack_an_unreadable_block(shared_cluster: LocalCluster) -> None:
+    """Two writers store different bytes for the same fresh blocks at the same moment: a
+    block either writer was told is stored (written or already there) must load, whole."""
+    clients = [client_for(shared_cluster) for _ in range(3)]
+    unreadable = 0
+    both_written = 0
+    try:
+        for race in range(12):
+            space, tokens = ns(f"store-race-{race}"), prompt(4, 100 + race)
+            keys = block_keys(space, tokens)
+            variants = [
+                [payload_for_key(k, P) for k in keys],
+                [np.bitwise_not(payload_for_key(k, P)) for k in keys],
+            ]
+            results: list[object] = [None, None]
+            barrier = threading.Barrier(2)
+
+            def write(
+                i: int,
+                variants: list[list[np.ndarray]] = variants,
+                barrier: threading.Barrier = barrier,
+                results: list[object] = results,
+                space: Namespace = space,
+                tokens: np.ndarray = tokens,
+            ) -> None:
+                barrier.wait()
+                results[i] = clients[i].store(space, tokens, variants[i])
+
+            threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            acked = [
+                set(range(len(keys))) - set(r.failed_blocks)  # type: ignore[attr-defined]
+                for r in results
+            ]
+            written = [
+                set(range(len(keys))) - set(r.failed_blocks)  # type: ignore[attr-defined]
+                if r.touched == 0  # type: ignore[attr-defined]
+                else set()
+                for r in results
+            ]
+            both_written += len(written[0] & written[1])
+            loaded = clients[2].load_prefix(space, tokens)
+            for b in acked[0] | acked[1]:
+                if b >= loaded.blocks:
+                    unreadable += 1
+                    continue
+                got = loaded.payloads[b]
+                assert np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])
+        assert unreadable == 0
+        assert both_written == 0
     finally:
         for c in clients:
             c.close()
@@ -202,7 +261,7 @@ def test_node_marked_down_is_probed_when_others_die(
             client.stats()  # waits out the timeout on the paused node: it is marked down
         finally:
             cluster.resume(5)
-        assert "node-05" in client.aclient.health.down_nodes()
+        assert "node-05" in client.core.health.down_nodes()
         cluster.kill(0)
         cluster.kill(1)
         assert_loads(client, space, tokens, 12)
@@ -226,3 +285,53 @@ def test_damaged_block_ends_the_load_and_the_next_store_repairs_it(
         again = client.store(space, tokens, pay, traffic_class="chat")
         assert again.written == 1 and again.touched == 4
         assert_loads(client, space, tokens, 5)
+
+
+def test_a_corrupt_or_forged_shard_costs_no_hit(shared_cluster: LocalCluster) -> None:
+    """One shard's body damaged with a recomputed checksum (forged) in every block: every load
+    is whole and byte-identical, and read repair puts the right shard back."""
+    space, tokens = ns("forged"), prompt(6, 12)
+    pay = payloads_for(space, tokens)
+    keys = block_keys(space, tokens)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, pay)
+        for key in keys:
+            damage_block(shared_cluster, key, shards=1)
+        assert_loads(client, space, tokens, 6)
+        counters = client.counters
+        assert counters["bad_shards_found"] == 6 and counters["blocks_corrupt"] == 0
+
+
+def test_client_refuses_bad_arguments_before_any_io(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("args"), prompt(2, 13)
+    with client_for(shared_cluster) as client:
+        bad_calls = [
+            lambda: client.match_prefix("not a namespace", tokens),  # type: ignore[arg-type]
+            lambda: client.match_prefix(space, "abc"),  # type: ignore[arg-type]
+            lambda: client.match_prefix(space, [1.5, 2.5]),  # type: ignore[list-item]
+            lambda: client.store(space, tokens, [b"short", b"short"]),
+            lambda: client.store(space, tokens, np.zeros((2, P), np.float32)),  # type: ignore[arg-type]
+            lambda: client.store(space, tokens, 42),  # type: ignore[arg-type]
+            lambda: client.store(space, tokens, payloads_for(space, tokens), traffic_class="BAD!"),
+            lambda: client.load(space, "match"),  # type: ignore[arg-type]
+            lambda: client.load_prefix(space, tokens, out=np.zeros((2, P), np.float32)),  # type: ignore[arg-type]
+            lambda: client.store_keys([b"short"], [b"x"], payload_len=1),
+            lambda: client.store(space, tokens, payloads_for(space, tokens), first_block=-1),
+        ]
+        for call in bad_calls:
+            with pytest.raises(ArgumentError):
+                call()
+        assert client.match_prefix(space, tokens).hit_blocks == 0  # nothing was stored
+
+
+def test_clients_without_the_right_credentials_get_nothing(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("creds"), prompt(2, 14)
+    with client_for(shared_cluster) as owner:
+        owner.store(space, tokens, payloads_for(space, tokens))
+    with pytest.raises(ConfigError, match="no credentials"):
+        Client(ClientConfig(cluster_file=shared_cluster.cluster_file))
+    stranger_config = ClientConfig(cluster_file=shared_cluster.cluster_file, secret="ab" * 32)
+    with Client(stranger_config) as stranger:
+        errors = [entry.get("error", "") for entry in stranger.stats().values()]
+        assert len(errors) == 12 and all("refused" in e for e in errors)
+        assert stranger.match_prefix(space, tokens).hit_blocks == 0

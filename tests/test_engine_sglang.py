@@ -61,7 +61,11 @@ def page_hashes(count: int, salt: str) -> list[str]:
 @pytest.fixture
 def backend(shared_cluster: LocalCluster) -> Any:
     cfg = StorageConfig(
-        extra_config={"cluster_file": str(shared_cluster.cluster_file), "traffic_class": "agent"}
+        extra_config={
+            "cluster_file": str(shared_cluster.cluster_file),
+            "credentials_file": str(shared_cluster.credentials_file),
+            "traffic_class": "agent",
+        }
     )
     b = KVCacheStorage(cfg, {})
     b.register_mem_pool_host(HostPool(tokens=16 * 32, page_size=16))
@@ -80,7 +84,13 @@ def test_batch_set_v1_then_get_v1_into_another_pool(
     assert backend.batch_exists(keys[:3] + page_hashes(2, "zz")) == 3
     # A second worker with its own pool loads the pages into other slots.
     other = KVCacheStorage(
-        StorageConfig(extra_config={"cluster_file": str(shared_cluster.cluster_file)}), {}
+        StorageConfig(
+            extra_config={
+                "cluster_file": str(shared_cluster.cluster_file),
+                "credentials_file": str(shared_cluster.credentials_file),
+            }
+        ),
+        {},
     )
     try:
         other_pool = HostPool(tokens=16 * 32, page_size=16)
@@ -112,7 +122,12 @@ def test_other_tp_rank_never_shares_pages(backend: Any, shared_cluster: LocalClu
     backend.batch_set_v1(keys, torch.arange(0, 32))
     rank1 = KVCacheStorage(
         StorageConfig(
-            tp_rank=1, tp_size=2, extra_config={"cluster_file": str(shared_cluster.cluster_file)}
+            tp_rank=1,
+            tp_size=2,
+            extra_config={
+                "cluster_file": str(shared_cluster.cluster_file),
+                "credentials_file": str(shared_cluster.credentials_file),
+            },
         ),
         {},
     )

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 from vllm_e2e.damage import damage_block
 
-from kvcache.client import Client, ClientConfig
+from kvcache.client import Client
 from kvcache.client.localcluster import LocalCluster
 from kvcache.engine.vllm_meta import namespace_from_dict
 from kvcache.keys import Namespace, block_keys
@@ -149,6 +149,7 @@ def run_engine(
     if cluster is not None:
         connector = {
             "cluster_file": str(cluster.cluster_file),
+            "credentials_file": str(cluster.credentials_file),
             "traffic_class": "chat",
             "timeout_s": 5.0,
             "stats_dir": str(stats_dir),
@@ -200,7 +201,7 @@ def scenario(
     key = block_keys(ns, P3)[DAMAGED_BLOCK]
     damaged = damage_block(cluster, key)
     # The damage is what the test claims: the block still matches, but cannot be loaded.
-    with Client(ClientConfig(cluster_file=cluster.cluster_file, timeout_s=5.0)) as client:
+    with Client(cluster.client_config(timeout_s=5.0, read_repair=False)) as client:
         match = client.match_prefix(ns, P3)
         loaded = client.load(ns, match).blocks
     second = run_engine(vllm_python, tiny_model, work, "second", prompts, cluster)

@@ -11,7 +11,7 @@ PUBLIC = {
     "kvcache.client": ["AsyncClient", "Client", "ClientConfig", "LoadResult", "MatchResult", "StoreResult"],
     "kvcache.engine": ["PagedKVAdapter", "TransferHandle", "kv_dtype"],
     "kvcache.retention": ["DAY_S", "DEFAULT_CLASSES", "DEFAULT_CLASS_NAME", "RetentionPolicy", "merged_expiry", "parse_duration"],
-    "kvcache.server": ["Clock", "DaemonInfo", "DaemonThread", "DataService", "ServerConfig", "ShardStore", "SyncMode", "load_server_config", "run_daemon"],
+    "kvcache.server": ["Clock", "DaemonInfo", "DaemonThread", "DataServer", "RequestHandler", "ServerConfig", "ShardStore", "SyncMode", "load_server_config", "run_daemon"],
     "kvcache.erasure": ["Backend", "Codec", "ErasureParams", "alloc_stripes", "encode_payloads", "get_codec", "isal_available", "payload_view"],
 }  # fmt: skip
 

@@ -65,6 +65,13 @@ def test_cli_show_set_reset_usage(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert main(["usage", "--cluster", cfile]) == 0
         assert "class" in capsys.readouterr().out
         assert main(["set", "--cluster", cfile, "--classes", "agent=0s"]) == 1
+        # Without the admin token, nothing changes.
+        assert (
+            main(["set", "--cluster", cfile, "--token", "wrong" * 4, "--classes", "agent=1s"]) == 1
+        )
+        assert "401" in capsys.readouterr().out
+        assert main(["show", "--cluster", cfile]) == 0
+        assert capsys.readouterr().out.count("agent=3d, chat=7d") == 3
     finally:
         cluster.stop()
 

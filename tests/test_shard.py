@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,8 +15,11 @@ from kvcache.errors import IntegrityError, ShardFormatError
 from kvcache.keys import BlockKey
 from kvcache.shard import (
     HEADER_BYTES,
+    HEADER_DTYPE,
     ShardHeader,
+    build_headers,
     check_class_name,
+    header_verdicts,
     new_stripe_id,
     payload_hash,
     shard_hash,
@@ -161,3 +166,56 @@ def test_invalid_header_fields(field: dict[str, object]) -> None:
 def test_stripe_ids_are_nonzero_and_distinct() -> None:
     ids = {new_stripe_id() for _ in range(1000)}
     assert 0 not in ids and len(ids) == 1000
+
+
+# ---------------------------------------------------------------------- one home for the rules
+
+
+@st.composite
+def mutated_headers(draw: st.DrawFn) -> bytes:
+    """A valid packed header, possibly with bytes changed (checksum recomputed or not)."""
+    raw = bytearray(draw(headers()).pack())
+    for _ in range(draw(st.integers(0, 3))):
+        pos = draw(st.integers(0, HEADER_BYTES - 1))
+        raw[pos] = draw(st.integers(0, 255))
+    if draw(st.booleans()):
+        # Re-seal: the field rules, not the checksum, must then decide.
+        body = bytes(raw[: HEADER_BYTES - 4])
+        raw[HEADER_BYTES - 4 :] = (xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF).to_bytes(
+            4, "little"
+        )
+    return bytes(raw)
+
+
+@settings(derandomize=True, max_examples=500)
+@given(st.lists(mutated_headers(), min_size=1, max_size=6))
+def test_vectorised_verdicts_agree_with_the_parser(raws: list[bytes]) -> None:
+    """header_verdicts (daemon PUT checks, client reply checks) == ShardHeader.unpack."""
+    records = np.frombuffer(b"".join(raws), HEADER_DTYPE)
+    verdicts = header_verdicts(records)
+    for raw, verdict in zip(raws, verdicts.tolist(), strict=True):
+        try:
+            ShardHeader.unpack(raw)
+            expected = True
+        except ShardFormatError:
+            expected = False
+        assert verdict == expected
+
+
+@settings(derandomize=True, max_examples=100)
+@given(headers())
+def test_build_headers_packs_like_the_scalar_header(header: ShardHeader) -> None:
+    built = build_headers(
+        keys=np.frombuffer(header.block_key, "V16"),
+        stripe_ids=np.array([header.stripe_id], np.uint64),
+        k=header.k,
+        m=header.m,
+        payload_len=header.payload_len,
+        payload_hashes=np.frombuffer(header.payload_hash, "V16"),
+        shard_hashes=np.full((1, header.n), header.shard_hash, np.uint64),
+        traffic_class=header.traffic_class,
+        created_ms=header.created_ms,
+        expiry_ms=header.expiry_ms,
+    )
+    assert built.shape == (1, header.n)
+    assert built[0, header.shard_index].tobytes() == header.pack()

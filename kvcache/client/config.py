@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvcache.config import build_config, env_overrides, load_toml
+from kvcache.credentials import DEFAULT_TENANT, Credentials, check_tenant_name, parse_secret
 from kvcache.errors import ConfigError
 from kvcache.shard import check_class_name
 
@@ -23,9 +23,23 @@ class ClientConfig:
     block before asking the last holders too; ``None`` derives it from observed
     latency. A node that does not answer within ``timeout_s`` is marked down and
     skipped for ``down_retry_s`` seconds, then probed again by normal traffic.
+
+    Credentials: the cluster refuses clients without them. ``tenant`` names
+    whose blocks this client reads and writes; its secret comes from ``secret``
+    (hex) or from the tenant's entry in ``credentials_file`` (mode 0600).
+
+    Throughput: a load or store is cut into chunks of about ``chunk_bytes`` of
+    payload (at most ``max_batch_blocks`` blocks), one request per node each,
+    with ``window`` chunks in flight over ``connections_per_node`` connections
+    to every node.
     """
 
     cluster_file: Path
+    tenant: str = DEFAULT_TENANT
+    credentials_file: Path | None = None
+    secret: str = field(default="", repr=False)
+    #: Encrypt the data path with TLS, trusting this CA (PEM); empty: plain TCP.
+    tls_ca: Path | None = None
     k: int = 10
     m: int = 2
     min_write_shards: int = 11
@@ -34,7 +48,12 @@ class ClientConfig:
     hedge_ms: float | None = None
     down_retry_s: float = 5.0
     max_batch_blocks: int = 256
-    token: str = ""
+    chunk_bytes: int = 32 << 20
+    window: int = 4
+    connections_per_node: int = 2
+    #: Put back shards a load found bad or missing on their holders (read repair), and drop a
+    #: stripe that no k of its shards rebuild, so that any client's next store rewrites it.
+    read_repair: bool = True
     #: Let glibc reuse large freed buffers instead of mmap/munmap per batch (see kvcache.memtune).
     tune_malloc: bool = True
 
@@ -53,11 +72,39 @@ class ClientConfig:
             raise ConfigError("hedge_ms must be >= 0")
         if not 1 <= self.max_batch_blocks <= 4096:
             raise ConfigError("max_batch_blocks must lie in 1..4096")
+        if self.chunk_bytes < 1 or not 1 <= self.window <= 64:
+            raise ConfigError("chunk_bytes must be >= 1 and window in 1..64")
+        if not 1 <= self.connections_per_node <= 16:
+            raise ConfigError("connections_per_node must lie in 1..16")
+        check_tenant_name(self.tenant)
+        if self.secret:
+            parse_secret(self.secret, what="ClientConfig.secret")
 
     @property
     def n(self) -> int:
         """Shards per stripe."""
         return self.k + self.m
+
+    def secret_bytes(self) -> bytes:
+        """This client's tenant secret; ConfigError saying what to set when there is none."""
+        if self.secret:
+            return parse_secret(self.secret, what="ClientConfig.secret")
+        if self.credentials_file is not None:
+            tenant = Credentials.load(self.credentials_file).tenant(self.tenant)
+            if tenant is None:
+                raise ConfigError(
+                    f"credentials file {self.credentials_file} has no tenant {self.tenant!r}"
+                )
+            return tenant.secret
+        raise ConfigError(
+            "no credentials: the cluster refuses clients without them. Set credentials_file "
+            "(e.g. the credentials.toml that `kvcache up` wrote) or secret in the client config, "
+            "or KVCACHE_CLIENT_CREDENTIALS_FILE / KVCACHE_CLIENT_SECRET"
+        )
+
+    def chunk_blocks(self, payload_len: int) -> int:
+        """Blocks per chunk for payloads of ``payload_len`` bytes."""
+        return max(1, min(self.max_batch_blocks, self.chunk_bytes // max(1, payload_len)))
 
     @classmethod
     def load(
@@ -70,10 +117,13 @@ class ClientConfig:
         layers: list[Mapping[str, Any]] = []
         if path is not None:
             raw = load_toml(path)
-            layers.append(raw.get("client", raw))
+            table = dict(raw.get("client", raw))
+            # Relative paths in a file are relative to that file.
+            for name in ("cluster_file", "credentials_file", "tls_ca"):
+                if isinstance(table.get(name), str) and not Path(table[name]).is_absolute():
+                    table[name] = str(Path(path).parent / table[name])
+            layers.append(table)
         layers.append(env_overrides(cls, "KVCACHE_CLIENT"))
-        if "KVCACHE_TOKEN" in os.environ and not any("token" in layer for layer in layers):
-            layers.append({"token": os.environ["KVCACHE_TOKEN"]})
         if overrides:
             layers.append(overrides)
         return build_config(cls, *layers, source=str(path or "client config"))

@@ -20,9 +20,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kvcache.client.config import ClientConfig
+from kvcache.client.client import Client
 from kvcache.client.localcluster import LocalCluster
-from kvcache.client.sync import Client
 from kvcache.errors import ConfigError
 from kvcache.keys import Namespace
 from kvcache.layout import REFERENCE_LAYOUT
@@ -121,7 +120,7 @@ def run_demo(options: DemoOptions, *, out: TextIO = sys.stderr) -> DemoSummary:
         root = options.root or Path(tmp)
         print(f"starting {options.nodes} storage daemons under {root} ...", file=out)
         with LocalCluster(root).start(nodes=options.nodes, capacity=options.capacity) as cluster:
-            config = ClientConfig(cluster_file=cluster.cluster_file)
+            config = cluster.client_config()
             with Client(config) as client:
                 return _replay(client, cluster, requests, options, fault, out)
 

@@ -2,8 +2,12 @@
 
 ``kvcache up`` / ``status`` / ``down`` use this, and so do the demo, the
 benchmarks and the integration tests. Each daemon is a real ``kvcache server``
-process with its own LMDB directory and log; the cluster file and the pids are
-written next to them so a later command can find and stop them.
+process with its own LMDB directory and log. Next to them go the cluster file,
+the credentials (generated, mode 0600: the cluster is closed by default), a
+``client.toml`` that points a client at both, and ``nodes.json``: each
+daemon's pid, process start time and full command line, so a later ``down``
+signals only processes that are still those daemons, and ``restart`` starts a
+daemon again with every setting it had.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcache.client.config import ClientConfig
 from kvcache.cluster import ClusterMap, NodeInfo
+from kvcache.credentials import Credentials
 from kvcache.errors import ClusterError, ConfigError
 
 __all__ = ["LocalCluster", "free_ports"]
@@ -40,7 +46,9 @@ DAEMON_ENV = {
 }
 
 CLUSTER_FILE = "cluster.toml"
-PIDS_FILE = "pids.json"
+CREDENTIALS_FILE = "credentials.toml"
+CLIENT_FILE = "client.toml"
+PIDS_FILE = "nodes.json"
 
 
 def free_ports(count: int) -> list[int]:
@@ -63,6 +71,11 @@ class _Node:
     data_dir: Path
     pid: int
     proc: subprocess.Popen[bytes] | None = None
+    cmd: list[str] | None = None
+    started: int = 0
+
+    def record(self) -> dict[str, Any]:
+        return {"pid": self.pid, "started": self.started, "cmd": self.cmd}
 
 
 class LocalCluster:
@@ -76,6 +89,24 @@ class LocalCluster:
     def cluster_file(self) -> Path:
         """The cluster map clients load."""
         return self.root / CLUSTER_FILE
+
+    @property
+    def credentials_file(self) -> Path:
+        """The cluster's credentials (every tenant's secret and the admin token)."""
+        return self.root / CREDENTIALS_FILE
+
+    @property
+    def client_file(self) -> Path:
+        """A client config pointing at the cluster file and the credentials."""
+        return self.root / CLIENT_FILE
+
+    def credentials(self) -> Credentials:
+        """The cluster's credentials."""
+        return Credentials.load(self.credentials_file)
+
+    def client_config(self, **overrides: Any) -> ClientConfig:
+        """A client config for this cluster (tenant ``default`` unless overridden)."""
+        return ClientConfig.load(self.client_file, overrides=overrides)
 
     @property
     def nodes(self) -> list[NodeInfo]:
@@ -93,22 +124,30 @@ class LocalCluster:
         *,
         nodes: int = 12,
         capacity: str = "2GiB",
-        token: str | None = None,
+        tenants: tuple[str, ...] = ("default",),
+        credentials: Credentials | None = None,
         extra_args: tuple[str, ...] = (),
         timeout_s: float = 60.0,
     ) -> LocalCluster:
-        """Start ``nodes`` daemons, write the cluster file, wait until all are healthy."""
+        """Start ``nodes`` daemons, write the cluster, credential and client files, wait
+        until all are healthy. Credentials are generated for ``tenants`` unless given."""
         if nodes < 1:
             raise ConfigError("a cluster needs at least one node")
         if (self.root / PIDS_FILE).exists() and self._alive_pids():
             raise ClusterError(
                 f"a cluster is already running under {self.root}; run `kvcache down` first"
             )
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(f"{self.root} exists and is not a directory") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot create {self.root}: {exc.strerror or exc}") from None
+        (credentials or Credentials.generate(tenants)).write(self.credentials_file)
+        self.client_file.write_text(
+            f'cluster_file = "{CLUSTER_FILE}"\ncredentials_file = "{CREDENTIALS_FILE}"\n'
+        )
         ports = free_ports(2 * nodes)
-        env = {**os.environ, **DAEMON_ENV}
-        if token:
-            env["KVCACHE_SERVER_TOKEN"] = token
         self._nodes = []
         for i in range(nodes):
             node_id = f"node-{i:02d}"
@@ -120,24 +159,22 @@ class LocalCluster:
             )
             data_dir = self.root / node_id
             data_dir.mkdir(exist_ok=True)
-            log_file = open(self.root / f"{node_id}.log", "ab")  # noqa: SIM115 - owned by the child
             cmd = [
                 sys.executable, "-m", "kvcache.cli", "server",
                 "--node-id", node_id,
-                "--data-dir", str(data_dir),
+                "--data-dir", str(data_dir.resolve()),
                 "--listen", info.data,
                 "--admin-listen", f"127.0.0.1:{admin_port}",
                 "--capacity", capacity,
+                "--credentials", str(self.credentials_file.resolve()),
                 *extra_args,
             ]  # fmt: skip
-            proc = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-            log_file.close()
-            self._nodes.append(_Node(info, data_dir, proc.pid, proc))
+            node = _Node(info, data_dir, 0, cmd=cmd)
+            self._spawn(node)
+            self._nodes.append(node)
         cmap = ClusterMap(epoch=1, nodes=tuple(n.info for n in self._nodes))
         self.cluster_file.write_text(cmap.to_toml())
-        (self.root / PIDS_FILE).write_text(json.dumps({n.info.id: n.pid for n in self._nodes}))
+        self._write_records()
         try:
             self.wait_healthy(timeout_s=timeout_s)
         except ClusterError:
@@ -146,16 +183,50 @@ class LocalCluster:
         log.info("local cluster of %d nodes up under %s", nodes, self.root)
         return self
 
+    def _spawn(self, node: _Node) -> None:
+        assert node.cmd is not None
+        log_file = open(self.root / f"{node.info.id}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            node.cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **DAEMON_ENV},
+            start_new_session=True,
+        )
+        log_file.close()
+        node.pid, node.proc, node.started = proc.pid, proc, _start_time(proc.pid)
+
+    def _write_records(self) -> None:
+        tmp = self.root / (PIDS_FILE + ".tmp")
+        tmp.write_text(json.dumps({n.info.id: n.record() for n in self._nodes}, indent=1))
+        os.replace(tmp, self.root / PIDS_FILE)
+
     @classmethod
     def attach(cls, root: str | Path) -> LocalCluster:
         """A handle on a cluster started earlier (by another process) under ``root``."""
         self = cls(root)
         try:
             cmap = ClusterMap.load(self.cluster_file)
-            pids = json.loads((self.root / PIDS_FILE).read_text())
+            records = json.loads((self.root / PIDS_FILE).read_text())
+            if not isinstance(records, dict):
+                raise ValueError("not a JSON object")
         except (ConfigError, OSError, ValueError) as exc:
             raise ClusterError(f"no local cluster under {self.root}: {exc}") from None
-        self._nodes = [_Node(n, self.root / n.id, int(pids.get(n.id, 0))) for n in cmap.nodes]
+        self._nodes = []
+        for n in cmap.nodes:
+            rec = records.get(n.id, {})
+            if not isinstance(rec, dict):
+                rec = {}
+            cmd = rec.get("cmd")
+            self._nodes.append(
+                _Node(
+                    n,
+                    self.root / n.id,
+                    int(rec.get("pid", 0) or 0),
+                    cmd=cmd if isinstance(cmd, list) else None,
+                    started=int(rec.get("started", 0) or 0),
+                )
+            )
         return self
 
     def wait_healthy(self, *, timeout_s: float = 60.0, indices: list[int] | None = None) -> None:
@@ -183,18 +254,34 @@ class LocalCluster:
 
     def _alive_pids(self) -> list[int]:
         try:
-            pids = json.loads((self.root / PIDS_FILE).read_text()).values()
-        except (OSError, ValueError):
+            attached = LocalCluster.attach(self.root)
+        except ClusterError:
             return []
-        return [p for p in pids if _alive(int(p))]
+        return [n.pid for n in attached._nodes if _ours(n)]
 
     def stop(self, *, timeout_s: float = 15.0) -> None:
-        """SIGTERM every daemon (SIGCONT first, in case one is paused), then SIGKILL stragglers."""
+        """SIGTERM every daemon (SIGCONT first, in case one is paused), then SIGKILL stragglers.
+
+        Only processes that are still the daemons this cluster started are
+        signalled: same pid, same start time, same command line. A pid that
+        was reused by another program is left alone (and reported).
+        """
+        mine = []
         for node in self._nodes:
+            if node.proc is None and not _ours(node):
+                if node.pid > 0 and _alive(node.pid):
+                    log.warning(
+                        "%s: pid %d is no longer our daemon (reused); not signalling it",
+                        node.info.id,
+                        node.pid,
+                    )
+                continue
+            mine.append(node)
+        for node in mine:
             _signal(node.pid, signal.SIGCONT)
             _signal(node.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for node in self._nodes:
+        for node in mine:
             while _alive(node.pid, node.proc) and time.monotonic() < deadline:
                 time.sleep(0.02)
             if _alive(node.pid, node.proc):
@@ -220,25 +307,15 @@ class LocalCluster:
         _signal(self._nodes[index].pid, signal.SIGCONT)
 
     def restart(self, index: int, *, timeout_s: float = 30.0) -> None:
-        """Start node ``index`` again on its old addresses and data directory."""
+        """Start node ``index`` again with the command line it had (addresses, data
+        directory, capacity, credentials and every extra flag)."""
         node = self._nodes[index]
-        if _alive(node.pid, node.proc):
+        if _alive(node.pid, node.proc) and (node.proc is not None or _ours(node)):
             raise ClusterError(f"{node.info.id} is still running")
-        admin_port = node.info.admin.rsplit(":", 1)[1]
-        log_file = open(self.root / f"{node.info.id}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "kvcache.cli", "server",
-                "--node-id", node.info.id,
-                "--data-dir", str(node.data_dir),
-                "--listen", node.info.data,
-                "--admin-listen", f"127.0.0.1:{admin_port}",
-            ],
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **DAEMON_ENV},
-        )  # fmt: skip
-        log_file.close()
-        node.pid, node.proc = proc.pid, proc
+        if node.cmd is None:
+            raise ClusterError(f"no recorded command line for {node.info.id}; restart by hand")
+        self._spawn(node)
+        self._write_records()
         self.wait_healthy(timeout_s=timeout_s, indices=[index])
 
     # -------------------------------------------------------------- status
@@ -279,6 +356,33 @@ def _alive(pid: int, proc: subprocess.Popen[bytes] | None = None) -> bool:
             return fh.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def _start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (0 when unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            # The command name may contain spaces: fields follow its closing parenthesis.
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _ours(node: _Node) -> bool:
+    """Whether ``node.pid`` is still the daemon we started: start time and command line match."""
+    if node.pid <= 0 or not _alive(node.pid):
+        return False
+    if node.started and _start_time(node.pid) != node.started:
+        return False
+    try:
+        with open(f"/proc/{node.pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
+    text = [a.decode(errors="replace") for a in argv if a]
+    if node.cmd is not None:
+        return text == node.cmd
+    return "kvcache.cli" in text and "server" in text and node.info.id in text
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

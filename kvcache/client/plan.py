@@ -1,8 +1,8 @@
-"""Pure read-path logic: prefix matching from HAS answers, choosing which shards
-to ask whom, and assembling GET replies into stripes. No sockets here.
+"""Pure read-path logic: prefix matching from HAS answers and choosing which shards
+to ask whom. No sockets here.
 
-Arrays, not loops: a load of hundreds of blocks is planned and assembled with a
-handful of numpy operations per node.
+Arrays, not loops: a load of hundreds of blocks is planned with a handful of
+numpy operations per node.
 """
 
 from __future__ import annotations
@@ -12,18 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
-from kvcache.erasure import Codec
-from kvcache.errors import ErasureError
 from kvcache.keys import BlockKey
-from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, MAGIC, VERSION
 
 __all__ = [
     "HeldShards",
     "MatchResult",
     "ReadPlan",
-    "StripeAssembly",
+    "best_counts",
     "match_from_held",
     "plan_reads",
 ]
@@ -64,29 +60,20 @@ class MatchResult:
         return self.hit_blocks * self.tokens_per_block
 
 
-def match_from_held(
-    keys: list[BlockKey],
-    held: Sequence[HeldShards],
-    *,
-    k: int,
-    n: int,
-    tokens_per_block: int,
-) -> MatchResult:
-    """The longest run of blocks from the first with >= k shards of one stripe."""
-    count = len(keys)
+def _stripe_groups(
+    held: Sequence[HeldShards], count: int, n: int
+) -> tuple[IntArray, IntArray, npt.NDArray[np.uint64], IntArray, IntArray, IntArray]:
+    """Every distinct (block, stripe, index) answer, sorted, and its (block, stripe) group."""
     parts = [h for h in held if len(h.ordinal)]
     if not parts or count == 0:
-        return MatchResult(
-            keys, 0, tokens_per_block, np.zeros(0, np.uint64), np.zeros((0, n), np.int64),
-            np.zeros(count, np.int64),
-        )  # fmt: skip
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros(0, np.uint64), empty, empty, empty
     ordinal = np.concatenate([h.ordinal for h in parts])
     index = np.concatenate([h.index for h in parts])
     stripe = np.concatenate([h.stripe for h in parts])
     node = np.concatenate([np.full(len(h.ordinal), h.node, np.int64) for h in parts])
     valid = (ordinal >= 0) & (ordinal < count) & (index >= 0) & (index < n)
     ordinal, index, stripe, node = ordinal[valid], index[valid], stripe[valid], node[valid]
-    # Count distinct shard indices per (block, stripe); keep the best stripe per block.
     order = np.lexsort((index, stripe, ordinal))
     ordinal, index, stripe, node = ordinal[order], index[order], stripe[order], node[order]
     dup = np.zeros(len(ordinal), bool)
@@ -97,9 +84,37 @@ def match_from_held(
     start = np.ones(len(ordinal), bool)
     start[1:] = (ordinal[1:] != ordinal[:-1]) | (stripe[1:] != stripe[:-1])
     group = np.cumsum(start) - 1
+    return ordinal, index, stripe, node, group, np.flatnonzero(start)
+
+
+def best_counts(held: Sequence[HeldShards], count: int, *, n: int) -> IntArray:
+    """Per block: shards of its best-represented stripe among the answers."""
+    ordinal, _index, _stripe, _node, group, starts = _stripe_groups(held, count, n)
+    best = np.zeros(count, np.int64)
+    if len(ordinal):
+        np.maximum.at(best, ordinal[starts], np.bincount(group))
+    return best
+
+
+def match_from_held(
+    keys: list[BlockKey],
+    held: Sequence[HeldShards],
+    *,
+    k: int,
+    n: int,
+    tokens_per_block: int,
+) -> MatchResult:
+    """The longest run of blocks from the first with >= k shards of one stripe."""
+    count = len(keys)
+    ordinal, index, stripe, node, group, starts = _stripe_groups(held, count, n)
+    if not len(ordinal):
+        return MatchResult(
+            keys, 0, tokens_per_block, np.zeros(0, np.uint64), np.zeros((0, n), np.int64),
+            np.zeros(count, np.int64),
+        )  # fmt: skip
     sizes = np.bincount(group)
-    group_block = ordinal[start]
-    group_stripe = stripe[start]
+    group_block = ordinal[starts]
+    group_stripe = stripe[starts]
     best_count = np.zeros(count, np.int64)
     np.maximum.at(best_count, group_block, sizes)
     # First group reaching the best count wins per block (ties: lowest stripe id).
@@ -178,149 +193,3 @@ def _by_node(
         )
         if len(nd)
     ]
-
-
-class StripeAssembly:
-    """Collects GET replies for a batch of blocks into one (blocks, n, L) stripe array."""
-
-    def __init__(
-        self,
-        keys: Sequence[BlockKey],
-        stripe: npt.NDArray[np.uint64],
-        *,
-        k: int,
-        n: int,
-        payload_len: int,
-        shard_len: int,
-    ) -> None:
-        self.k, self.n = k, n
-        self.payload_len = payload_len
-        self.shard_len = shard_len
-        blocks = len(keys)
-        self.key_words = (
-            np.frombuffer(b"".join(keys), dtype="V16") if blocks else np.zeros(0, "V16")
-        )
-        self.stripe = stripe
-        self.stripes = np.empty((blocks, n, shard_len), np.uint8)
-        self.got = np.zeros((blocks, n), bool)
-        self.shard_hash = np.zeros((blocks, n), np.uint64)
-        self.payload_hash = np.zeros(blocks, "V16")
-        self.have_hash = np.zeros(blocks, bool)
-        self.failed = np.zeros(blocks, bool)
-        #: After finish(): the block that had enough shards but no bytes matching the
-        #: writer's hash (a damaged stripe, not a missing one), else -1.
-        self.corrupt = -1
-
-    @property
-    def blocks(self) -> int:
-        """Blocks in this assembly."""
-        return len(self.stripe)
-
-    def add(
-        self, blocks: IntArray, indices: IntArray, statuses: npt.NDArray[np.uint8], data: memoryview
-    ) -> int:
-        """Take one node's GET reply for shards (blocks[j], indices[j]); returns shards accepted.
-
-        Records that are not exactly the shard asked for (key, stripe, index,
-        sizes, magic, version) are ignored, so they count as missing.
-        """
-        ok = statuses == 0
-        rec_len = HEADER_BYTES + self.shard_len
-        count = int(ok.sum())
-        if count == 0 or len(data) != count * rec_len:
-            return 0
-        recs = np.frombuffer(data, np.uint8).reshape(count, rec_len)
-        hdr = recs[:, :HEADER_BYTES].copy().view(HEADER_DTYPE).reshape(count)
-        b, i = blocks[ok], indices[ok]
-        good = (
-            (hdr["magic"] == MAGIC)
-            & (hdr["version"] == VERSION)
-            & (hdr["header_len"] == HEADER_BYTES)
-            & (hdr["k"] == self.k)
-            & (hdr["m"] == self.n - self.k)
-            & (hdr["shard_index"] == i)
-            & (hdr["payload_len"] == self.payload_len)
-            & (hdr["shard_len"] == self.shard_len)
-            & (hdr["stripe_id"] == self.stripe[b])
-            & (hdr["block_key"] == self.key_words[b])
-        )
-        if not good.all():
-            recs, hdr, b, i = recs[good], hdr[good], b[good], i[good]
-        self.stripes[b, i] = recs[:, HEADER_BYTES:]
-        self.got[b, i] = True
-        self.shard_hash[b, i] = hdr["shard_hash"]
-        fresh = ~self.have_hash[b]
-        self.payload_hash[b[fresh]] = hdr["payload_hash"][fresh]
-        self.have_hash[b] = True
-        return len(b)
-
-    def complete(self) -> npt.NDArray[np.bool_]:
-        """Per block: at least k shards arrived."""
-        result: npt.NDArray[np.bool_] = self.got.sum(axis=1) >= self.k
-        return result
-
-    def finish(self, codec: Codec) -> int:
-        """Rebuild and verify blocks in order; returns how many leading blocks are good.
-
-        A block is good when its payload's XXH3-128 equals the writer's hash. A
-        block that fails is retried without the shards whose own checksum fails;
-        the first block that cannot be rebuilt ends the prefix.
-        """
-        k = self.k
-        got = self.got
-        complete = got.sum(axis=1) >= k
-        limit = self.blocks if complete.all() else int(np.argmin(complete))
-        self._rebuild(codec, np.arange(limit))
-        good = 0
-        for b in range(limit):
-            if self.failed[b] or (not self._verified(b) and not self._repair(codec, b)):
-                self.corrupt = b
-                break
-            good += 1
-        return good
-
-    def payload(self, b: int) -> npt.NDArray[np.uint8]:
-        """Zero-copy view of block ``b``'s payload."""
-        view: npt.NDArray[np.uint8] = self.stripes[b, : self.k].reshape(-1)[: self.payload_len]
-        return view
-
-    def _verified(self, b: int) -> bool:
-        digest = xxhash.xxh3_128_digest(self.payload(b).data)
-        return bool(self.have_hash[b]) and digest == self.payload_hash[b].tobytes()
-
-    def _rebuild(self, codec: Codec, blocks: IntArray) -> None:
-        k = self.k
-        need = blocks[~self.got[blocks, :k].all(axis=1)]
-        if len(need) == 0:
-            return
-        # Use the first k shards present; one codec call per erasure pattern, in place.
-        patterns: dict[tuple[int, ...], list[int]] = {}
-        for b in need.tolist():
-            present = tuple(np.nonzero(self.got[b])[0][:k].tolist())
-            patterns.setdefault(present, []).append(b)
-        for present, group in patterns.items():
-            try:
-                codec.reconstruct(self.stripes, present, blocks=group)
-            except ErasureError:
-                self.failed[group] = True
-
-    def _repair(self, codec: Codec, b: int) -> bool:
-        """Drop shards of block b that fail their own checksum and rebuild from the rest."""
-        rows = self.stripes[b]
-        ok = np.array(
-            [
-                bool(self.got[b, i])
-                and xxhash.xxh3_64_intdigest(rows[i]) == int(self.shard_hash[b, i])
-                for i in range(self.n)
-            ]
-        )
-        if ok.sum() < self.k:
-            return False
-        present = tuple(np.nonzero(ok)[0][: self.k].tolist())
-        sub = self.stripes[b : b + 1].copy()
-        try:
-            codec.reconstruct(sub, present, rows=[i for i in range(self.k) if i not in present])
-        except ErasureError:
-            return False
-        self.stripes[b, : self.k] = sub[0, : self.k]
-        return self._verified(b)

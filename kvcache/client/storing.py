@@ -1,8 +1,23 @@
-"""Writing: quorum stores of erasure-coded blocks, touches and deletes."""
+"""Quorum stores: encode, send every holder its shards, keep what reached the write quorum.
+
+A store first asks the holders what they have (HAS): a block that is
+readable (k shards of one stripe) is only touched, the rest is written, a
+chunk at a time with ``window`` chunks in flight while the next ones are
+encoded on a small thread pool (ISA-L and xxh3 release the GIL). A block
+counts as written when ``min_write_shards`` shards of *its* stripe were
+stored; otherwise the shards it did store are deleted again.
+
+Racing writers: a daemon never replaces a live shard of another stripe
+unless the PUT names that stripe (``expect``) and it is old enough that its
+writer has finished (``docs/spec/wire.md``). A store names a stripe only
+when it is not readable (fewer than k shards) or known broken. So two
+concurrent stores of one block cannot both be acknowledged: each node keeps
+the first, at most one writer reaches the quorum, the other rolls back.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -12,17 +27,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache.client.encoding import build_node_records, encode_stripes
-from kvcache.client.reads import ReadOps
-from kvcache.errors import ConfigError
-from kvcache.keys import BlockKey, Namespace, block_keys
-from kvcache.wire import NO_INDEX, Header, Message, Op, make_items
+from kvcache.client.core import ClientCore
+from kvcache.client.driver import Pump, PumpedExchange
+from kvcache.client.encoding import EncodedBatch, as_payload_rows, encode_batch
+from kvcache.client.matching import held_shards
+from kvcache.client.plan import HeldShards, best_counts
+from kvcache.client.rounds import PutRound
+from kvcache.errors import ArgumentError, ConfigError
+from kvcache.keys import BlockKey
+from kvcache.wire import NO_INDEX, Op, make_items
 
-__all__ = ["Payloads", "StoreOps", "StoreResult"]
+__all__ = ["Payloads", "StoreResult", "store_keys", "touch_or_delete"]
 
 log = logging.getLogger(__name__)
 
-Payloads = Sequence[bytes | bytearray | memoryview | npt.NDArray[np.uint8]] | npt.NDArray[np.uint8]
+Payloads = Sequence[Any] | npt.NDArray[np.uint8]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,203 +54,223 @@ class StoreResult:
     failed_blocks: tuple[int, ...] = field(default=())
 
 
-class StoreOps(ReadOps):
-    """store / store_keys / touch / delete (a store first matches, to skip what is stored)."""
+def store_keys(
+    core: ClientCore,
+    keys: Sequence[BlockKey],
+    payloads: Payloads,
+    *,
+    payload_len: int,
+    traffic_class: str | None = None,
+    first_block: int = 0,
+    encoder: concurrent.futures.Executor | None = None,
+) -> StoreResult:
+    """Store one payload per key (see the module docstring)."""
+    cls = core.traffic_class(traffic_class)
+    keys = list(keys)
+    if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
+        raise ArgumentError(f"payload_len must be a positive int, got {payload_len!r}")
+    if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+        raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
+    try:
+        rows = as_payload_rows(payloads, payload_len)
+    except ConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+    if len(keys) != len(rows):
+        raise ArgumentError(f"{len(keys)} keys but {len(rows)} payloads")
+    if not keys:
+        return StoreResult(0, 0, 0)
+    config = core.config
+    k, n = config.k, config.n
+    held = held_shards(core, keys, settle=config.min_write_shards)
+    best = best_counts(held, len(keys), n=n)
+    suspects = core.suspects(keys)
+    present = best >= k
+    for i in suspects:
+        present[i] = False
+    touched = touch_or_delete(core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls)
+    todo = np.flatnonzero(~present)
+    placement_rows = core.placement.holders(keys)
+    expect = _replaceable(held, placement_rows, best, suspects, k=k)
+    chunk = config.chunk_blocks(payload_len)
+    groups = [todo[s : s + chunk] for s in range(0, len(todo), chunk)]
+    now_ms = int(time.time() * 1000)
 
-    # ------------------------------------------------------------------ store
-
-    async def store(
-        self,
-        namespace: Namespace,
-        tokens: Sequence[int] | npt.NDArray[np.integer],
-        payloads: Payloads,
-        *,
-        traffic_class: str | None = None,
-        first_block: int = 0,
-    ) -> StoreResult:
-        """Store blocks ``first_block ..`` of ``tokens`` with the given payloads.
-
-        Blocks already stored with a full stripe are touched, not resent. A
-        block counts as written when at least ``min_write_shards`` shards were
-        acknowledged; otherwise what was stored of it is removed again.
-        """
-        cls = self._check_class(traffic_class or self.config.traffic_class)
-        count = len(payloads)
-        all_keys = block_keys(namespace, tokens, max_blocks=first_block + count)
-        if len(all_keys) < first_block + count:
-            raise ConfigError(
-                f"{count} payloads from block {first_block} need {first_block + count} full "
-                f"blocks of tokens; the prompt has {len(all_keys)}"
-            )
-        return await self.store_keys(
-            all_keys[first_block:],
-            payloads,
-            payload_len=namespace.layout.payload_bytes,
+    def encode(group: npt.NDArray[np.int64]) -> EncodedBatch:
+        return encode_batch(
+            core.codec,
+            [keys[i] for i in group],
+            [rows[i] for i in group],
+            payload_len=payload_len,
             traffic_class=cls,
-            first_block=first_block,
+            now_ms=now_ms,
         )
 
-    async def store_keys(
-        self,
-        keys: Sequence[BlockKey],
-        payloads: Payloads,
-        *,
-        payload_len: int,
-        traffic_class: str | None = None,
-        first_block: int = 0,
-    ) -> StoreResult:
-        """:meth:`store` for blocks named by caller-computed keys (one payload per key)."""
-        cls = self._check_class(traffic_class or self.config.traffic_class)
-        keys = list(keys)
-        if len(keys) != len(payloads):
-            raise ConfigError(f"{len(keys)} keys but {len(payloads)} payloads")
-        match = await self.match_keys(keys, settle_at=self.config.min_write_shards)
-        present = match.best_count >= self.config.min_write_shards
-        if self._suspect:
-            present &= np.array([key not in self._suspect for key in keys], bool)
-        touched = 0
-        if present.any():
-            touched = await self._touch_keys([keys[i] for i in np.nonzero(present)[0]], cls)
-        todo = np.nonzero(~present)[0]
-        written = 0
-        failed: list[int] = []
-        step = self.config.max_batch_blocks
-        for start in range(0, len(todo), step):
-            batch = todo[start : start + step]
-            ok = await self._put_batch(
-                [keys[i] for i in batch], [payloads[i] for i in batch], payload_len, cls
-            )
+    written = 0
+    failed: list[int] = []
+    pending: list[concurrent.futures.Future[EncodedBatch]] = []
+    own_pool = encoder is None
+    pool = encoder or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcache-encode")
+    try:
+        ahead = config.window + 1
+        pending = [pool.submit(encode, g) for g in groups[:ahead]]
+        flights: list[tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]] = []
+        next_group = len(pending)
+        done_groups = 0
+        while done_groups < len(groups):
+            while pending and len(flights) < config.window:
+                g_index = len(flights) + done_groups
+                batch = pending.pop(0).result()
+                flights.append(_start_put(core, groups[g_index], batch, placement_rows, expect))
+                if next_group < len(groups):
+                    pending.append(pool.submit(encode, groups[next_group]))
+                    next_group += 1
+            group, batch, round_, pump = flights[0]
+            _drive_put(core, round_, pump)
+            flights.pop(0)
+            done_groups += 1
+            ok = round_.written
             written += int(ok.sum())
-            failed.extend((first_block + batch[~ok]).tolist())
-            for i in batch[ok].tolist():
-                self._suspect.pop(keys[i], None)
-        self.counters["blocks_written"] += written
-        self.counters["blocks_touched"] += touched
-        self.counters["write_failures"] += len(failed)
-        return StoreResult(
-            written=written, touched=touched, failed=len(failed), failed_blocks=tuple(failed)
+            failed.extend((first_block + group[~ok]).tolist())
+            for i in group[ok].tolist():
+                core.clear_suspect(keys[i])
+            if not ok.all():
+                _rollback(core, batch, round_, ~ok)
+    finally:
+        for future in pending:
+            future.cancel()
+        if own_pool:
+            pool.shutdown(wait=True)
+    core.count("blocks_written", written)
+    core.count("blocks_touched", touched)
+    core.count("write_failures", len(failed))
+    return StoreResult(
+        written=written, touched=touched, failed=len(failed), failed_blocks=tuple(failed)
+    )
+
+
+def _replaceable(
+    held: list[HeldShards],
+    placement_rows: npt.NDArray[np.int64],
+    best: npt.NDArray[np.int64],
+    suspects: dict[int, int],
+    *,
+    k: int,
+) -> npt.NDArray[np.uint64]:
+    """``expect[b, i]``: the stripe a PUT of shard i of block b may replace on its holder.
+
+    Only stripes that cannot be read (fewer than k shards found) or are known
+    broken; the daemon still refuses if that shard is younger than its
+    ``replace_after_s`` (its writer may be at work).
+    """
+    expect = np.zeros(placement_rows.shape, np.uint64)
+    for h in held:
+        if not len(h.ordinal):
+            continue
+        on_holder = placement_rows[h.ordinal, h.index] == h.node
+        weak = best[h.ordinal] < k
+        broken = np.array(
+            [suspects.get(int(b)) == int(s) for b, s in zip(h.ordinal, h.stripe, strict=True)],
+            bool,
         )
+        sel = on_holder & (weak | broken)
+        expect[h.ordinal[sel], h.index[sel]] = h.stripe[sel]
+    return expect
 
-    async def _put_batch(
-        self, keys: list[BlockKey], payloads: Sequence[Any], payload_len: int, cls: str
-    ) -> npt.NDArray[np.bool_]:
-        n = self.config.n
-        stripes, stripe_ids, header_bytes = encode_stripes(
-            self.codec, keys, payloads, payload_len=payload_len, traffic_class=cls,
-            now_ms=int(time.time() * 1000),
-        )  # fmt: skip
-        holders = self.placement.holders(keys)
-        up = self._node_up_mask(holders, self.config.min_write_shards)
-        acks = np.zeros((len(keys), n), bool)
-        tasks: dict[
-            asyncio.Task[Message], tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]
-        ] = {}
-        for node in np.unique(holders).tolist():
-            if not up[node]:
+
+def _start_put(
+    core: ClientCore,
+    group: npt.NDArray[np.int64],
+    batch: EncodedBatch,
+    placement_rows: npt.NDArray[np.int64],
+    expect: npt.NDArray[np.uint64],
+) -> tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]:
+    config = core.config
+    holders = placement_rows[group]
+    round_ = PutRound(
+        holders,
+        core.node_up_mask(holders, config.min_write_shards),
+        min_write=config.min_write_shards,
+        hedge_s=core.hedge_s(core.read_latency),
+        timeout_s=config.timeout_s,
+    )
+    pump = Pump(core.transport, core.health, core.clock)
+    for send in round_.start(core.clock()):
+        items, data = batch.node_sections(
+            send.blocks, send.indices, expect[group[send.blocks], send.indices]
+        )
+        pump.submit(PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data))
+    return group, batch, round_, pump
+
+
+def _drive_put(core: ClientCore, round_: PutRound, pump: Pump) -> None:
+    while not round_.done:
+        for event in pump.wait(round_.next_wakeup()):
+            now = core.clock()
+            if event.reply is None:
+                round_.on_failure(event.ticket, now)
                 continue
-            b, i = np.nonzero(holders == node)
-            items, frame = build_node_records(keys, b, i, stripes, header_bytes)
-            header = Header(op=Op.PUT, request_id=0, count=len(b))
-            tasks[self._spawn(self._call(node, header, items, frame))] = (node, b, i)
-        pending = set(tasks)
-        started = self._clock()
-        deadline = started + self.config.timeout_s
-        quorum_at: float | None = None
-        while pending:
-            now = self._clock()
-            if quorum_at is None and (acks.sum(axis=1) >= self.config.min_write_shards).all():
-                quorum_at = now
-            limit = (
-                deadline
-                if quorum_at is None
-                else min(deadline, quorum_at + self._hedge_s(self.read_latency))
-            )
-            if now >= limit:
-                break
-            done, pending = await asyncio.wait(
-                pending, timeout=limit - now, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done:
-                if task.cancelled() or task.exception() is not None:
-                    continue
-                _node, b, i = tasks[task]
-                status = task.result().items["status"]
-                acks[b[status == 0], i[status == 0]] = True
-        ok: npt.NDArray[np.bool_] = acks.sum(axis=1) >= self.config.min_write_shards
-        if not ok.all():
-            await self._rollback(keys, stripe_ids, holders, acks, ~ok)
-        return ok
+            statuses = event.reply.items["status"]
+            core.count("write_conflicts", int(np.count_nonzero(statuses == 7)))
+            round_.on_reply(event.ticket, statuses == 0, now)
+        round_.tick(core.clock())
+    pump.abandon(core.config.timeout_s)
+    core.count("node_errors", pump.node_errors)
 
-    async def _rollback(
-        self,
-        keys: list[BlockKey],
-        stripe_ids: npt.NDArray[np.uint64],
-        holders: npt.NDArray[np.int64],
-        acks: npt.NDArray[np.bool_],
-        failed: npt.NDArray[np.bool_],
-    ) -> None:
-        """Delete the shards of failed blocks that did get stored (only our stripe)."""
-        key_words = np.frombuffer(b"".join(keys), dtype="V16")
-        mask = acks & failed[:, None]
-        calls = []
-        for node in np.unique(holders[mask]).tolist():
-            b, _i = np.nonzero(mask & (holders == node))
-            b = np.unique(b)
-            items = make_items(Op.DELETE, len(b), reply=False)
-            items["key"] = key_words[b]
-            items["stripe"] = stripe_ids[b]
+
+def _rollback(
+    core: ClientCore, batch: EncodedBatch, round_: PutRound, failed: npt.NDArray[np.bool_]
+) -> None:
+    """Delete the shards of failed blocks that did get stored (only this write's stripe)."""
+    mask = round_.acks & failed[:, None]
+    if not mask.any():
+        return
+    key_words = np.frombuffer(b"".join(batch.keys), dtype="V16")
+    pump = Pump(core.transport, core.health, core.clock)
+    for tickets, node in enumerate(np.unique(round_.holders[mask]).tolist(), start=1):
+        b = np.unique(np.nonzero(mask & (round_.holders == node))[0])
+        items = make_items(Op.DELETE, len(b), reply=False)
+        items["key"] = key_words[b]
+        items["stripe"] = batch.stripe_ids[b]
+        items["index"] = NO_INDEX
+        pump.submit(PumpedExchange(pump, -tickets, int(node), Op.DELETE, items))
+    deadline = core.clock() + core.config.timeout_s
+    while pump.outstanding and core.clock() < deadline:
+        for event in pump.wait(deadline):
+            if event.error is not None:
+                log.warning("rollback of a failed write incomplete: %s", event.error)
+    pump.abandon(core.config.timeout_s)
+
+
+def touch_or_delete(core: ClientCore, op: Op, keys: list[BlockKey], cls: str) -> int:
+    """Send TOUCH (or DELETE of every shard) for ``keys`` to their holders; keys any node knew."""
+    if not keys:
+        return 0
+    rows = core.placement.holders(keys)
+    key_words = np.frombuffer(b"".join(keys), dtype="V16")
+    up = core.node_up_mask()
+    found = np.zeros(len(keys), bool)
+    pump = Pump(core.transport, core.health, core.clock)
+    blocks_of: dict[int, npt.NDArray[np.int64]] = {}
+    for node in np.unique(rows).tolist():
+        if not up[node]:
+            continue
+        blocks = np.nonzero((rows == node).any(axis=1))[0]
+        items = make_items(op, len(blocks), reply=False)
+        items["key"] = key_words[blocks]
+        if op is Op.DELETE:
+            items["stripe"] = 0
             items["index"] = NO_INDEX
-            header = Header(op=Op.DELETE, request_id=0, count=len(b))
-            calls.append(self._call(node, header, items))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                log.warning("rollback of a failed write incomplete: %s", r)
-
-    # ------------------------------------------------------------------ touch / delete / stats
-
-    async def touch(
-        self,
-        namespace: Namespace,
-        tokens: Sequence[int] | npt.NDArray[np.integer],
-        *,
-        traffic_class: str | None = None,
-    ) -> int:
-        """Refresh retention of every stored full block of ``tokens``; returns blocks touched."""
-        cls = self._check_class(traffic_class or self.config.traffic_class)
-        return await self._touch_keys(block_keys(namespace, tokens), cls)
-
-    async def _touch_keys(self, keys: list[BlockKey], cls: str) -> int:
-        return await self._fan_out(Op.TOUCH, keys, cls)
-
-    async def delete(
-        self, namespace: Namespace, tokens: Sequence[int] | npt.NDArray[np.integer]
-    ) -> int:
-        """Remove every shard of every full block of ``tokens``; returns blocks found."""
-        return await self._fan_out(Op.DELETE, block_keys(namespace, tokens), "")
-
-    async def _fan_out(self, op: Op, keys: list[BlockKey], cls: str) -> int:
-        """Send a per-key op to every holder; returns keys at least one node knew."""
-        if not keys:
-            return 0
-        _rows, per_node = self._keys_and_holders(keys)
-        key_words = np.frombuffer(b"".join(keys), dtype="V16")
-        up = self._node_up_mask()
-        found = np.zeros(len(keys), bool)
-        calls = []
-        for node, blocks in per_node.items():
-            if not up[node]:
-                continue
-            items = make_items(op, len(blocks), reply=False)
-            items["key"] = key_words[blocks]
-            if op is Op.DELETE:
-                items["stripe"] = 0
-                items["index"] = NO_INDEX
-            header = Header(op=op, request_id=0, count=len(blocks), traffic_class=cls)
-            calls.append((blocks, self._call(node, header, items)))
-        results = await asyncio.gather(*(c for _, c in calls), return_exceptions=True)
-        for (blocks, _), reply in zip(calls, results, strict=True):
-            if isinstance(reply, BaseException):
-                continue
-            found[blocks[reply.items["status"] == 0]] = True
-        return int(found.sum())
+        ticket = len(blocks_of) + 1
+        blocks_of[ticket] = blocks
+        pump.submit(
+            PumpedExchange(
+                pump, ticket, int(node), op, items, traffic_class=cls if op is Op.TOUCH else ""
+            )
+        )
+    deadline = core.clock() + core.config.timeout_s
+    while pump.outstanding and core.clock() < deadline:
+        for event in pump.wait(deadline):
+            if event.reply is not None:
+                found[blocks_of[event.ticket][event.reply.items["status"] == 0]] = True
+    pump.abandon(core.config.timeout_s)
+    return int(found.sum())

@@ -105,14 +105,15 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
                     "kvcache SGLang backend needs 'cluster_file' in "
                     "--hicache-storage-backend-extra-config"
                 )
-            client = Client(
-                ClientConfig.load(
-                    overrides={
-                        "cluster_file": Path(cluster_file),
-                        "traffic_class": self._traffic_class,
-                    }
-                )
-            )
+            overrides: dict[str, Any] = {
+                "cluster_file": Path(cluster_file),
+                "traffic_class": self._traffic_class,
+                "tenant": self._tenant,
+            }
+            for name in ("credentials_file", "secret", "tls_ca"):
+                if extra.get(name):
+                    overrides[name] = extra[name]
+            client = Client(ClientConfig.load(overrides=overrides))
         self._client = client
         self._namespace: Namespace | None = None
         self._page_bytes = 0

@@ -124,6 +124,8 @@ def split_extra_config(
         name = key.replace("-", "_")
         if name in own_fields:
             own[name] = value
+            if name == "tenant":  # the namespace's tenant is the one the client authenticates as
+                client[name] = value
         elif name in _CLIENT_FIELDS:
             client[name] = value
         else:

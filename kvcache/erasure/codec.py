@@ -17,6 +17,7 @@ codewords at all.
 from __future__ import annotations
 
 import abc
+import ctypes
 import enum
 import operator
 from collections.abc import Iterable, Sequence
@@ -92,6 +93,13 @@ def plan_rebuild(
     )
 
 
+def _at(address: int, length: int) -> npt.NDArray[np.uint8]:
+    """A writable uint8 array over ``length`` bytes at ``address`` (memory owned elsewhere)."""
+    raw = memoryview((ctypes.c_uint8 * length).from_address(address)).cast("B")
+    view: npt.NDArray[np.uint8] = np.frombuffer(raw, np.uint8)
+    return view
+
+
 class Codec(abc.ABC):
     """Encode and rebuild batches of k + m Reed–Solomon stripes in place.
 
@@ -138,6 +146,34 @@ class Codec(abc.ABC):
         self._check_stripes(stripes)
         if stripes.shape[0] and stripes.shape[2]:
             self._encode(stripes)
+
+    def encode_rows(
+        self, rows: npt.NDArray[np.uint64], length: int, keepalive: object = None
+    ) -> None:
+        """Parity of blocks whose shard rows live anywhere in memory, without gathering them.
+
+        ``rows[b]`` holds the addresses of block b's k data rows, then of its m
+        parity rows to write, each ``length`` bytes (shape (B, n), uint64). The
+        caller keeps the memory alive (``keepalive`` is only documentation of
+        that). The client encodes a caller's payload buffer in place this way:
+        data shards are slices of it, only rows that cross its end are copied.
+        This default gathers the rows into a stripe array (the numpy backend);
+        ISA-L reads and writes them where they are.
+        """
+        blocks = rows.shape[0]
+        if rows.ndim != 2 or rows.shape[1] != self._params.n:
+            raise ErasureError(f"rows must have shape (B, n={self._params.n}), got {rows.shape}")
+        if not blocks or not length:
+            return
+        k, n = self._params.k, self._params.n
+        stripes = np.empty((blocks, n, length), np.uint8)
+        for b in range(blocks):
+            for i in range(k):
+                stripes[b, i] = _at(int(rows[b, i]), length)
+        self._encode(stripes)
+        for b in range(blocks):
+            for i in range(k, n):
+                _at(int(rows[b, i]), length)[:] = stripes[b, i]
 
     def reconstruct(
         self,

@@ -125,6 +125,29 @@ class IsalCodec(Codec):
     def _encode(self, stripes: StripeArray) -> None:
         self._run(stripes, self._encode_program)
 
+    def encode_rows(
+        self, rows: npt.NDArray[np.uint64], length: int, keepalive: object = None
+    ) -> None:
+        """See :meth:`Codec.encode_rows`: ISA-L reads the rows where they are."""
+        if rows.ndim != 2 or rows.shape[1] != self._params.n:
+            raise ErasureError(f"rows must have shape (B, n={self._params.n}), got {rows.shape}")
+        if length > _MAX_LEN:
+            raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
+        if not rows.shape[0] or not length:
+            return
+        table = np.ascontiguousarray(rows, dtype=np.uint64)
+        program = self._encode_program
+        self._lib.encode_blocks(
+            length,
+            self._params.k,
+            program.outputs,
+            program.tables_address,
+            first=_address(table),
+            count=rows.shape[0],
+            stride=self._params.n * _POINTER,
+            coding_offset=self._params.k * _POINTER,
+        )
+
     def _rebuild(self, stripes: StripeArray, plan: RebuildPlan) -> None:
         self._run(stripes, self._rebuild_program(plan.sources, plan.targets))
 

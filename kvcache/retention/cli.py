@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.cluster import ClusterMap
+from kvcache.credentials import Credentials
 from kvcache.errors import ConfigError, KVCacheError
 from kvcache.retention.policy import RetentionPolicy, parse_duration
 from kvcache.retention.simulate import simulate
@@ -47,9 +48,15 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
             help="cluster file (default %(default)s)",
         )
         p.add_argument(
+            "--credentials",
+            type=Path,
+            help="credentials file with the admin token (default: credentials.toml next to the "
+            "cluster file, when there is one)",
+        )
+        p.add_argument(
             "--token",
-            default=os.environ.get("KVCACHE_TOKEN", ""),
-            help="admin token (env KVCACHE_TOKEN)",
+            default=os.environ.get("KVCACHE_ADMIN_TOKEN", ""),
+            help="admin token, instead of a credentials file (env KVCACHE_ADMIN_TOKEN)",
         )
         return p
 
@@ -118,17 +125,36 @@ def _call(url: str, method: str, token: str, body: dict[str, Any] | None = None)
         raise KVCacheError(f"{method} {url}: {exc}") from None
 
 
+def _token(args: argparse.Namespace, method: str) -> str:
+    """The admin token: --token, else the credentials file's (needed for changes only)."""
+    if args.token:
+        return str(args.token)
+    path = args.credentials or Path(args.cluster).parent / "credentials.toml"
+    if args.credentials is None and not path.exists():
+        if method != "GET":
+            raise KVCacheError(
+                "changing the policy needs the admin token: pass --credentials FILE (the "
+                "cluster's credentials.toml) or --token"
+            )
+        return ""
+    token = Credentials.load(path).admin_token
+    if token is None and method != "GET":
+        raise KVCacheError(f"{path} holds no admin_token")
+    return token or ""
+
+
 def _each_node(
     args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None
 ) -> list[tuple[str, Any]]:
     cluster = ClusterMap.load(args.cluster)
+    _token(args, method)  # a missing token is one clear error, not one per node
     out: list[tuple[str, Any]] = []
     for node in cluster.nodes:
         if not node.admin:
             out.append((node.id, KVCacheError("no admin address in the cluster file")))
             continue
         try:
-            out.append((node.id, _call(node.admin + path, method, args.token, body)))
+            out.append((node.id, _call(node.admin + path, method, _token(args, method), body)))
         except KVCacheError as exc:
             out.append((node.id, exc))
     return out

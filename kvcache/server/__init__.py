@@ -1,20 +1,24 @@
-"""The storage daemon: shards in LMDB behind a zmq data path, with retention and admin HTTP.
+"""The storage daemon: tenant-scoped shards in LMDB behind a TCP data path, with retention
+and admin HTTP.
 
 :class:`ShardStore` holds all storage and retention logic and no sockets;
-:class:`DataService` is the zmq front end; :func:`run_daemon` wires them with
-the admin server. ``kvcache server`` runs one from the command line.
+:class:`RequestHandler` answers requests without I/O; :class:`DataServer` is
+the socket loop; :func:`run_daemon` wires them with the admin server.
+``kvcache server`` runs one from the command line.
 """
 
 from kvcache.server.config import ServerConfig, SyncMode, load_server_config
 from kvcache.server.daemon import DaemonInfo, DaemonThread, run_daemon
-from kvcache.server.service import DataService
+from kvcache.server.handler import RequestHandler
+from kvcache.server.loop import DataServer
 from kvcache.server.store import Clock, ShardStore
 
 __all__ = [
     "Clock",
     "DaemonInfo",
     "DaemonThread",
-    "DataService",
+    "DataServer",
+    "RequestHandler",
     "ServerConfig",
     "ShardStore",
     "SyncMode",

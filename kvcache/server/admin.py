@@ -1,13 +1,14 @@
 """The admin HTTP server (aiohttp) on its own port and thread.
 
 Reads: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /stats``
-(JSON), ``GET /retention``. Writes, guarded by the shared token
-(``Authorization: Bearer <token>``) when one is configured:
-``PUT /retention`` (a policy as JSON), ``DELETE /retention`` (back to the
-configured policy) and, only with ``allow_clock_override``, ``POST /debug/clock``.
+(JSON), ``GET /retention``. Writes always need the admin token from the
+cluster credentials (``Authorization: Bearer <token>``); without one
+configured they are refused: ``PUT /retention`` (a policy as JSON),
+``DELETE /retention`` (back to the configured policy) and, only with
+``allow_clock_override``, ``POST /debug/clock``.
 
 The admin thread never touches LMDB: reads use the store's thread-safe
-snapshots, writes run on the service thread through ``DataService.submit``.
+snapshots, writes run on the loop thread through ``DataServer.submit``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from aiohttp import web
 from kvcache.errors import ConfigError
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.config import ServerConfig, parse_admin_listen
+from kvcache.server.loop import DataServer
 from kvcache.server.metrics import render_prometheus
-from kvcache.server.service import DataService
 
 __all__ = ["AdminServer", "OffsetClock", "build_app"]
 
@@ -48,23 +49,28 @@ class OffsetClock:
 
 
 def build_app(
-    service: DataService,
+    service: DataServer,
     config: ServerConfig,
     *,
+    admin_token: str | None,
     configured_policy: RetentionPolicy,
     clock: OffsetClock | None = None,
 ) -> web.Application:
     """The admin application; ``clock`` enables ``/debug/clock`` when the config allows it."""
-    token = config.token
-    store = service.store
+    store = service.handler.store
 
     def guarded(handler: _Handler) -> _Handler:
         async def check(request: web.Request) -> web.StreamResponse:
-            if token is not None:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    service.metrics.error("admin_unauthorized")
-                    return _json({"error": "missing or wrong token"}, status=401)
+            if admin_token is None:
+                service.metrics.error("admin_unauthorized")
+                return _json(
+                    {"error": "no admin_token in this daemon's credentials: changes are refused"},
+                    status=403,
+                )
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
+                service.metrics.error("admin_unauthorized")
+                return _json({"error": "missing or wrong admin token"}, status=401)
             return await handler(request)
 
         return check
@@ -78,13 +84,13 @@ def build_app(
         text = render_prometheus(
             service.metrics,
             node_id=config.node_id,
-            usage=store.usage(),
+            usage=store.usage(service.handler.tenant_names),
             store_counters=dict(store.counters),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def stats(request: web.Request) -> web.Response:
-        return _json(service.stats())
+        return _json(service.handler.stats())
 
     async def get_retention(request: web.Request) -> web.Response:
         return _json(store.policy.to_dict())

@@ -30,17 +30,28 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "server",
         help="run a storage daemon",
-        description="Run one storage daemon (zmq data path + admin HTTP) in the foreground.",
+        description="Run one storage daemon (TCP data path + admin HTTP) in the foreground.",
     )
     parser.add_argument("--config", type=Path, help="TOML file with [server] and [retention]")
     parser.add_argument("--data-dir", type=Path, help="LMDB directory (created if missing)")
-    parser.add_argument("--listen", help="zmq data endpoint (default tcp://127.0.0.1:7400)")
+    parser.add_argument("--listen", help="data endpoint (default tcp://127.0.0.1:7400)")
     parser.add_argument("--admin-listen", help="admin HTTP host:port (default 127.0.0.1:7480)")
     parser.add_argument("--node-id", help="node name in logs and metrics")
     parser.add_argument("--capacity", dest="capacity_bytes", help="bytes to keep, e.g. 500GiB")
     parser.add_argument(
         "--sync", choices=[m.value for m in SyncMode], help="when writes are forced to disk"
     )
+    parser.add_argument(
+        "--credentials",
+        dest="credentials_file",
+        type=Path,
+        help="tenants' secrets and the admin token, mode 0600 "
+        "(default: DATA_DIR/credentials.toml, generated on first start)",
+    )
+    parser.add_argument(
+        "--tls-cert", type=Path, help="TLS certificate chain (PEM) for the data path"
+    )
+    parser.add_argument("--tls-key", type=Path, help="TLS private key (PEM) for the data path")
     parser.add_argument(
         "--ready-file",
         type=Path,
@@ -58,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         "node_id": args.node_id,
         "capacity_bytes": args.capacity_bytes,
         "sync": args.sync,
+        "credentials_file": args.credentials_file,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
     }
     config, policy = load_server_config(args.config, flags=flags)
     log.info("effective config: %s", json.dumps(config.redacted(), sort_keys=True))
@@ -69,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("signal %d: finishing the request in flight and stopping", signum)
         stop.set()
         for info in services:
-            info.service.wake()
+            info.server.wake()
 
     def on_ready(info: DaemonInfo) -> None:
         services.append(info)

@@ -10,16 +10,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcache.config import build_config, env_overrides, load_toml
+from kvcache.config import build_config, env_overrides, load_toml, parse_size
 from kvcache.errors import ConfigError
 from kvcache.retention.policy import RetentionPolicy
-from kvcache.wire import Limits
+from kvcache.wire import Limits, parse_endpoint
 
 __all__ = [
     "ServerConfig",
@@ -32,9 +31,7 @@ __all__ = [
 
 ENV_PREFIX = "KVCACHE_SERVER"
 RETENTION_ENV_PREFIX = "KVCACHE_RETENTION"
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*\Z")
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_FIELDS = ("capacity_bytes", "map_size_bytes", "max_data_bytes")
+_SIZE_FIELDS = ("capacity_bytes", "map_size_bytes", "max_data_bytes", "max_inflight_bytes")
 
 
 class SyncMode(enum.Enum):
@@ -50,17 +47,6 @@ class SyncMode(enum.Enum):
     COMMIT = "commit"
     PERIODIC = "periodic"
     NONE = "none"
-
-
-def parse_size(value: object, *, what: str = "size") -> int:
-    """Bytes from an int or a string such as ``"64MiB"``, ``"10G"``, ``"512k"`` (binary units)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a byte count, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and (match := _SIZE_RE.match(value.lower())):
-        return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
-    raise ConfigError(f"{what} must be bytes or a size such as '512MiB' or '10G', got {value!r}")
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -84,7 +70,7 @@ class ServerConfig:
     node_id: str = "node-0"
     #: Directory of the LMDB environment (created if missing).
     data_dir: Path = Path("kvcache-data")
-    #: zmq endpoint the data path binds (ROUTER). Port 0 picks a free port.
+    #: Endpoint the data path listens on (TCP). Port 0 picks a free port.
     listen: str = "tcp://127.0.0.1:7400"
     #: host:port of the admin HTTP server. Port 0 picks a free port.
     admin_listen: str = "127.0.0.1:7480"
@@ -100,32 +86,43 @@ class ServerConfig:
     sync: SyncMode = SyncMode.PERIODIC
     #: Seconds between syncs in ``periodic`` mode.
     sync_interval_s: float = 5.0
-    #: Shared secret: required for admin writes; with ``data_auth`` also on the data path.
-    token: str | None = None
-    #: Require an HMAC (made with ``token``) on every data-path request, and MAC replies.
-    data_auth: bool = False
+    #: Tenants' secrets, quotas and the admin token (see kvcache.credentials). Empty: the
+    #: file ``credentials.toml`` in ``data_dir``, generated there on first start.
+    credentials_file: Path | None = None
+    #: TLS on the data path: certificate chain and key (PEM). Both or neither.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     #: Most items in one request.
     max_items: int = 16384
-    #: Most bytes in one data frame (request or reply).
+    #: Most bytes in one data section (request or reply).
     max_data_bytes: int = 256 << 20
-    #: zmq send/receive high-water marks (messages).
-    hwm: int = 64
+    #: Most data-path connections at once; more are closed as they arrive.
+    max_connections: int = 1024
+    #: Seconds a new connection has to finish the session handshake.
+    handshake_timeout_s: float = 10.0
+    #: A reply that makes no progress for this long closes its connection (peer not reading).
+    send_timeout_s: float = 30.0
+    #: Request bytes buffered across connections before the daemon stops reading new ones.
+    max_inflight_bytes: int = 1 << 30
     #: Most shards one sweep or eviction transaction deletes (bounds how long it holds the writer).
     sweep_batch: int = 512
     #: A hit moving an expiry by less than this is not written (saves writes on hot blocks).
     touch_resolution_s: float = 60.0
     #: Hits are written in batches at least this often.
     touch_flush_s: float = 1.0
-    #: Test only: allow ``POST /debug/clock`` to shift the daemon's clock (token-guarded).
+    #: A stored shard of another write may be replaced (PUT with ``expect``) only once it is
+    #: this old: longer than any writer takes to finish a block, so none is overwritten mid-way.
+    replace_after_s: float = 10.0
+    #: Test only: allow ``POST /debug/clock`` to shift the daemon's clock (admin-token-guarded).
     allow_clock_override: bool = False
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128 or not self.node_id.isprintable():
             raise ConfigError(f"node_id must be 1-128 printable characters, got {self.node_id!r}")
-        if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(
-                f"listen must be a zmq endpoint like tcp://127.0.0.1:7400, got {self.listen!r}"
-            )
+        try:
+            parse_endpoint(self.listen)
+        except ValueError as exc:
+            raise ConfigError(f"listen: {exc}") from None
         parse_admin_listen(self.admin_listen)
         if self.capacity_bytes < 1 << 20:
             raise ConfigError(f"capacity_bytes must be at least 1 MiB, got {self.capacity_bytes}")
@@ -138,18 +135,22 @@ class ServerConfig:
             raise ConfigError(
                 f"map_size_bytes must be 0 (derived) or >= 1 MiB, got {self.map_size_bytes}"
             )
-        if self.token is not None and len(self.token) < 8:
-            raise ConfigError("token must be at least 8 characters (or unset)")
-        if self.data_auth and not self.token:
-            raise ConfigError(
-                "data_auth = true needs a token (config token or KVCACHE_SERVER_TOKEN)"
-            )
-        for name in ("max_items", "max_data_bytes", "hwm", "sweep_batch"):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: set both or neither")
+        for name in (
+            "max_items",
+            "max_data_bytes",
+            "sweep_batch",
+            "max_connections",
+            "max_inflight_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("sync_interval_s", "touch_flush_s"):
+        for name in ("sync_interval_s", "touch_flush_s", "handshake_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.replace_after_s < 0:
+            raise ConfigError(f"replace_after_s must be >= 0, got {self.replace_after_s}")
         if self.touch_resolution_s < 0:
             raise ConfigError(f"touch_resolution_s must be >= 0, got {self.touch_resolution_s}")
 
@@ -169,18 +170,16 @@ class ServerConfig:
         return self.map_size_bytes or default_map_size(self.capacity_bytes)
 
     @property
-    def token_bytes(self) -> bytes | None:
-        """The token as bytes (None when unset)."""
-        return self.token.encode() if self.token else None
+    def effective_credentials_file(self) -> Path:
+        """The credentials file used: the configured one, or ``credentials.toml`` in data_dir."""
+        return self.credentials_file or self.data_dir / "credentials.toml"
 
     def redacted(self) -> dict[str, Any]:
         """The settings as plain values for the start-up log, the token hidden."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "token":
-                value = "<set>" if value else None
-            elif isinstance(value, enum.Enum):
+            if isinstance(value, enum.Enum):
                 value = value.value
             elif isinstance(value, Path):
                 value = str(value)

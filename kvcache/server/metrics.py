@@ -73,7 +73,7 @@ class Metrics:
         #: Shards served by GET and keys refreshed by TOUCH, by (kind, traffic class).
         self._hits: dict[tuple[str, str], int] = {}
         #: Data-path peers connected now, and connections closed so far (by the
-        #: peer, or by libzmq for a frame over the size limit). Service thread only.
+        #: peer, or by the daemon after a protocol or auth error). Loop thread only.
         self.connections = 0
         self.disconnects = 0
 
@@ -193,7 +193,7 @@ class Metrics:
             lines += _family(
                 "disconnects_total",
                 "counter",
-                "Data-path connections closed (by peers, or by libzmq for oversized frames).",
+                "Data-path connections closed (by peers, or by the daemon after a protocol error).",
                 [("", self.disconnects)],
             )
             lines.append(f"# HELP {_PREFIX}_request_seconds Request handling time, by op.")
@@ -239,12 +239,36 @@ def render_prometheus(
         "Shards stored, by traffic class.",
         ((f'class="{c}"', v["shards"]) for c, v in classes.items()),
     )
+    tenants: Mapping[str, Mapping[str, Any]] = usage.get("tenants", {})
+    lines += _family(
+        "tenant_bytes",
+        "gauge",
+        "Bytes stored, by tenant and traffic class.",
+        (
+            (f'tenant="{_esc(t)}",class="{c}"', v["bytes"])
+            for t, entry in tenants.items()
+            for c, v in entry["classes"].items()
+        ),
+    )
+    lines += _family(
+        "tenant_shards",
+        "gauge",
+        "Shards stored, by tenant and traffic class.",
+        (
+            (f'tenant="{_esc(t)}",class="{c}"', v["shards"])
+            for t, entry in tenants.items()
+            for c, v in entry["classes"].items()
+        ),
+    )
     for name, help_text in (
         ("expired_shards", "Shards deleted by the sweeper after their expiry."),
         ("expired_bytes", "Bytes deleted by the sweeper after their expiry."),
         ("evicted_shards", "Shards evicted early under capacity pressure."),
         ("evicted_bytes", "Bytes evicted early under capacity pressure."),
+        ("quota_evicted_shards", "Shards a tenant's own PUTs evicted to stay within its quota."),
+        ("quota_evicted_bytes", "Bytes a tenant's own PUTs evicted to stay within its quota."),
         ("touches_written", "Expiry slides written after hits."),
+        ("put_conflicts", "PUT items refused because another stripe of the block is stored."),
     ):
         lines += _family(f"{name}_total", "counter", help_text, [("", store_counters[name])])
     return "\n".join(lines) + "\n"

@@ -2,32 +2,35 @@
 
 This is not the cluster client (``kvcache.client``: placement, hedging,
 erasure coding); it speaks the wire protocol to a single node, one request at
-a time, and exposes the raw frames so tests can send malformed ones.
+a time, and exposes the raw connection so tests can send malformed bytes.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import socket
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import zmq
 
-from kvcache.errors import NodeError, NodeTimeoutError
+from kvcache.errors import NodeError, NodeTimeoutError, ProtocolError
+from kvcache.net import open_session
 from kvcache.shard import ShardHeader, new_stripe_id, payload_hash, shard_hash
 from kvcache.wire import (
     Frame,
     Header,
     Limits,
     Message,
+    MessageReader,
     Op,
     Status,
     data_offsets,
-    decode,
     encode,
+    join,
     make_items,
 )
 
@@ -67,32 +70,31 @@ def fake_shard(
 
 
 class Probe:
-    """One DEALER socket to one daemon; requests are answered in order."""
+    """One authenticated connection to one daemon; requests are answered in order."""
 
     def __init__(
         self,
         endpoint: str,
         *,
-        token: bytes | None = None,
+        tenant: str,
+        secret: bytes,
         timeout_s: float = 10.0,
         limits: Limits | None = None,
-        context: zmq.Context[Any] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self.token = token
-        self.timeout_ms = int(timeout_s * 1000)
+        self.timeout_s = timeout_s
         self.limits = limits or Limits()
         self._ids = itertools.count(1)
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 16)
-        self._sock.setsockopt(zmq.RCVHWM, 16)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        self._sock.connect(endpoint)
+        self._sock = open_session(
+            endpoint, tenant=tenant, secret=secret, timeout_s=timeout_s, node=endpoint, tls=tls
+        )
+        self._sock.settimeout(timeout_s)
+        self._reader = MessageReader(limits=self.limits, replies=True)
 
     def close(self) -> None:
-        """Close the socket (linger 0)."""
-        self._sock.close(linger=0)
+        """Close the connection."""
+        self._sock.close()
 
     def __enter__(self) -> Probe:
         return self
@@ -102,16 +104,32 @@ class Probe:
 
     # ------------------------------------------------------------------ raw access
 
-    def send_frames(self, frames: Sequence[Frame]) -> None:
-        """Send any frames, well-formed or not."""
-        self._sock.send_multipart(list(frames), copy=False)
+    @property
+    def sock(self) -> socket.socket:
+        """The connection (for tests that send malformed bytes)."""
+        return self._sock
 
-    def recv_frames(self, timeout_s: float | None = None) -> list[bytes] | None:
-        """The next reply's frames, or None after ``timeout_s``."""
-        timeout = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
-        if not self._sock.poll(timeout, zmq.POLLIN):
-            return None
-        return list(self._sock.recv_multipart())
+    def send_raw(self, data: bytes) -> None:
+        """Send any bytes, well-formed or not."""
+        self._sock.sendall(data)
+
+    def recv_message(self, timeout_s: float | None = None) -> Message | None:
+        """The next reply, or None after ``timeout_s`` or when the daemon closed the connection."""
+        self._sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            message = self._reader.next_message()
+            if message is not None:
+                return message
+            try:
+                buf = self._reader.recv_buffer()
+                n = self._sock.recv_into(buf)
+            except TimeoutError:
+                return None
+            except OSError:
+                return None
+            if n == 0:
+                return None
+            self._reader.commit(n)
 
     def request(
         self,
@@ -121,42 +139,54 @@ class Probe:
         *,
         traffic_class: str = "",
     ) -> Message:
-        """Send one request and wait for its reply (NodeTimeoutError, AuthError, ProtocolError)."""
+        """Send one request and wait for its reply (NodeTimeoutError, ProtocolError)."""
         if items is None:
             items = make_items(op, 0, reply=False)
         request_id = next(self._ids)
         header = Header(op=op, request_id=request_id, count=len(items), traffic_class=traffic_class)
-        self._sock.send_multipart(encode(header, items, data, token=self.token), copy=False)
-        while True:
-            if not self._sock.poll(self.timeout_ms, zmq.POLLIN):
-                raise NodeTimeoutError(
-                    f"no reply to {op.name}#{request_id} from {self.endpoint} "
-                    f"within {self.timeout_ms} ms",
-                    node=self.endpoint,
-                )
-            frames = self._sock.recv_multipart(copy=False)
-            reply = decode(frames, limits=self.limits, token=self.token)
-            if reply.header.request_id == request_id:
-                return reply
+        self._sock.sendall(join(encode(header, items, data)))
+        reply = self.recv_message()
+        if reply is None:
+            raise NodeTimeoutError(
+                f"no reply to {op.name}#{request_id} from {self.endpoint} "
+                f"within {self.timeout_s} s (or the connection closed)",
+                node=self.endpoint,
+            )
+        if reply.header.request_id != request_id and reply.header.status == Status.OK:
+            raise ProtocolError(
+                f"reply to request {reply.header.request_id}, expected {request_id}"
+            )
+        return reply
 
     # ------------------------------------------------------------------ ops
 
-    def put(self, shards: Sequence[tuple[bytes, int, bytes]]) -> npt.NDArray[np.uint8]:
-        """Store (key, index, record) triples; per-item statuses."""
+    def put(
+        self, shards: Sequence[tuple[bytes, int, bytes]], *, expect: Sequence[int] | None = None
+    ) -> npt.NDArray[np.uint8]:
+        """Store (key, index, record) triples (``expect``: stripe each may replace); statuses."""
         items = make_items(Op.PUT, len(shards), reply=False)
         items["key"] = [s[0] for s in shards]
         items["index"] = [s[1] for s in shards]
         items["length"] = [len(s[2]) for s in shards]
+        if expect is not None:
+            items["expect"] = list(expect)
         reply = self._ok(self.request(Op.PUT, items, b"".join(s[2] for s in shards)))
         return np.asarray(reply.items["status"])
 
     def get(
-        self, wanted: Sequence[tuple[bytes, int]], *, traffic_class: str = ""
+        self,
+        wanted: Sequence[tuple[bytes, int]],
+        *,
+        traffic_class: str = "",
+        stripe: Sequence[int] | None = None,
     ) -> tuple[npt.NDArray[np.uint8], list[bytes | None]]:
-        """Fetch (key, index) shards: statuses and each record (None when not OK)."""
+        """Fetch (key, index) shards (of ``stripe`` ids, 0: any): statuses and each record
+        (None when not OK)."""
         items = make_items(Op.GET, len(wanted), reply=False)
         items["key"] = [w[0] for w in wanted]
         items["index"] = [w[1] for w in wanted]
+        if stripe is not None:
+            items["stripe"] = list(stripe)
         reply = self._ok(self.request(Op.GET, items, traffic_class=traffic_class))
         offsets = data_offsets(reply.items)
         records: list[bytes | None] = [

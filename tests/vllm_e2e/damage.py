@@ -22,15 +22,20 @@ from kvcache.wire import Status
 __all__ = ["damage_block"]
 
 
-def damage_block(cluster: LocalCluster, key: BlockKey, *, shards: int = 3) -> list[int]:
+def damage_block(
+    cluster: LocalCluster, key: BlockKey, *, shards: int = 3, tenant: str = "default"
+) -> list[int]:
     """Corrupt ``shards`` shards of ``key``'s stripe in place; returns the shard indices hit."""
     damaged: list[int] = []
+    entry = cluster.credentials().tenant(tenant)
+    if entry is None:
+        raise RuntimeError(f"no tenant {tenant!r} in the cluster's credentials")
     for node in cluster.nodes:
         if len(damaged) == shards:
             break
-        with Probe(node.data) as probe:
+        with Probe(node.data, tenant=tenant, secret=entry.secret) as probe:
             held = probe.has([key])[key]
-            for index, stripe in sorted(held.items()):
+            for index, _stripe in sorted(held.items()):
                 if len(damaged) == shards:
                     break
                 status, records = probe.get([(key, index)])
@@ -45,8 +50,7 @@ def damage_block(cluster: LocalCluster, key: BlockKey, *, shards: int = 3) -> li
                 header = dataclasses.replace(
                     ShardHeader.unpack(record), shard_hash=shard_hash(bytes(body))
                 )
-                if probe.delete([(key, stripe, index)])[0] != Status.OK:
-                    raise RuntimeError(f"{node.id} refused to delete shard {index}")
+                # The same stripe id: the daemon takes it as a rewrite of the same shard.
                 if probe.put([(key, index, header.pack() + bytes(body))])[0] != Status.OK:
                     raise RuntimeError(f"{node.id} refused the damaged shard {index}")
                 damaged.append(index)
