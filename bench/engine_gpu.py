@@ -91,9 +91,11 @@ def pages_equal(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
     )
 
 
-def cpu_seconds() -> float:
+def cpu_seconds(client: Client | None = None) -> float:
+    """CPU seconds of this process and of the client's I/O worker processes."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    workers = process_cpu(client.io_pids) if client is not None else 0.0
+    return r.ru_utime + r.ru_stime + workers
 
 
 def process_cpu(pids: list[int]) -> float:
@@ -171,7 +173,6 @@ def copy_figures(
             f"bit_equal_{tag}": ok,
         }
     )
-    del raw_dev
     return [tag, f"{gb / t_gather:.1f}", f"{gb / t_raw_d2h:.1f}", f"{t_raw_d2h / t_gather:.2f}x",
             f"{gb / t_scatter:.1f}", f"{gb / t_raw_h2d:.1f}", f"{t_raw_h2d / t_scatter:.2f}x", str(ok)]  # fmt: skip
 
@@ -213,7 +214,9 @@ class Loader:
         return result.blocks, elapsed, t_match
 
 
-def scaling(cluster: LocalCluster, space: Namespace, tokens: np.ndarray, blocks: int) -> list[dict[str, float]]:
+def scaling(
+    cluster: LocalCluster, space: Namespace, tokens: np.ndarray, blocks: int
+) -> list[dict[str, float]]:
     """Aggregate load GB/s with N independent client processes loading the same blocks."""
     worker = Path(__file__).resolve().parent / "_load_worker.py"
     rows = []
@@ -234,9 +237,11 @@ def scaling(cluster: LocalCluster, space: Namespace, tokens: np.ndarray, blocks:
         started = time.perf_counter()
         runs = [
             subprocess.Popen(
-                [sys.executable, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                [sys.executable, str(worker)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-            )  # fmt: skip
+            )
             for _ in range(procs)
         ]
         outs = [json.loads(p.communicate(spec.encode())[0]) for p in runs]
@@ -257,6 +262,9 @@ def main() -> None:
     p.add_argument("--scaling", action="store_true", help="also load with 1-8 client processes")
     p.add_argument("--nodes", type=int, default=12)
     p.add_argument("--no-recompute", action="store_true", help="skip the recompute baseline")
+    p.add_argument(
+        "--io-processes", type=int, default=6, help="client I/O worker processes (default 6)"
+    )
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads, head = (KV_HEADS, HEAD) if not args.tiny else (2, 32)
@@ -267,6 +275,8 @@ def main() -> None:
     figures: dict[str, Any] = {"commit": commit(), "machine": machine(), "device": str(device)}
     if device.type == "cuda":
         figures["gpu"] = torch.cuda.get_device_name()
+    shm = os.statvfs("/dev/shm")
+    print(f"/dev/shm free: {shm.f_bavail * shm.f_frsize / 1e9:.1f} GB", flush=True)
     print(f"device {device} ({figures.get('gpu', 'cpu')}), page {page_bytes / 2**20:.2f} MiB "
           f"across {LAYERS} layers, {figures['machine']}", flush=True)  # fmt: skip
 
@@ -291,23 +301,32 @@ def main() -> None:
     ]  # fmt: skip
 
     space = Namespace(model="bench/llama-3-8b-like", revision="1", layout=adapter.kv_layout())
-    tokens = np.random.default_rng(2).integers(0, 128_000, max_blocks * PAGE_TOKENS).astype(np.uint32)
-    host_out = adapter.alloc_host(max_blocks)
-    host_in = adapter.alloc_host(max_blocks)
+    tokens = (
+        np.random.default_rng(2).integers(0, 128_000, max_blocks * PAGE_TOKENS).astype(np.uint32)
+    )
     load_rows: list[list[str]] = []
     with tempfile.TemporaryDirectory(prefix="kvcache-gpu-") as tmp:
         capacity = int(1.5 * max_blocks * page_bytes * 1.25 / args.nodes) + (256 << 20)
         with LocalCluster(Path(tmp)).start(nodes=args.nodes, capacity=str(capacity)) as cluster:
             daemons = [cluster.pid(i) for i in range(args.nodes)]
-            with Client(cluster.client_config(timeout_s=30.0)) as client:
+            with (
+                Client(
+                    cluster.client_config(timeout_s=30.0, io_processes=args.io_processes)
+                ) as client,
+                Client(cluster.client_config(timeout_s=30.0)) as solo,
+            ):
+                figures["io_processes"] = args.io_processes
+                # Host buffers the pool's workers write and read directly, pinned for DMA.
+                host_out = adapter.pin_host(client.alloc_buffer(max_blocks, page_bytes))
+                host_in = adapter.pin_host(client.alloc_buffer(max_blocks, page_bytes))
                 # Store: gather + store of the first 4 GiB (timed), then the rest of the prompt.
                 sync(device)
-                c0, d0, t0 = cpu_seconds(), process_cpu(daemons), time.perf_counter()
+                c0, d0, t0 = cpu_seconds(client), process_cpu(daemons), time.perf_counter()
                 adapter.gather(src[:e2e_blocks, None], out=host_out[:e2e_blocks]).synchronize()
                 t_gather = time.perf_counter() - t0
                 stored = client.store(space, tokens, host_out[:e2e_blocks].numpy())
                 t_store = time.perf_counter() - t0
-                c1, d1 = cpu_seconds(), process_cpu(daemons)
+                c1, d1 = cpu_seconds(client), process_cpu(daemons)
                 gb4 = e2e_blocks * page_bytes / 1e9
                 figures["e2e_store_gbps_4gib"] = gb4 / t_store
                 figures["e2e_store_only_gbps_4gib"] = gb4 / (t_store - t_gather)
@@ -323,13 +342,18 @@ def main() -> None:
                     )
                     assert rest.failed == 0, rest
                 loader = Loader(client, adapter, space, tokens, host_in, device)
+                # One client process, no pool: the figure the pool is measured against.
+                single = Loader(solo, adapter, space, tokens, host_in, device)
+                single.run(e2e_blocks, dst, scatter=False)
+                solo_times = [single.run(e2e_blocks, dst, scatter=False)[1] for _ in range(repeat)]
+                figures["e2e_load_gbps_4gib_one_process"] = gb4 / float(np.median(solo_times))
                 # Load without scatter: the store's read figure (match + load into pinned).
                 loader.run(e2e_blocks, dst, scatter=False)  # warm-up
                 times, cpus, dcpus = [], [], []
                 for _ in range(repeat):
-                    c0, d0 = cpu_seconds(), process_cpu(daemons)
+                    c0, d0 = cpu_seconds(client), process_cpu(daemons)
                     got, secs, t_match = loader.run(e2e_blocks, dst, scatter=False)
-                    cpus.append(cpu_seconds() - c0)
+                    cpus.append(cpu_seconds(client) - c0)
                     dcpus.append(process_cpu(daemons) - d0)
                     times.append(secs)
                     assert got == e2e_blocks, got
@@ -355,7 +379,9 @@ def main() -> None:
                     figures[f"load_scatter_s_{tag}"] = secs
                     figures[f"load_scatter_gbps_{tag}"] = gb / secs
                     figures[f"load_bit_equal_{tag}"] = ok
-                    ratio = recompute_s[n_tokens] / secs if n_tokens in recompute_s else float("nan")
+                    ratio = (
+                        recompute_s[n_tokens] / secs if n_tokens in recompute_s else float("nan")
+                    )
                     figures[f"load_vs_recompute_{tag}"] = ratio
                     rec = recompute_s.get(n_tokens, float("nan"))
                     load_rows.append([tag, f"{gb:.2f}", f"{rec * 1000:.0f} ms", f"{secs * 1000:.0f} ms",
@@ -365,6 +391,8 @@ def main() -> None:
                 if args.scaling:
                     figures["scaling"] = scaling(cluster, space, tokens, e2e_blocks // 2)
                 figures["client_counters"] = client.counters
+                adapter.unpin_host(host_out)
+                adapter.unpin_host(host_in)
     figures["gather_vs_raw"] = figures["gather_vs_raw_4gib"]
     figures["scatter_vs_raw"] = figures["scatter_vs_raw_4gib"]
     print(f"\nkvcache engine benchmark — commit {figures['commit']}, {figures.get('gpu', device)}, "
@@ -376,11 +404,13 @@ def main() -> None:
         copy_rows,
     )  # fmt: skip
     print_table(
-        f"Through a local {args.nodes}-daemon cluster (10+2 RS, loopback), 4 GiB",
+        f"Through a local {args.nodes}-daemon cluster (10+2 RS, loopback), 4 GiB, "
+        f"{args.io_processes} I/O processes",
         ["figure", "value"],
         [
             ["store (gather + encode + quorum PUT)", f"{figures['e2e_store_gbps_4gib']:.2f} GB/s"],
             ["load (match + GET + verify into pinned memory)", f"{figures['e2e_load_gbps_4gib']:.2f} GB/s"],
+            ["load, one client process (no I/O pool)", f"{figures['e2e_load_gbps_4gib_one_process']:.2f} GB/s"],
             ["client CPU-s per GB, load / store", f"{figures['client_cpu_s_per_gb_load']:.2f} / {figures['client_cpu_s_per_gb_store']:.2f}"],
             ["daemon CPU-s per GB (all 12), GET / PUT", f"{figures['daemon_cpu_s_per_gb_get']:.2f} / {figures['daemon_cpu_s_per_gb_put']:.2f}"],
         ],

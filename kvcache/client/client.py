@@ -22,9 +22,10 @@ import numpy.typing as npt
 from kvcache.client.config import ClientConfig
 from kvcache.client.core import ClientCore
 from kvcache.client.driver import Watchdog
-from kvcache.client.loading import LoadResult, OnReady, load_keys
+from kvcache.client.loading import LoadResult, OnReady, check_out, load_keys
 from kvcache.client.matching import match_keys
 from kvcache.client.plan import MatchResult
+from kvcache.client.pool import ClientPool
 from kvcache.client.storing import Payloads, StoreResult, store_keys, touch_or_delete
 from kvcache.client.transport import Transport
 from kvcache.cluster import ClusterMap
@@ -75,6 +76,7 @@ class Client:
         self._encoder = concurrent.futures.ThreadPoolExecutor(
             max(1, min(4, (os.cpu_count() or 2) // 2)), thread_name_prefix="kvcache-encode"
         )
+        self._pool = ClientPool(config, config.io_processes) if config.io_processes else None
         self._closed = False
 
     @property
@@ -84,8 +86,33 @@ class Client:
 
     @property
     def counters(self) -> dict[str, int]:
-        """Client-side counters (hedges, node errors, blocks loaded/written, repairs...)."""
-        return self._core.snapshot()
+        """Client-side counters (hedges, node errors, blocks loaded/written, repairs...),
+        the I/O pool's workers included."""
+        counters = self._core.snapshot()
+        if self._pool is not None:
+            for name, n in self._pool.counters().items():
+                counters[name] = counters.get(name, 0) + n
+        return counters
+
+    @property
+    def io_pids(self) -> list[int]:
+        """Process ids of the I/O pool's workers (none without a pool)."""
+        return [] if self._pool is None else self._pool.pids
+
+    def alloc_buffer(self, rows: int, row_bytes: int) -> npt.NDArray[np.uint8]:
+        """A (rows, row_bytes) uint8 host buffer for loads and stores.
+
+        With an I/O pool (``io_processes``) it lies in shared memory, so the workers
+        read and write it directly; pass it (or a slice of it) as ``out`` or as the
+        payloads. An engine pins it for DMA (``PagedKVAdapter.pin_host``).
+        """
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ArgumentError(f"rows must be an int >= 0, got {rows!r}")
+        if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
+            raise ArgumentError(f"row_bytes must be a positive int, got {row_bytes!r}")
+        if self._pool is None:
+            return np.empty((rows, row_bytes), np.uint8)
+        return self._pool.alloc(rows, row_bytes).array
 
     @property
     def core(self) -> ClientCore:
@@ -148,6 +175,9 @@ class Client:
         on_ready: OnReady | None = None,
     ) -> LoadResult:
         """:meth:`load` for blocks of ``payload_len`` bytes named by ``match`` alone."""
+        pooled = self._pooled_load(match, payload_len, out, traffic_class, on_ready)
+        if pooled is not None:
+            return pooled
         return load_keys(
             self._core,
             match,
@@ -155,6 +185,44 @@ class Client:
             out=out,
             traffic_class=traffic_class,
             on_ready=on_ready,
+        )
+
+    def _pooled_load(
+        self,
+        match: MatchResult,
+        payload_len: int,
+        out: npt.NDArray[np.uint8] | None,
+        traffic_class: str | None,
+        on_ready: OnReady | None,
+    ) -> LoadResult | None:
+        """The load through the I/O pool, or None when it should run here."""
+        pool = self._pool
+        if pool is None or not isinstance(match, MatchResult) or match.hit_blocks < 2:
+            return None
+        if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
+            return None  # load_keys names the mistake
+        total = match.hit_blocks
+        buffer = (
+            check_out(out, total, payload_len)
+            if out is not None
+            else pool.alloc(total, payload_len).array
+        )
+        region = pool.region(buffer[:total])
+        if region is None:
+            return None  # not shared memory: this process loads it
+        good = pool.load(
+            match,
+            region,
+            payload_len=payload_len,
+            traffic_class=self._core.traffic_class(traffic_class),
+            chunk_blocks=self.config.chunk_blocks(payload_len),
+            on_ready=on_ready,
+        )
+        return LoadResult(
+            blocks=good,
+            tokens=good * match.tokens_per_block,
+            payloads=[buffer[b] for b in range(good)],
+            bytes_loaded=good * payload_len,
         )
 
     def load_prefix(
@@ -202,14 +270,12 @@ class Client:
                 f"{count} payloads from block {first_block} need {first_block + count} full "
                 f"blocks of tokens; the prompt has {len(all_keys)}"
             )
-        return store_keys(
-            self._core,
+        return self._store(
             all_keys[first_block:],
             payloads,
             payload_len=namespace.layout.payload_bytes,
             traffic_class=traffic_class,
             first_block=first_block,
-            encoder=self._encoder,
         )
 
     def store_keys(
@@ -221,12 +287,46 @@ class Client:
         traffic_class: str | None = None,
     ) -> StoreResult:
         """:meth:`store` for blocks named by caller-computed keys (one payload per key)."""
+        return self._store(keys, payloads, payload_len=payload_len, traffic_class=traffic_class)
+
+    def _store(
+        self,
+        keys: Sequence[BlockKey],
+        payloads: Payloads,
+        *,
+        payload_len: int,
+        traffic_class: str | None,
+        first_block: int = 0,
+    ) -> StoreResult:
+        pool = self._pool
+        if (
+            pool is not None
+            and isinstance(payloads, np.ndarray)
+            and payloads.ndim == 2
+            and payloads.dtype == np.uint8
+            and payloads.flags.c_contiguous
+            and isinstance(payload_len, int)
+            and payloads.shape == (len(keys), payload_len)
+            and len(keys) >= 2
+            and all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+        ):
+            region = pool.region(payloads)
+            if region is not None:
+                return pool.store(
+                    list(keys),
+                    region,
+                    payload_len=payload_len,
+                    traffic_class=self._core.traffic_class(traffic_class),
+                    first_block=first_block,
+                    chunk_blocks=self.config.chunk_blocks(payload_len),
+                )
         return store_keys(
             self._core,
             keys,
             payloads,
             payload_len=payload_len,
             traffic_class=traffic_class,
+            first_block=first_block,
             encoder=self._encoder,
         )
 
@@ -277,6 +377,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        if self._pool is not None:
+            self._pool.close()
         if self._watchdog is not None:
             self._watchdog.close()
         self._encoder.shutdown(wait=True)

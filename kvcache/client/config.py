@@ -51,6 +51,10 @@ class ClientConfig:
     chunk_bytes: int = 32 << 20
     window: int = 4
     connections_per_node: int = 2
+    #: Worker processes that move the bytes of loads and stores (0: this process does).
+    #: With N > 0, buffers from ``Client.alloc_buffer`` are written and read by the workers
+    #: directly (shared memory); see kvcache.client.pool.
+    io_processes: int = 0
     #: Put back shards a load found bad or missing on their holders (read repair), and drop a
     #: stripe that no k of its shards rebuild, so that any client's next store rewrites it.
     read_repair: bool = True
@@ -74,6 +78,8 @@ class ClientConfig:
             raise ConfigError("max_batch_blocks must lie in 1..4096")
         if self.chunk_bytes < 1 or not 1 <= self.window <= 64:
             raise ConfigError("chunk_bytes must be >= 1 and window in 1..64")
+        if not 0 <= self.io_processes <= 64:
+            raise ConfigError("io_processes must lie in 0..64")
         if not 1 <= self.connections_per_node <= 16:
             raise ConfigError("connections_per_node must lie in 1..16")
         check_tenant_name(self.tenant)

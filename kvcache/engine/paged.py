@@ -145,6 +145,25 @@ class PagedKVAdapter:
             layers_in_block=self.num_layers,
         )
 
+    def pin_host(self, array: Any) -> torch.Tensor:
+        """A (blocks, payload_bytes) uint8 tensor over a host array the caller allocated
+        (e.g. a kvcache client's shared buffer), page-locked for DMA on CUDA
+        (``cudaHostRegister``; released with :meth:`unpin_host`)."""
+        host = torch.from_numpy(array)
+        self._check_host(host, 0)
+        if self.device.type == "cuda" and host.numel() and not host.is_pinned():
+            cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            err = cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)
+            if int(err) != 0:
+                raise ConfigError(f"cudaHostRegister of {host.numel()} bytes failed: {err}")
+        return host
+
+    def unpin_host(self, host: torch.Tensor) -> None:
+        """Undo :meth:`pin_host` (before the memory is freed)."""
+        if self.device.type == "cuda" and host.numel():
+            cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(host.data_ptr())
+
     def alloc_host(self, blocks: int) -> torch.Tensor:
         """A (blocks, payload_bytes) uint8 host buffer, pinned when an accelerator is used."""
         return torch.empty(
