@@ -328,6 +328,11 @@ def main() -> None:
                 t_store = time.perf_counter() - t0
                 c1, d1 = cpu_seconds(client), process_cpu(daemons)
                 gb4 = e2e_blocks * page_bytes / 1e9
+                probe_blocks = min(64, e2e_blocks)
+                reference = adapter.gather(src[:probe_blocks, None]).host
+                figures["gather_into_shared_equal"] = torch.equal(
+                    reference, host_out[:probe_blocks]
+                )
                 figures["e2e_store_gbps_4gib"] = gb4 / t_store
                 figures["e2e_store_only_gbps_4gib"] = gb4 / (t_store - t_gather)
                 figures["client_cpu_s_per_gb_store"] = (c1 - c0) / gb4
@@ -375,6 +380,11 @@ def main() -> None:
                         samples.append(secs)
                     secs = float(np.median(samples))
                     ok = pages_equal(caches, src[:blocks].to(device), dst[:blocks].to(device))
+                    host_ok = torch.equal(host_in[:blocks], host_out[:blocks])
+                    figures[f"load_host_equal_{tag}"] = host_ok
+                    if not ok:
+                        print(f"{tag}: pages differ; loaded host bytes equal the stored ones: "
+                              f"{host_ok}; host pinned: {host_in.is_pinned()}", flush=True)  # fmt: skip
                     gb = blocks * page_bytes / 1e9
                     figures[f"load_scatter_s_{tag}"] = secs
                     figures[f"load_scatter_gbps_{tag}"] = gb / secs

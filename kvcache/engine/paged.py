@@ -207,6 +207,10 @@ class PagedKVAdapter:
         caller = self._module.current_stream(self.device)
         work.wait_stream(caller)
         copy.wait_stream(caller)
+        # Made on the caller's stream, read on the work stream: without this the caching
+        # allocator hands its memory to the next call's ids while this call still reads
+        # them, and pages land in the wrong place (seen with back-to-back scatters).
+        dev_ids.record_stream(work)
         for c, start in enumerate(range(0, blocks, step)):
             stop = min(blocks, start + step)
             buf = self._buffers[c % 2][: stop - start]
@@ -257,6 +261,10 @@ class PagedKVAdapter:
         caller = self._module.current_stream(self.device)
         work.wait_stream(caller)
         copy.wait_stream(caller)
+        # Made on the caller's stream, read on the work stream: without this the caching
+        # allocator hands its memory to the next call's ids while this call still reads
+        # them, and pages land in the wrong place (seen with back-to-back scatters).
+        dev_ids.record_stream(work)
         events: list[Any] = []
         chunks = list(range(0, blocks, step))
         for c, start in enumerate(chunks):
