@@ -263,7 +263,13 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=12)
     p.add_argument("--no-recompute", action="store_true", help="skip the recompute baseline")
     p.add_argument(
-        "--io-processes", type=int, default=6, help="client I/O worker processes (default 6)"
+        "--io-processes", type=int, default=8, help="client I/O worker processes (default 8)"
+    )
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="also measure other client settings, e.g. 8x1,12x1 (I/O processes x connections "
+        "per node): 4 GiB load, 32K load+scatter and a 2 GiB store each",
     )
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -306,7 +312,9 @@ def main() -> None:
     )
     load_rows: list[list[str]] = []
     with tempfile.TemporaryDirectory(prefix="kvcache-gpu-") as tmp:
-        capacity = int(1.5 * max_blocks * page_bytes * 1.25 / args.nodes) + (256 << 20)
+        sweep = [tuple(int(x) for x in item.split("x")) for item in args.sweep.split(",") if item]
+        stored_blocks = max_blocks + len(sweep) * (e2e_blocks // 2)
+        capacity = int(1.5 * stored_blocks * page_bytes * 1.25 / args.nodes) + (256 << 20)
         with LocalCluster(Path(tmp)).start(nodes=args.nodes, capacity=str(capacity)) as cluster:
             daemons = [cluster.pid(i) for i in range(args.nodes)]
             with (
@@ -400,6 +408,41 @@ def main() -> None:
                           f"recompute {rec * 1000:.0f} ms: {ratio:.2f}x, bit-equal {ok}", flush=True)  # fmt: skip
                 if args.scaling:
                     figures["scaling"] = scaling(cluster, space, tokens, e2e_blocks // 2)
+                sweep_rows = []
+                for procs, conns in sweep:
+                    settings = {"io_processes": procs, "connections_per_node": conns}
+                    with Client(cluster.client_config(timeout_s=30.0, **settings)) as other:
+                        alt = Loader(other, adapter, space, tokens, host_in, device)
+                        alt.run(e2e_blocks, dst, scatter=False)
+                        t_load = float(np.median(
+                            [alt.run(e2e_blocks, dst, scatter=False)[1] for _ in range(repeat)]
+                        ))  # fmt: skip
+                        n32 = 32768 // PAGE_TOKENS
+                        t_32 = float(np.median(
+                            [alt.run(n32, dst, scatter=True)[1] for _ in range(repeat)]
+                        ))  # fmt: skip
+                        half = e2e_blocks // 2
+                        other_space = Namespace(
+                            model=f"bench/sweep-{procs}x{conns}", revision="1", layout=space.layout
+                        )
+                        buf = other.alloc_buffer(half, page_bytes)
+                        buf[:] = host_out[:half].numpy()
+                        t0 = time.perf_counter()
+                        other.store(other_space, tokens, buf)
+                        t_store = time.perf_counter() - t0
+                    gb_half = half * page_bytes / 1e9
+                    row = {
+                        "io_processes": procs,
+                        "connections_per_node": conns,
+                        "load_gbps_4gib": gb4 / t_load,
+                        "load_vs_recompute_32k": recompute_s.get(32768, float("nan")) / t_32,
+                        "store_gbps_2gib": gb_half / t_store,
+                    }
+                    sweep_rows.append(row)
+                    print(f"sweep {procs}x{conns}: load {row['load_gbps_4gib']:.2f} GB/s, 32k "
+                          f"{row['load_vs_recompute_32k']:.2f}x, store {row['store_gbps_2gib']:.2f} GB/s",
+                          flush=True)  # fmt: skip
+                figures["sweep"] = sweep_rows
                 figures["client_counters"] = client.counters
                 adapter.unpin_host(host_out)
                 adapter.unpin_host(host_in)
@@ -430,6 +473,16 @@ def main() -> None:
         ["prompt", "KV GB", "recompute", "load+scatter", "GB/s", "recompute / load", "bit-equal"],
         load_rows,
     )
+    if figures["sweep"]:
+        print_table(
+            "Client settings (I/O processes x connections per node), same run",
+            ["setting", "load 4 GiB GB/s", "32K load vs recompute", "store 2 GiB GB/s"],
+            [
+                [f"{r['io_processes']}x{r['connections_per_node']}", f"{r['load_gbps_4gib']:.2f}",
+                 f"{r['load_vs_recompute_32k']:.2f}x", f"{r['store_gbps_2gib']:.2f}"]
+                for r in figures["sweep"]
+            ],
+        )  # fmt: skip
     if args.scaling:
         print_table(
             "Load throughput by client processes (same daemons, same blocks)",

@@ -143,7 +143,10 @@ def items_nbytes(op: Op, count: int, *, reply: bool) -> int:
 
 def make_items(op: Op, count: int, *, reply: bool) -> npt.NDArray[np.void]:
     """A zeroed record array for ``count`` items of ``op``."""
-    return np.zeros(count, dtype=item_dtype(op, reply=reply))
+    dtype = item_dtype(op, reply=reply)
+    # Zeroed bytes viewed as records: np.zeros of a structured dtype costs ~50 µs a call.
+    items: npt.NDArray[np.void] = np.zeros(count * dtype.itemsize, np.uint8).view(dtype)
+    return items
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -91,6 +91,11 @@ class HasRound:
             self.unanswered += (rows == send.node).sum(axis=1)
         self.answered = 0
         self.held: list[tuple[int, IntArray, IntArray, npt.NDArray[np.uint64]]] = []
+        # Per block: shards seen, the first stripe seen, and whether another one was:
+        # while a block's answers agree on one stripe, its best count is its shard count.
+        self._count = np.zeros(len(rows), np.int64)
+        self._stripe = np.zeros(len(rows), np.uint64)
+        self._mixed = np.zeros(len(rows), bool)
         self.started = 0.0
         self.done = not self.pending
 
@@ -113,7 +118,12 @@ class HasRound:
             return
         self.answered += 1
         valid = (ordinal >= 0) & (ordinal < len(send.blocks))
-        self.held.append((send.node, send.blocks[ordinal[valid]], index[valid], stripe[valid]))
+        blocks, stripes = send.blocks[ordinal[valid]], stripe[valid]
+        self.held.append((send.node, blocks, index[valid], stripes))
+        np.add.at(self._count, blocks, 1)
+        unseen = self._stripe[blocks] == 0
+        self._stripe[blocks[unseen]] = stripes[unseen]
+        np.logical_or.at(self._mixed, blocks, self._stripe[blocks] != stripes)
         self._check(now)
 
     def on_failure(self, ticket: int, now: float) -> None:
@@ -149,7 +159,9 @@ class HasRound:
         if now >= self.started + self._hedge_s:
             self.done = True  # everyone had until the hedge time; k answers are enough now
             return
-        best = best_counts(self.held_shards(), len(self.rows), n=self.n)
+        best = self._count
+        if self._mixed.any():  # rare: two writes of a block answered; count per stripe
+            best = best_counts(self.held_shards(), len(self.rows), n=self.n)
         if ((best >= self.settle) | (best + self.unanswered < self.settle)).all():
             self.done = True
 
