@@ -412,12 +412,15 @@ def main() -> None:
                 for procs, conns in sweep:
                     settings = {"io_processes": procs, "connections_per_node": conns}
                     with Client(cluster.client_config(timeout_s=30.0, **settings)) as other:
-                        alt = Loader(other, adapter, space, tokens, host_in, device)
+                        n32 = 32768 // PAGE_TOKENS
+                        alt_host = adapter.pin_host(
+                            other.alloc_buffer(max(e2e_blocks, n32), page_bytes)
+                        )
+                        alt = Loader(other, adapter, space, tokens, alt_host, device)
                         alt.run(e2e_blocks, dst, scatter=False)
                         t_load = float(np.median(
                             [alt.run(e2e_blocks, dst, scatter=False)[1] for _ in range(repeat)]
                         ))  # fmt: skip
-                        n32 = 32768 // PAGE_TOKENS
                         t_32 = float(np.median(
                             [alt.run(n32, dst, scatter=True)[1] for _ in range(repeat)]
                         ))  # fmt: skip
@@ -430,6 +433,7 @@ def main() -> None:
                         t0 = time.perf_counter()
                         other.store(other_space, tokens, buf)
                         t_store = time.perf_counter() - t0
+                        adapter.unpin_host(alt_host)
                     gb_half = half * page_bytes / 1e9
                     row = {
                         "io_processes": procs,
