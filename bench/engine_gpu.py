@@ -266,6 +266,12 @@ def main() -> None:
         "--io-processes", type=int, default=8, help="client I/O worker processes (default 8)"
     )
     p.add_argument(
+        "--connections-per-node",
+        type=int,
+        default=2,
+        help="connections from each client process to each daemon (default 2)",
+    )
+    p.add_argument(
         "--sweep",
         default="",
         help="also measure other client settings, e.g. 8x1,12x1 (I/O processes x connections "
@@ -324,6 +330,7 @@ def main() -> None:
                 Client(cluster.client_config(timeout_s=30.0)) as solo,
             ):
                 figures["io_processes"] = args.io_processes
+                figures["connections_per_node"] = args.connections_per_node
                 # Host buffers the pool's workers write and read directly, pinned for DMA.
                 host_out = adapter.pin_host(client.alloc_buffer(max_blocks, page_bytes))
                 host_in = adapter.pin_host(client.alloc_buffer(max_blocks, page_bytes))
@@ -462,7 +469,7 @@ def main() -> None:
     )  # fmt: skip
     print_table(
         f"Through a local {args.nodes}-daemon cluster (10+2 RS, loopback), 4 GiB, "
-        f"{args.io_processes} I/O processes",
+        f"{args.io_processes} I/O processes x {args.connections_per_node} connections per node",
         ["figure", "value"],
         [
             ["store (gather + encode + quorum PUT)", f"{figures['e2e_store_gbps_4gib']:.2f} GB/s"],
