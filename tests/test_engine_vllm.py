@@ -2,21 +2,28 @@
 
 The tier builds (or reuses) the vLLM venv with ``scripts/vllm-venv.sh``, makes
 a tiny random-weight Llama, starts a local 12-node cluster and runs the engine
-three times, each in a fresh process (``tests/vllm_e2e/run_engine.py``), one
+five times, each in a fresh process (``tests/vllm_e2e/run_engine.py``), one
 prompt per ``generate`` call, greedy:
 
 1. no connector: the reference tokens of prompts P1, P2 and P3;
 2. with the connector on an empty cluster, P1 and P3: nothing to load, their
    full prompt blocks are stored, the output is unchanged;
 3. then three shards of P3's second block are damaged beyond repair, and a
-   new engine runs P1, P2 (sharing P1's first two blocks only) and P3.
+   new engine (asynchronous loads, the default) runs P1, P2 (sharing P1's
+   first two blocks only) and P3;
+4. synchronous loads (``load_mode = "sync"``), P1 and P3;
+5. a store predicted slower than recomputing (``load_gbps`` tiny), P1.
 
-Run 3 must load P1's blocks instead of computing them (the connector's
-counters and vLLM's own cached-token count agree), load only the shared
-blocks of P2, and for P3 load the first block, report the damaged one and
-everything after it as failed, recompute them, and still produce exactly the
-reference tokens. Every engine process runs with VLLM_NO_USAGE_STATS=1
-DO_NOT_TRACK=1 HF_HUB_OFFLINE=1: vLLM must never send usage statistics.
+Run 3 must load P1's blocks instead of computing them while the request waits
+in WAITING_FOR_REMOTE_KVS (the connector's counters and vLLM's own
+cached-token count agree), load only the shared blocks of P2, and for P3 load
+the first block, report the damaged one and everything after it as failed,
+recompute them, and still produce exactly the reference tokens. The failed
+load also drops the broken stripe and the recomputed blocks are stored again,
+so run 4 loads all of P3, before the forward pass. Run 5 declines every hit
+(fetch or recompute) and computes everything. Every engine process runs with
+VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1: vLLM must never send
+usage statistics.
 """
 
 from __future__ import annotations
@@ -142,8 +149,10 @@ def run_engine(
     name: str,
     prompts: dict[str, list[int]],
     cluster: LocalCluster | None,
+    **settings: Any,
 ) -> EngineRun:
-    """One engine process over ``prompts`` (one generate call each), with or without the connector."""
+    """One engine process over ``prompts`` (one generate call each), with or without the
+    connector; ``settings`` are added to the connector's extra config."""
     stats_dir = workdir / f"{name}-stats"
     connector = None
     if cluster is not None:
@@ -153,6 +162,7 @@ def run_engine(
             "traffic_class": "chat",
             "timeout_s": 5.0,
             "stats_dir": str(stats_dir),
+            **settings,
         }
     spec = {
         "model": str(model),
@@ -180,6 +190,8 @@ class Scenario:
     baseline: EngineRun
     first: EngineRun
     second: EngineRun
+    sync: EngineRun
+    recompute: EngineRun
     namespace: Namespace
     damaged_shards: list[int]
     hit_after_damage: int
@@ -205,7 +217,20 @@ def scenario(
         match = client.match_prefix(ns, P3)
         loaded = client.load(ns, match).blocks
     second = run_engine(vllm_python, tiny_model, work, "second", prompts, cluster)
-    return Scenario(baseline, first, second, ns, damaged, match.hit_blocks, loaded)
+    sync = run_engine(
+        vllm_python, tiny_model, work, "sync", {"p1": P1, "p3": P3}, cluster, load_mode="sync"
+    )
+    recompute = run_engine(
+        vllm_python,
+        tiny_model,
+        work,
+        "recompute",
+        {"p1": P1},
+        cluster,
+        load_gbps=1e-6,
+        prefill_tokens_per_s=1000.0,
+    )
+    return Scenario(baseline, first, second, sync, recompute, ns, damaged, match.hit_blocks, loaded)
 
 
 def test_connector_namespace_covers_model_layout_and_rank(scenario: Scenario) -> None:
@@ -243,6 +268,11 @@ def test_second_run_loads_instead_of_recomputing(scenario: Scenario) -> None:
     assert worker["tokens_loaded"] == loadable
     assert worker["blocks_loaded"] == loadable // BLOCK
     assert worker["load_error_blocks"] == 0
+    # The load ran in the background while the request waited for it.
+    assert worker["async_loads"] == 1
+    assert run.delta("p1", "scheduler")["fetch_decisions"] == 1
+    # The worker's load measurements reached the scheduler's fetch-or-recompute planner.
+    assert run.final["scheduler"]["load_gbps_estimate"] > 0
     # vLLM's own count: these prompt tokens were not computed.
     assert run.phases["p1"]["num_cached_tokens"] == [loadable]
 
@@ -273,6 +303,30 @@ def test_damaged_block_is_recomputed_with_identical_output(scenario: Scenario) -
     # The damaged block and every block after it go back to vLLM for recomputation.
     assert worker["load_error_blocks"] == loadable - DAMAGED_BLOCK
     assert worker["load_failed_requests"] == 1
-    # P3's last full block, computed in the failed step over KV that never arrived, was
-    # not stored then.
-    assert worker["saves_skipped"] == 1
+    # An asynchronous load fails before anything is computed over it: nothing to withhold
+    # (the recomputed blocks are stored; run 4 loads them).
+    assert worker["saves_skipped"] == 0
+
+
+def test_synchronous_loads_and_the_healed_block(scenario: Scenario) -> None:
+    run = scenario.sync
+    for phase, prompt in (("p1", P1), ("p3", P3)):
+        loadable = (len(prompt) - 1) // BLOCK * BLOCK
+        assert run.tokens(phase) == scenario.baseline.tokens(phase)
+        worker = run.delta(phase, "worker")
+        # Run 3 dropped P3's broken stripe and stored the recomputed block: all of P3 loads.
+        assert worker["tokens_loaded"] == loadable, phase
+        assert worker["load_error_blocks"] == 0
+        assert worker["async_loads"] == 0
+        assert run.phases[phase]["num_cached_tokens"] == [loadable]
+
+
+def test_a_store_slower_than_recompute_is_not_waited_for(scenario: Scenario) -> None:
+    run = scenario.recompute
+    assert run.tokens("p1") == scenario.baseline.tokens("p1")
+    scheduler = run.delta("p1", "scheduler")
+    assert scheduler["recompute_decisions"] == 1 and scheduler["fetch_decisions"] == 0
+    assert scheduler["tokens_recompute_chosen"] == (len(P1) - 1) // BLOCK * BLOCK
+    assert scheduler["tokens_matched"] == 0
+    assert run.delta("p1", "worker")["blocks_loaded"] == 0
+    assert run.phases["p1"]["num_cached_tokens"] == [0]

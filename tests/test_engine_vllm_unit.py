@@ -37,8 +37,11 @@ def test_public_names_are_pinned() -> None:
         "CachedReq",
         "ConnectorSettings",
         "ConnectorStats",
+        "FetchPlanner",
         "KVGeometry",
+        "LoadMode",
         "LoadSpec",
+        "MIN_PREFILL_STEP_TOKENS",
         "NewReq",
         "PendingMatches",
         "SaveSpec",
@@ -109,11 +112,26 @@ def test_extra_config_rejects_unknown_keys_and_names_the_known_ones() -> None:
         {"match_wait_ms": 10, "match_deadline_ms": 5},
         {"max_pending_save_mb": 0},
         {"match_wait_ms": "soon"},
+        {"load_mode": "eventually"},
+        {"recompute_margin": -0.5},
+        {"load_gbps": 0},
+        {"prefill_tokens_per_s": -1},
     ],
 )
 def test_extra_config_rejects_bad_values(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         vm.split_extra_config({"cluster_file": "c.toml", **bad})
+
+
+def test_load_mode_and_fetch_settings_parse() -> None:
+    settings, client = vm.split_extra_config({"cluster_file": "c.toml"})
+    assert settings.load_mode is vm.LoadMode.ASYNC and settings.recompute_margin == 1.0
+    settings, client = vm.split_extra_config(
+        {"cluster_file": "c.toml", "load_mode": "sync", "recompute_margin": "1.5", "load_gbps": 4}
+    )
+    assert settings.load_mode is vm.LoadMode.SYNC
+    assert (settings.recompute_margin, settings.load_gbps) == (1.5, 4.0)
+    assert client == {"cluster_file": "c.toml"}
 
 
 def test_empty_model_name_means_vllms_own() -> None:
@@ -246,7 +264,7 @@ def test_book_plans_a_load_then_saves_the_rest_of_the_prompt() -> None:
     assert save.tokens.tolist() == prompt[: 5 * B]
     # The load is planned once.
     later = book.plan_step([], [vm.CachedReq("r", False, None, 160)], {"r": 1})
-    assert later == vm.StepPlan()
+    assert later == vm.StepPlan(step_tokens=1)
 
 
 def test_book_load_after_a_local_prefix_hit_starts_after_it() -> None:
@@ -311,6 +329,31 @@ def test_book_roles_and_unscheduled_loads() -> None:
     assert len(book) == 0
 
 
+def test_book_plans_an_async_load_before_the_request_is_scheduled() -> None:
+    prompt = list(range(5 * B + 3))
+    book = vm.SchedulerBook(block_size=B)
+    book.on_alloc("r", prompt, local_tokens=B, external=3 * B, block_ids=[9, 8, 7, 6, 5])
+    # The request waits for its load, so it is in no scheduled list; the load goes out anyway.
+    plan = book.plan_step([], [], {"other": 300})
+    (load,) = plan.loads
+    assert load.asynchronous
+    assert (load.first_block, load.block_ids) == (1, (8, 7, 6))
+    assert load.tokens.tolist() == prompt[: 4 * B]
+    assert plan.saves == () and plan.step_tokens == 300
+    # Planned once; when the load is done vLLM schedules the request from the hit onward,
+    # and only the blocks computed then are saved.
+    assert book.plan_step([], [], {}).loads == ()
+    plan = book.plan_step([vm.NewReq("r", prompt, [9, 8, 7, 6, 5, 4], 4 * B)], [], {"r": B + 3})
+    assert plan.loads == ()
+    assert [(s.first_block, s.block_ids) for s in plan.saves] == [(4, (5,))]
+
+
+def test_book_refuses_an_async_load_into_too_few_blocks() -> None:
+    book = vm.SchedulerBook(block_size=B)
+    with pytest.raises(ConfigError, match="only 2 blocks"):
+        book.on_alloc("r", list(range(100)), local_tokens=0, external=3 * B, block_ids=[1, 2])
+
+
 def test_book_rejects_unaligned_loads_and_missing_blocks() -> None:
     book = vm.SchedulerBook(block_size=B)
     with pytest.raises(ConfigError):
@@ -323,7 +366,7 @@ def test_book_rejects_unaligned_loads_and_missing_blocks() -> None:
 def test_book_ignores_prompt_embeddings() -> None:
     book = vm.SchedulerBook(block_size=B)
     plan = book.plan_step([vm.NewReq("r", None, [1, 2, 3], 0)], [], {"r": 90})
-    assert plan == vm.StepPlan() and len(book) == 0
+    assert plan == vm.StepPlan(step_tokens=90) and len(book) == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -451,6 +494,77 @@ def test_pending_match_treats_a_failed_lookup_as_a_miss() -> None:
     bad.set_exception(OSError("node down"))
     assert pm.poll("r", lambda: bad) == 0
     assert pm.errors == 1
+
+
+# ---------------------------------------------------------------------- fetch or recompute
+
+KV_PER_TOKEN = 128 << 10  # Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 x bf16
+
+
+def test_fetch_planner_offers_every_hit_until_it_knows_both_rates() -> None:
+    planner = vm.FetchPlanner(margin=1.0)
+    assert planner.predicted(1000, KV_PER_TOKEN) is None
+    assert planner.fetch(32768, KV_PER_TOKEN)
+    planner.record_load(10 << 30, 1.0)
+    assert planner.predicted(1000, KV_PER_TOKEN) is None  # prefill rate still unknown
+    assert planner.fetch(32768, KV_PER_TOKEN)
+    assert (planner.fetched, planner.recomputed) == (2, 0)
+
+
+def test_fetch_planner_recomputes_when_the_store_is_slower_than_the_engine() -> None:
+    # Break-even at 25K tok/s x 128 KiB = 3.3 GB/s.
+    fast = vm.FetchPlanner(margin=1.0, load_gbps=10.0, prefill_tokens_per_s=25_000)
+    assert fast.fetch(32768, KV_PER_TOKEN)
+    slow = vm.FetchPlanner(margin=1.0, load_gbps=1.0, prefill_tokens_per_s=25_000)
+    assert not slow.fetch(32768, KV_PER_TOKEN)
+    assert (slow.fetched, slow.recomputed) == (0, 1)
+    load_s, recompute_s = fast.predicted(32768, KV_PER_TOKEN) or (0.0, 0.0)
+    assert load_s == pytest.approx(0.002 + 32768 * KV_PER_TOKEN / 10e9)
+    assert recompute_s == pytest.approx(32768 / 25_000)
+
+
+def test_fetch_planner_margin_and_fixed_overhead() -> None:
+    # 4 GB/s against 25K tok/s: loading takes 0.82 of recomputing a long hit.
+    planner = vm.FetchPlanner(margin=1.0, load_gbps=4.0, prefill_tokens_per_s=25_000)
+    assert planner.fetch(32768, KV_PER_TOKEN)
+    planner.margin = 1.5  # demand a 1.5x advantage: not met
+    assert not planner.fetch(32768, KV_PER_TOKEN)
+    planner.margin = 0  # every hit
+    assert planner.fetch(32768, KV_PER_TOKEN)
+    planner.margin = 1.0
+    assert not planner.fetch(16, KV_PER_TOKEN)  # one block: the fixed overhead dominates
+
+
+def test_fetch_planner_learns_rates_from_samples() -> None:
+    planner = vm.FetchPlanner(margin=1.0, load_gbps=10.0, prefill_tokens_per_s=25_000)
+    assert planner.fetch(32768, KV_PER_TOKEN)
+    for _ in range(40):  # the store degrades to 1 GB/s
+        planner.record_load(1 << 30, (1 << 30) / 1e9)
+    assert planner.load_gbps == pytest.approx(1.0, rel=0.01)
+    assert not planner.fetch(32768, KV_PER_TOKEN)
+    # Decode-sized steps and empty samples teach nothing.
+    planner.record_step(vm.MIN_PREFILL_STEP_TOKENS - 1, 1e-6)
+    planner.record_load(0, 1.0)
+    planner.record_step(4096, 0.0)
+    assert planner.prefill_tokens_per_s == 25_000 and planner.load_gbps == pytest.approx(1.0, 0.01)
+    for _ in range(30):  # the engine slows to 5K tok/s (long contexts)
+        planner.record_step(4096, 4096 / 5_000)
+    assert planner.prefill_tokens_per_s == pytest.approx(5_000, rel=0.01)
+    assert planner.fetch(32768, KV_PER_TOKEN)  # 1 GB/s beats 0.66 GB/s of recompute
+
+
+@given(
+    gbps=st.floats(0.05, 100),
+    rate=st.floats(100, 200_000),
+    tokens=st.integers(1, 200_000),
+    margin=st.floats(0, 4),
+)
+def test_fetch_planner_offers_exactly_when_predicted_faster(
+    gbps: float, rate: float, tokens: int, margin: float
+) -> None:
+    planner = vm.FetchPlanner(margin=margin, load_gbps=gbps, prefill_tokens_per_s=rate)
+    load_s, recompute_s = planner.predicted(tokens, KV_PER_TOKEN) or (0.0, 0.0)
+    assert planner.fetch(tokens, KV_PER_TOKEN) == (margin == 0 or load_s * margin <= recompute_s)
 
 
 # ---------------------------------------------------------------------- worker side

@@ -20,6 +20,7 @@ CUDA, Ascend ``npu`` and CPU work alike.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,12 +62,21 @@ class TransferHandle:
     layer_events: list[Any]
     done: Any
     _module: Any
+    #: Recorded once a gather has read every source page (None: already read, or a scatter).
+    sources_read: Any = None
 
     def wait_layer(self, layer: int) -> None:
         """Make the engine's current stream wait (on the device) until ``layer`` has arrived."""
         ev = self.layer_events[layer] if self.layer_events else self.done
         if ev is not None:
             self._module.current_stream().wait_event(ev)
+
+    def release_sources(self) -> None:
+        """Make the engine's current stream wait (on the device, never the host) until a
+        gather has read its pages, so the engine may overwrite them in its next step while
+        the copy to the host is still in flight."""
+        if self.sources_read is not None:
+            self._module.current_stream().wait_event(self.sources_read)
 
     def synchronize(self) -> None:
         """Block the calling thread until the whole transfer is complete."""
@@ -123,6 +133,10 @@ class PagedKVAdapter:
         self._copy_stream: Any = None
         self._buffers: list[torch.Tensor] = []
         self._buffer_free: list[Any] = [None, None]
+        # Gathers and scatters may be started from several threads (an engine's forward
+        # thread and a background loader); the staging buffers are shared, so starting one
+        # is serialised. The transfers themselves still overlap on the device.
+        self._start_lock = threading.Lock()
 
     def _as_pages(self, t: torch.Tensor) -> torch.Tensor:
         """View the layer as bytes: (pages, tile) for block_dim 0, (outer, pages, tile) for 1."""
@@ -196,6 +210,11 @@ class PagedKVAdapter:
         blocks = ids.shape[0]
         host = out if out is not None else self.alloc_host(blocks)
         self._check_host(host, blocks)
+        with self._start_lock:
+            return self._start_gather(ids, host)
+
+    def _start_gather(self, ids: torch.Tensor, host: torch.Tensor) -> TransferHandle:
+        blocks = ids.shape[0]
         step = self._chunk_blocks
         if not self._accelerated:
             for start in range(0, blocks, step):
@@ -211,6 +230,7 @@ class PagedKVAdapter:
         # allocator hands its memory to the next call's ids while this call still reads
         # them, and pages land in the wrong place (seen with back-to-back scatters).
         dev_ids.record_stream(work)
+        gathered = None
         for c, start in enumerate(range(0, blocks, step)):
             stop = min(blocks, start + step)
             buf = self._buffers[c % 2][: stop - start]
@@ -223,7 +243,7 @@ class PagedKVAdapter:
                 copy.wait_event(gathered)
                 host[start:stop].copy_(buf, non_blocking=True)
                 self._buffer_free[c % 2] = self._event(copy)
-        return TransferHandle(host, [], self._event(copy), self._module)
+        return TransferHandle(host, [], self._event(copy), self._module, sources_read=gathered)
 
     def _stage_gather(self, ids: torch.Tensor, staging: torch.Tensor) -> None:
         """Gather the pages of ``ids`` (blocks, ppb) into ``staging`` (blocks, payload) rows."""
@@ -248,8 +268,12 @@ class PagedKVAdapter:
         chunk, so ``wait_layer(i)`` lets the engine start on layer i early.
         """
         ids = self._page_ids(page_ids)
+        self._check_host(payloads, ids.shape[0])
+        with self._start_lock:
+            return self._start_scatter(payloads, ids)
+
+    def _start_scatter(self, payloads: torch.Tensor, ids: torch.Tensor) -> TransferHandle:
         blocks = ids.shape[0]
-        self._check_host(payloads, blocks)
         step = self._chunk_blocks
         if not self._accelerated:
             for start in range(0, blocks, step):

@@ -21,16 +21,23 @@ vLLM); this module translates vLLM's objects and does the I/O.
 - Scheduler: ``get_num_new_matched_tokens`` looks the prompt's full blocks up
   (``match_prefix``) on a helper thread; a lookup that is not back within
   ``match_wait_ms`` answers ``None``, vLLM's "ask again next step", so a slow
-  store never stalls scheduling. ``update_state_after_alloc`` notes the load,
-  ``build_connector_meta`` plans loads and saves, ``request_finished`` forgets.
+  store never stalls scheduling. A hit is offered only when loading it is
+  predicted to beat recomputing it (fetch or recompute, from the load
+  bandwidth and prefill rate the workers measure and send back through
+  ``build_connector_worker_meta``). By default the load is asynchronous: the
+  request waits in WAITING_FOR_REMOTE_KVS while others compute.
+  ``update_state_after_alloc`` plans the load, ``build_connector_meta`` plans
+  loads and saves, ``request_finished`` forgets.
 - Worker: ``register_kv_caches`` wraps the per-layer caches in a
   :class:`~kvcache.engine.PagedKVAdapter` indexed by the scheduler's block
-  ids. ``start_load_kv`` loads (verified bytes only) and scatters before the
-  forward; blocks that did not arrive are returned by
-  ``get_block_ids_with_load_errors`` and vLLM recomputes them. ``wait_for_save``
-  gathers the step's completed prompt blocks from the registered caches (the
-  ``kv_layer`` given to ``save_kv_layer`` may number blocks differently, so it
-  is not used) into host memory and hands them to a writer thread.
+  ids. ``start_load_kv`` hands asynchronous loads to a loader thread (which
+  loads verified bytes, scatters them and reports the request through
+  ``get_finished``) and runs synchronous ones before the forward. Blocks that
+  did not arrive are returned by ``get_block_ids_with_load_errors`` and vLLM
+  recomputes them. ``wait_for_save`` starts gathering the step's completed
+  prompt blocks from the registered caches (the ``kv_layer`` given to
+  ``save_kv_layer`` may number blocks differently, so it is not used) into
+  host memory and hands them to a writer thread; it never waits for the copy.
 
 This is the only module of kvcache that imports vLLM; ``kvcache.engine`` does
 not import it, so the package works without vLLM.
@@ -54,14 +61,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvcache.client import Client, ClientConfig
 from kvcache.engine.paged import PagedKVAdapter, TransferHandle, kv_dtype
 from kvcache.engine.vllm_meta import (
+    MIN_PREFILL_STEP_TOKENS,
     CachedReq,
     ConnectorStats,
+    FetchPlanner,
     KVGeometry,
+    LoadMode,
     LoadSpec,
     NewReq,
     PendingMatches,
@@ -86,9 +97,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVCacheConnector", "KVCacheConnectorMetadata"]
+__all__ = ["KVCacheConnector", "KVCacheConnectorMetadata", "KVCacheWorkerMetadata"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +113,25 @@ class KVCacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vL
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class KVCacheWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM: untyped
+    """Measurements sent back from the worker halves: what the scheduler's
+    :class:`~kvcache.engine.vllm_meta.FetchPlanner` learns its rates from.
+
+    ``loads`` holds (bytes, seconds) of finished loads, ``steps`` (tokens,
+    seconds) of timed prefill-sized forward passes.
+    """
+
+    def __init__(self, loads: list[tuple[int, float]], steps: list[tuple[int, float]]) -> None:
+        self.loads = loads
+        self.steps = steps
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Every worker's samples together (each TP rank measures its own share)."""
+        if not isinstance(other, KVCacheWorkerMetadata):
+            return self
+        return KVCacheWorkerMetadata(self.loads + other.loads, self.steps + other.steps)
 
 
 def kv_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVGeometry:
@@ -155,6 +186,7 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
         xfer = self._kv_transfer_config
         settings, overrides = split_extra_config(xfer.kv_connector_extra_config)
         self._settings = settings
+        self._async_loads = settings.load_mode is LoadMode.ASYNC
         self._geometry = kv_geometry(vllm_config, kv_cache_config)
         self._block_size = self._geometry.block_size
         self._load = bool(xfer.is_kv_consumer)
@@ -185,6 +217,8 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
             pid=os.getpid(),
             namespace=namespace_dict(self.namespace),
         )
+        self.stats.load_gbps_estimate = settings.load_gbps
+        self.stats.prefill_tokens_per_s_estimate = settings.prefill_tokens_per_s
         self._lock = threading.Lock()
         self._stats_file = _StatsFile(settings.stats_dir, self.stats.role, self.stats.pid)
         self._client = Client(ClientConfig.load(settings.client_config, overrides=overrides))
@@ -201,6 +235,12 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
                 max_workers=1, thread_name_prefix="kvcache-match"
             )
             self._local_tokens: dict[str, int] = {}
+            self._offers: dict[str, int] = {}
+            self._planner = FetchPlanner(
+                margin=settings.recompute_margin,
+                load_gbps=settings.load_gbps,
+                prefill_tokens_per_s=settings.prefill_tokens_per_s,
+            )
             if self._load and xfer.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kv_load_failure_policy is %r: a kvcache block that cannot be loaded will fail "
@@ -214,6 +254,11 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
             self._invalid: set[int] = set()
             self._failed_reqs: set[str] = set()
             self._saver = _Saver(self, settings.max_pending_save_mb << 20)
+            self._loader = _Loader(self)
+            self._load_samples: list[tuple[int, float]] = []
+            self._step_samples: list[tuple[int, float]] = []
+            self._timed_steps: list[_TimedStep] = []
+            self._step_start: _TimedStep | None = None
         log.info(
             "kvcache connector (%s) on %s: namespace %s",
             self.stats.role,
@@ -242,15 +287,30 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
         self._sync_lookup_stats()
         if hit is None:
             return None, False
-        ext = external_tokens(
-            hit_blocks=hit,
-            local_tokens=num_computed_tokens,
-            loadable=loadable,
-            block_size=self._block_size,
-        )
+        ext = self._offers.get(req_id)
+        if ext is None:  # decided once per request: a request asked again gets the same answer
+            ext = external_tokens(
+                hit_blocks=hit,
+                local_tokens=num_computed_tokens,
+                loadable=loadable,
+                block_size=self._block_size,
+            )
+            if ext:
+                ext = self._fetch_or_recompute(ext)
+            self._offers[req_id] = ext
         if ext:
             self._local_tokens[req_id] = num_computed_tokens
-        return ext, False
+        return ext, bool(ext) and self._async_loads
+
+    def _fetch_or_recompute(self, tokens: int) -> int:
+        """``tokens`` when loading them is predicted to beat recomputing them, else 0."""
+        fetch = self._planner.fetch(tokens, self._geometry.bytes_per_token)
+        with self._lock:
+            self.stats.fetch_decisions = self._planner.fetched
+            self.stats.recompute_decisions = self._planner.recomputed
+            if not fetch:
+                self.stats.tokens_recompute_chosen += tokens
+        return tokens if fetch else 0
 
     def _lookup(self, tokens: list[int]) -> int:
         """Hit blocks of ``tokens`` (runs on the lookup thread)."""
@@ -271,13 +331,21 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
         """vLLM gave the request its blocks; plan the load of ``num_external_tokens`` tokens."""
         req_id = request.request_id
         self._matches.forget(req_id)
+        self._offers.pop(req_id, None)
         local = self._local_tokens.pop(req_id, None)
         if num_external_tokens <= 0:
             return
         if local is None:  # vLLM asks before it allocates; anything else is a bug to surface
             raise RuntimeError(f"request {req_id}: a load was allocated that was never offered")
+        # An asynchronous load is planned now, with the request's blocks: vLLM schedules
+        # the request only after the load has finished.
+        block_ids = _group0(blocks.get_block_ids()) if self._async_loads else None
         self._book.on_alloc(
-            req_id, request.prompt_token_ids, local_tokens=local, external=num_external_tokens
+            req_id,
+            request.prompt_token_ids,
+            local_tokens=local,
+            external=num_external_tokens,
+            block_ids=block_ids,
         )
         with self._lock:
             self.stats.requests_matched += 1
@@ -305,14 +373,30 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
         self._write_stats()
         return KVCacheConnectorMetadata(plan)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Learn load bandwidth and prefill rate from the worker halves' measurements."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KVCacheWorkerMetadata):
+            return
+        for nbytes, seconds in meta.loads:
+            self._planner.record_load(nbytes, seconds)
+        for tokens, seconds in meta.steps:
+            self._planner.record_step(tokens, seconds)
+        with self._lock:
+            self.stats.load_gbps_estimate = self._planner.load_gbps
+            self.stats.prefill_tokens_per_s_estimate = self._planner.prefill_tokens_per_s
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its saves were copied out already, so blocks may be freed now."""
+        """Forget the request; blocks may be freed at once: a save's gather is ordered
+        before any later write to them on the device, and an asynchronous load holds its
+        blocks through vLLM until the worker reports it finished."""
         req_id = request.request_id
         self._book.on_finished(req_id)
         self._matches.forget(req_id)
         self._local_tokens.pop(req_id, None)
+        self._offers.pop(req_id, None)
         return False, None
 
     # ================================================================ worker half
@@ -363,32 +447,62 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
             per_block,
         )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's plan; a prefill-sized step is timed from here to ``wait_for_save``."""
+        super().bind_connector_metadata(connector_metadata)
+        plan = self._plan()
+        if (
+            self.role == KVConnectorRole.WORKER
+            and self._adapter is not None
+            and plan is not None
+            and plan.step_tokens >= MIN_PREFILL_STEP_TOKENS
+        ):
+            self._step_start = _TimedStep.start(plan.step_tokens, self._adapter.device)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load this step's planned blocks into the engine's cache (before the forward)."""
+        """Start this step's planned loads: synchronous ones are in the engine's cache (or
+        reported failed) before the forward pass, asynchronous ones go to the loader thread."""
         plan = self._plan()
         if plan is None or not plan.loads:
             return
         for spec in plan.loads:
-            self._load_one(spec)
+            if spec.asynchronous:
+                with self._lock:
+                    self.stats.async_loads += 1
+                self._loader.submit(spec)
+                continue
+            loaded, handle = self._load_one(spec)
+            if handle is not None:
+                self._load_handles.append(handle)
+            self._finish_load(spec, loaded)
         self._write_stats()
 
-    def _load_one(self, spec: LoadSpec) -> None:
+    def _load_one(self, spec: LoadSpec) -> tuple[int, TransferHandle | None]:
+        """Load ``spec``'s blocks and start scattering them: (blocks loaded, the scatter)."""
         adapter = self._require_adapter()
-        loaded = 0
+        started = time.perf_counter()
         try:
             # Only the planned blocks are asked for: their keys name their whole prefix.
             keys = block_keys(self.namespace, spec.tokens)[spec.first_block : spec.end_block]
             match = self._client.match_keys(keys, tokens_per_block=self._block_size)
-            if match.hit_blocks:
-                host = adapter.alloc_host(match.hit_blocks)
-                result = self._client.load(self.namespace, match, out=host.numpy())
-                if result.blocks:
-                    ids = page_ids(spec.block_ids[: result.blocks], adapter.pages_per_block)
-                    self._load_handles.append(adapter.scatter(host[: result.blocks], ids))
-                loaded = result.blocks
+            if not match.hit_blocks:
+                return 0, None
+            host = adapter.alloc_host(match.hit_blocks)
+            result = self._client.load(self.namespace, match, out=host.numpy())
+            if not result.blocks:
+                return 0, None
+            with self._lock:
+                self._load_samples.append(
+                    (result.blocks * adapter.payload_bytes, time.perf_counter() - started)
+                )
+            ids = page_ids(spec.block_ids[: result.blocks], adapter.pages_per_block)
+            return result.blocks, adapter.scatter(host[: result.blocks], ids)
         except Exception:  # a failed load means recompute, never a crashed engine
             log.warning("kvcache load for request %s failed", spec.req_id, exc_info=True)
-            loaded = 0
+            return 0, None
+
+    def _finish_load(self, spec: LoadSpec, loaded: int) -> None:
+        """Count a load and report the blocks that did not arrive, for vLLM to recompute."""
         failed = failed_block_ids(spec, loaded)
         with self._lock:
             self.stats.load_requests += 1
@@ -397,9 +511,10 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
             if failed:
                 self.stats.load_error_blocks += len(failed)
                 self.stats.load_failed_requests += 1
+                self._invalid.update(failed)
+                if not spec.asynchronous:
+                    self._failed_reqs.add(spec.req_id)
         if failed:
-            self._invalid.update(failed)
-            self._failed_reqs.add(spec.req_id)
             log.warning(
                 "kvcache: request %s loaded %d of %d planned blocks; vLLM recomputes the rest",
                 spec.req_id,
@@ -425,10 +540,19 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
         """Nothing per layer: ``wait_for_save`` gathers every layer of the completed blocks."""
 
     def wait_for_save(self) -> None:
-        """Copy the step's completed prompt blocks to host memory and queue them for the store."""
+        """Start copying the step's completed prompt blocks to host memory and queue them.
+
+        Never waits for the copy: the engine's stream is made to wait (on the device)
+        until the pages have been read, so the blocks may be reused next step, and the
+        writer thread waits for the host copy before it stores.
+        """
         plan = self._plan()
         self._load_handles.clear()
-        failed_reqs, self._failed_reqs = self._failed_reqs, set()
+        if self._step_start is not None:
+            self._timed_steps.append(self._step_start.stop())
+            self._step_start = None
+        with self._lock:
+            failed_reqs, self._failed_reqs = self._failed_reqs, set()
         if plan is None or not plan.saves:
             return
         adapter = self._require_adapter()
@@ -444,21 +568,47 @@ class KVCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: untyp
                     self.stats.blocks_save_dropped += len(spec.block_ids)
                 continue
             handle = adapter.gather(page_ids(spec.block_ids, adapter.pages_per_block))
-            # Wait for the copy: the blocks may be reused by the next step once we return.
-            handle.synchronize()
-            self._saver.submit(_SaveJob(spec.req_id, spec.tokens, spec.first_block, handle.host))
+            handle.release_sources()
+            self._saver.submit(_SaveJob(spec.req_id, spec.tokens, spec.first_block, handle))
         self._write_stats()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous load has finished (failed blocks are reported by
+        ``get_block_ids_with_load_errors`` in the same step); saves never hold blocks."""
+        done = self._loader.take_finished() if self.role == KVConnectorRole.WORKER else set()
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call; vLLM recomputes them."""
-        out, self._invalid = self._invalid, set()
+        with self._lock:
+            out, self._invalid = self._invalid, set()
         return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's measurements for the scheduler's fetch-or-recompute decisions."""
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        pending = []
+        for step in self._timed_steps:
+            seconds = step.elapsed()
+            if seconds is None:
+                pending.append(step)
+            else:
+                self._step_samples.append((step.tokens, seconds))
+        self._timed_steps = pending
+        with self._lock:
+            loads, self._load_samples = self._load_samples, []
+        steps, self._step_samples = self._step_samples, []
+        if not loads and not steps:
+            return None
+        return KVCacheWorkerMetadata(loads, steps)
 
     def shutdown(self) -> None:
         """Drain queued saves (bounded), write the final stats and close the client."""
         if self.role == KVConnectorRole.SCHEDULER:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         else:
+            self._loader.close(SHUTDOWN_DRAIN_S)
             self._saver.close(SHUTDOWN_DRAIN_S)
         self._write_stats(force=True)
         self._client.close()
@@ -511,11 +661,90 @@ class _SaveJob:
     req_id: str
     tokens: TokenArray
     first_block: int
-    host: torch.Tensor
+    gather: TransferHandle
 
     @property
     def nbytes(self) -> int:
-        return int(self.host.numel())
+        return int(self.gather.host.numel())
+
+
+@dataclass(slots=True)
+class _TimedStep:
+    """One forward pass being timed: on the device with events, else by the wall clock."""
+
+    tokens: int
+    began: Any
+    ended: Any = None
+    _wall: float = 0.0
+
+    @classmethod
+    def start(cls, tokens: int, device: torch.device) -> _TimedStep:
+        if device.type == "cpu":
+            return cls(tokens, None, _wall=time.perf_counter())
+        module: Any = torch.get_device_module(device)
+        began = module.Event(enable_timing=True)
+        began.record(module.current_stream(device))
+        return cls(tokens, began)
+
+    def stop(self) -> _TimedStep:
+        if self.began is None:
+            self._wall = time.perf_counter() - self._wall
+        else:
+            self.ended = type(self.began)(enable_timing=True)
+            self.ended.record()
+        return self
+
+    def elapsed(self) -> float | None:
+        """Seconds the pass took, or None while it is still running on the device."""
+        if self.began is None:
+            return self._wall
+        if not self.ended.query():
+            return None
+        return float(self.began.elapsed_time(self.ended)) / 1000
+
+
+class _Loader:
+    """One thread running asynchronous loads in order, each to the end of its scatter."""
+
+    def __init__(self, owner: KVCacheConnector) -> None:
+        self._owner = owner
+        self._queue: queue.SimpleQueue[LoadSpec | None] = queue.SimpleQueue()
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvcache-load", daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: LoadSpec) -> None:
+        self._queue.put(spec)
+
+    def take_finished(self) -> set[str]:
+        """Requests whose load finished (loaded or failed) since the last call."""
+        with self._lock:
+            out, self._finished = self._finished, set()
+        return out
+
+    def _run(self) -> None:
+        owner = self._owner
+        while True:
+            spec = self._queue.get()
+            if spec is None:
+                return
+            loaded, handle = owner._load_one(spec)
+            if handle is not None:
+                try:
+                    handle.synchronize()
+                except Exception:  # the device copy failed: the blocks are not there
+                    log.warning("kvcache scatter for %s failed", spec.req_id, exc_info=True)
+                    loaded = 0
+            owner._finish_load(spec, loaded)
+            owner._write_stats()
+            with self._lock:
+                self._finished.add(spec.req_id)
+
+    def close(self, timeout_s: float) -> None:
+        """Let queued loads finish (up to ``timeout_s``), then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
 
 
 class _Saver:
@@ -553,12 +782,13 @@ class _Saver:
             job = self._queue.get()
             if job is None:
                 return
-            blocks = int(job.host.shape[0])
+            blocks = int(job.gather.host.shape[0])
             try:
+                job.gather.synchronize()
                 result = owner._client.store(
                     owner.namespace,
                     job.tokens,
-                    job.host.numpy(),
+                    job.gather.host.numpy(),
                     first_block=job.first_block,
                 )
                 written, touched, failed = result.written, result.touched, result.failed

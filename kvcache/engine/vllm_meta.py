@@ -21,11 +21,17 @@ Rules this module enforces:
   the first missing one as failed; vLLM then recomputes them. A request whose
   load failed saves nothing in that step (its newly computed KV sits on top of
   KV that never arrived).
+- Fetch or recompute, per request: a hit is offered only when loading it is
+  predicted to finish before recomputing it would (:class:`FetchPlanner`, from
+  running estimates of this worker's load bandwidth and the engine's prefill
+  rate), so a slow or degraded store makes the engine recompute, not wait.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -45,8 +51,11 @@ __all__ = [
     "CachedReq",
     "ConnectorSettings",
     "ConnectorStats",
+    "FetchPlanner",
+    "LoadMode",
     "KVGeometry",
     "LoadSpec",
+    "MIN_PREFILL_STEP_TOKENS",
     "NewReq",
     "PendingMatches",
     "SaveSpec",
@@ -67,6 +76,13 @@ _CLIENT_FIELDS = frozenset(ClientConfig.__dataclass_fields__)
 
 
 # ---------------------------------------------------------------------- settings
+
+
+class LoadMode(enum.Enum):
+    """When the worker half loads a hit (see ConnectorSettings.load_mode)."""
+
+    ASYNC = "async"
+    SYNC = "sync"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +110,16 @@ class ConnectorSettings:
     match_wait_ms: float = 20.0
     match_deadline_ms: float = 5000.0
     max_pending_save_mb: int = 256
+    #: ``async``: a hit's blocks load while the request waits in WAITING_FOR_REMOTE_KVS and
+    #: other requests compute; ``sync``: before the forward pass that needs them.
+    load_mode: LoadMode = LoadMode.ASYNC
+    #: Offer a hit only when loading it, times this margin, is predicted to take no longer
+    #: than recomputing it (see FetchPlanner); 0 offers every hit.
+    recompute_margin: float = 1.0
+    #: Starting estimates until measured: load bandwidth of this worker (GB/s) and the
+    #: engine's prefill rate (tokens/s). Unset: hits are offered until both are measured.
+    load_gbps: float | None = None
+    prefill_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.match_wait_ms >= 0 and self.match_deadline_ms >= self.match_wait_ms):
@@ -101,6 +127,12 @@ class ConnectorSettings:
                 f"need 0 <= match_wait_ms <= match_deadline_ms, got {self.match_wait_ms} and "
                 f"{self.match_deadline_ms}"
             )
+        if self.recompute_margin < 0:
+            raise ConfigError(f"recompute_margin must be >= 0, got {self.recompute_margin}")
+        for name in ("load_gbps", "prefill_tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 when given, got {value}")
         if self.max_pending_save_mb < 1:
             raise ConfigError(f"max_pending_save_mb must be >= 1, got {self.max_pending_save_mb}")
         for name in ("model_name", "model_revision"):
@@ -177,6 +209,11 @@ class KVGeometry:
     def payload_bytes(self) -> int:
         """Bytes of one stored block: every layer's page."""
         return self.num_layers * self.page_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token, every layer."""
+        return self.payload_bytes // self.block_size
 
     def kv_layout(self) -> KVLayout:
         """The kvcache layout of one block (part of the key namespace)."""
@@ -259,7 +296,10 @@ class BlockSpan:
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec(BlockSpan):
-    """Load these blocks from the store into vLLM's blocks before the forward pass."""
+    """Load these blocks from the store into vLLM's blocks: before the forward pass, or
+    (``asynchronous``) in the background while the request waits for them."""
+
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +313,9 @@ class StepPlan:
 
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
+    #: Tokens the engine computes in this step (all requests): the worker times prefill-sized
+    #: steps so the scheduler learns the engine's prefill rate (FetchPlanner.record_step).
+    step_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,14 +360,26 @@ class SchedulerBook:
         self.save = save
         self._reqs: dict[str, _Tracked] = {}
         self._pending: dict[str, tuple[int, int]] = {}
+        self._async: list[LoadSpec] = []
 
     def __len__(self) -> int:
         return len(self._reqs)
 
     def on_alloc(
-        self, req_id: str, prompt: Sequence[int], *, local_tokens: int, external: int
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        *,
+        local_tokens: int,
+        external: int,
+        block_ids: Sequence[int] | None = None,
     ) -> None:
-        """vLLM allocated blocks for ``req_id``; ``external`` tokens after ``local_tokens`` are to load."""
+        """vLLM allocated blocks for ``req_id``; ``external`` tokens after ``local_tokens`` are to load.
+
+        With ``block_ids`` (the request's blocks, for an asynchronous load) the load
+        is planned for the next step whether or not the request is scheduled in it:
+        vLLM schedules it only once the load has finished.
+        """
         if not self.load or external <= 0:
             self._pending.pop(req_id, None)
             return
@@ -334,8 +389,26 @@ class SchedulerBook:
                 f"request {req_id}: local {local_tokens} and external {external} tokens must be "
                 f"multiples of the block size {b}"
             )
-        self._reqs.setdefault(req_id, _Tracked(as_token_array(prompt)))
-        self._pending[req_id] = (local_tokens // b, (local_tokens + external) // b)
+        first, end = local_tokens // b, (local_tokens + external) // b
+        tracked = self._reqs.setdefault(req_id, _Tracked(as_token_array(prompt)))
+        if block_ids is None:
+            self._pending[req_id] = (first, end)
+            return
+        if end > len(block_ids):
+            raise ConfigError(
+                f"request {req_id}: a load of blocks {first}..{end - 1} but vLLM gave only "
+                f"{len(block_ids)} blocks"
+            )
+        tracked.block_ids = list(block_ids)
+        self._async.append(
+            LoadSpec(
+                req_id,
+                tracked.tokens[: end * b],
+                first,
+                tuple(block_ids[first:end]),
+                asynchronous=True,
+            )
+        )
 
     def on_finished(self, req_id: str) -> None:
         """Forget a finished or aborted request."""
@@ -371,7 +444,7 @@ class SchedulerBook:
             elif c.new_block_ids:
                 tracked.block_ids.extend(c.new_block_ids)
             begins[c.req_id] = c.num_computed_tokens
-        loads = []
+        loads, self._async = list(self._async), []
         for req_id, (first, end) in list(self._pending.items()):
             tracked = self._reqs.get(req_id)
             if tracked is None or req_id not in begins:
@@ -405,7 +478,7 @@ class SchedulerBook:
                             tuple(tracked.block_ids[first:stop]),
                         )
                     )
-        return StepPlan(tuple(loads), tuple(saves))
+        return StepPlan(tuple(loads), tuple(saves), step_tokens=sum(scheduled.values()))
 
     def _completed(self, begin: int, end: int, tracked: _Tracked) -> tuple[int, int]:
         """Prompt blocks that become complete when tokens ``begin..end`` are computed."""
@@ -413,6 +486,80 @@ class SchedulerBook:
         prompt_blocks = len(tracked.tokens) // b
         stop = min(end // b, prompt_blocks, len(tracked.block_ids))
         return begin // b, stop
+
+
+#: Steps computing fewer tokens than this are decode-sized and say little about prefill speed.
+MIN_PREFILL_STEP_TOKENS = 256
+
+
+class FetchPlanner:
+    """Fetch or recompute: is loading a hit predicted to beat recomputing it?
+
+    Load time is modelled as ``overhead_s + bytes / bandwidth`` and recompute
+    time as ``tokens / prefill rate``, each rate a running (exponentially
+    weighted) estimate: the bandwidth from this connector's finished loads,
+    the prefill rate from the tokens the engine computes per step. A hit is
+    offered when ``load time * margin <= recompute time``. Both times grow
+    linearly with the hit, so the answer is all of it or nothing: the fixed
+    overhead only matters for short hits. Until both rates are known (or
+    given as starting estimates), every hit is offered.
+    """
+
+    def __init__(
+        self,
+        *,
+        margin: float,
+        load_gbps: float | None = None,
+        prefill_tokens_per_s: float | None = None,
+        overhead_s: float = 0.002,
+        weight: float = 0.2,
+        min_step_tokens: int = MIN_PREFILL_STEP_TOKENS,
+    ) -> None:
+        self.margin = margin
+        self.load_gbps = load_gbps
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.overhead_s = overhead_s
+        self._weight = weight
+        self._min_step_tokens = min_step_tokens
+        self.fetched = 0
+        self.recomputed = 0
+
+    def record_load(self, nbytes: int, seconds: float) -> None:
+        """A finished load of ``nbytes`` took ``seconds`` (match to data in place)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        gbps = nbytes / seconds / 1e9
+        self.load_gbps = _ewma(self.load_gbps, gbps, self._weight)
+
+    def record_step(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` in a step of ``seconds``; decode-sized steps
+        (fewer than ``min_step_tokens``) say little about prefill and are skipped."""
+        if tokens < self._min_step_tokens or seconds <= 0:
+            return
+        self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, tokens / seconds, self._weight)
+
+    def predicted(self, tokens: int, bytes_per_token: int) -> tuple[float, float] | None:
+        """(load seconds, recompute seconds) of a ``tokens`` hit, or None when unknown."""
+        if not self.load_gbps or not self.prefill_tokens_per_s:
+            return None
+        load_s = self.overhead_s + tokens * bytes_per_token / (self.load_gbps * 1e9)
+        return load_s, tokens / self.prefill_tokens_per_s
+
+    def fetch(self, tokens: int, bytes_per_token: int) -> bool:
+        """Whether to offer a hit of ``tokens`` (counted in ``fetched`` / ``recomputed``)."""
+        times = self.predicted(tokens, bytes_per_token)
+        ok = times is None or self.margin == 0 or times[0] * self.margin <= times[1]
+        if ok:
+            self.fetched += 1
+        else:
+            self.recomputed += 1
+        return ok
+
+
+def _ewma(current: float | None, sample: float, weight: float) -> float:
+    if current is None or not math.isfinite(current):
+        return sample
+    return (1 - weight) * current + weight * sample
 
 
 class PendingMatches:
@@ -515,7 +662,11 @@ class ConnectorStats:
     (reported to vLLM for recomputation), ``blocks_saved`` (written),
     ``blocks_save_touched`` (already stored), ``blocks_save_failed``,
     ``blocks_save_dropped`` (queue full or shutdown), ``saves_skipped``
-    (saves withheld because the same step's load failed).
+    (saves withheld because the same step's load failed), ``async_loads``
+    (loads run while their request waited). Scheduler half, fetch or recompute:
+    ``fetch_decisions`` (hits offered), ``recompute_decisions`` (hits declined
+    because recomputing was predicted faster), ``tokens_recompute_chosen``, and the
+    planner's current ``load_gbps_estimate`` and ``prefill_tokens_per_s_estimate``.
     """
 
     role: str
@@ -538,6 +689,12 @@ class ConnectorStats:
     blocks_save_dropped: int = 0
     saves_skipped: int = 0
     save_queue_peak_bytes: int = 0
+    async_loads: int = 0
+    fetch_decisions: int = 0
+    recompute_decisions: int = 0
+    tokens_recompute_chosen: int = 0
+    load_gbps_estimate: float | None = None
+    prefill_tokens_per_s_estimate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""

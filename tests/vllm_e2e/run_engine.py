@@ -39,6 +39,8 @@ def read_stats(stats_dir: Path | None) -> dict[str, dict[str, Any]]:
         for key, value in data.items():
             if isinstance(value, int) and key != "pid":
                 role[key] = role.get(key, 0) + value
+            elif isinstance(value, float):  # an estimate: the last process's
+                role[key] = value
     return out
 
 
