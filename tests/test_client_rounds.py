@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,7 @@ def answer(round_: LoadRound, send: Send, now: float) -> list[Send]:
     return round_.on_reply(send.ticket, np.ones(len(send.blocks), bool), now)
 
 
-def test_load_asks_k_plus_one_then_hedges_at_the_hedge_time() -> None:
+def test_load_asks_k_plus_one_then_settles_briefly_for_a_late_data_shard() -> None:
     r = LoadRound(
         holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
     )
@@ -28,13 +29,49 @@ def test_load_asks_k_plus_one_then_hedges_at_the_hedge_time() -> None:
     slow = next(s for s in first if s.node == 5)
     for send in first:
         if send is not slow:
-            assert answer(r, send, 0.001) == []
-    # Every block has 10 shards (one through parity), data shard 5 is still out: wait.
+            assert answer(r, send, 0.004) == []
+    # Every block has 10 shards (one through parity), data shard 5 is still out: wait a
+    # quarter of the 4 ms the chunk took, not the whole hedge time.
     assert r.ready_chunks() == []
-    assert r.next_wakeup() == 0.01
-    # Every block has k shards: at the hedge time the chunk is over (rebuilt), no hedge.
-    assert r.tick(0.011) == []
+    assert r.latency(0) == 0.004
+    assert r.next_wakeup() == pytest.approx(0.005)
+    # Every block has k shards: at the settle time the chunk is over (rebuilt), no hedge.
+    assert r.tick(0.0051) == []
     assert r.ready_chunks() == [0] and r.hedges == 0
+
+
+def test_load_takes_a_data_shard_that_arrives_while_settling() -> None:
+    r = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    first = r.start(0.0)
+    slow = next(s for s in first if s.node == 5)
+    for send in first:
+        if send is not slow:
+            answer(r, send, 0.004)
+    assert r.tick(0.0045) == [] and r.ready_chunks() == []
+    answer(r, slow, 0.0046)
+    assert r.ready_chunks() == [0]
+    assert r.got[:, :K].all()  # nothing to rebuild
+
+
+def test_load_settle_time_never_passes_the_hedge_time() -> None:
+    r = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.0045, timeout_s=1.0
+    )
+    first = r.start(0.0)
+    for send in first:
+        if send.node != 5:
+            answer(r, send, 0.004)
+    assert r.next_wakeup() == pytest.approx(0.0045)
+    # A chunk that never had k shards of every block has no latency sample.
+    r2 = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    r2.start(0.0)
+    assert r2.tick(0.02)  # the hedge: nobody answered
+    r2.tick(1.0)  # the deadline
+    assert r2.ready_chunks() == [0] and r2.latency(0) is None
 
 
 def test_load_hedges_blocks_short_of_k_at_the_hedge_time() -> None:

@@ -154,8 +154,9 @@ def load_keys(
                 if start >= end:
                     round_.finish_chunk(chunk)
                     continue
-                if chunk not in escalated:
-                    core.read_latency.record(now - round_.opened_at[chunk])
+                latency = round_.latency(chunk)
+                if chunk not in escalated and latency is not None:
+                    core.read_latency.record(latency)
                 todo = [b for b in range(start, min(stop, end)) if not _good(verdicts, b)]
                 for b, verdict in zip(todo, assembly.verify(todo), strict=True):
                     verdicts[b] = verdict

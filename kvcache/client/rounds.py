@@ -12,9 +12,12 @@ a socket, so tests drive them through any schedule of replies and delays.
 * :class:`LoadRound` — a whole load, cut into chunks of blocks with several
   chunks in flight (the window). Each chunk asks k + 1 shards per block
   first, the remaining holders at its hedge time (or when its first asks are
-  all answered short), and is over when every block has k shards or every
-  ask is answered, or at its deadline. A block that then cannot be rebuilt
-  or fails verification is escalated: every holder not asked yet is asked.
+  all answered short), and is over when every block has all its data
+  shards, or every block has k shards and a short settle time has passed
+  (data shards still on their way are worth a little wait, a node that went
+  silent is not), or every ask is answered, or at its deadline. A block that
+  then cannot be rebuilt or fails verification is escalated: every holder
+  not asked yet is asked.
 * :class:`PutRound` — one batch of blocks, all shards sent at once; over when
   every node answered, or a hedge time after every block reached the write
   quorum, or at the deadline.
@@ -187,6 +190,13 @@ class LoadRound:
     :meth:`finish_chunk` for each.
     """
 
+    #: Once every block of a chunk has k shards, missing data shards are waited for this
+    #: fraction of the time the chunk took to get there (at least SETTLE_FLOOR_S, at most
+    #: until the hedge time): shards sent with the others arrive within it, while a node
+    #: that stopped answering costs a rebuild instead of a wait.
+    SETTLE_FRACTION = 0.25
+    SETTLE_FLOOR_S = 0.0005
+
     def __init__(
         self,
         holders: IntArray,
@@ -222,8 +232,11 @@ class LoadRound:
         self.hedges = 0
         self._next_chunk = 0
         self._limit = self.chunks
-        #: When each chunk was opened (for latency samples).
+        #: When each chunk was opened, and when each first had k shards of every block
+        #: (None: not yet): the latency a load's hedging is tuned by.
         self.opened_at = [0.0] * self.chunks
+        self.complete_at: list[float | None] = [None] * self.chunks
+        self._settle_at = [0.0] * self.chunks
 
     # -------------------------------------------------------------- events
 
@@ -263,8 +276,15 @@ class LoadRound:
         times = []
         for chunk in range(self.chunks):
             if self.state[chunk] == _OPEN:
+                if self.complete_at[chunk] is not None:
+                    times.append(self._settle_at[chunk])
                 times.append(self._hedge_at[chunk] if self._later[chunk] else self._deadline[chunk])
         return min(times, default=None)
+
+    def latency(self, chunk: int) -> float | None:
+        """Seconds ``chunk`` took to have k shards of every block (None: it never did)."""
+        done = self.complete_at[chunk]
+        return None if done is None else done - self.opened_at[chunk]
 
     # -------------------------------------------------------------- the driver's side
 
@@ -296,6 +316,7 @@ class LoadRound:
         self.state[chunk] = _OPEN
         self._later[chunk] = []
         self._deadline[chunk] = now + self._timeout_s
+        self.complete_at[chunk] = None
         return self._track(chunk, sends)
 
     def finish_chunk(self, chunk: int) -> list[Send]:
@@ -369,11 +390,15 @@ class LoadRound:
         got = self.got[start:stop]
         complete = got.sum(axis=1) >= self.k
         out: list[Send] = []
+        if complete.all() and self.complete_at[chunk] is None:
+            self.complete_at[chunk] = now
+            settle = max(self.SETTLE_FLOOR_S, self.SETTLE_FRACTION * (now - self.opened_at[chunk]))
+            self._settle_at[chunk] = min(now + settle, max(now, self._hedge_at[chunk]))
         # Every block with all its data shards: done, nothing to rebuild. Blocks complete
-        # only through parity wait for their data shards until the hedge time (a rebuild
-        # costs far more than a short wait), unless nothing more is coming.
+        # only through parity wait a little for their data shards (see SETTLE_FRACTION),
+        # unless nothing more is coming.
         if got[:, : self.k].all() or (
-            complete.all() and (now >= self._hedge_at[chunk] or not self._outstanding[chunk])
+            complete.all() and (now >= self._settle_at[chunk] or not self._outstanding[chunk])
         ):
             self._later[chunk] = []
             self.state[chunk] = _READY
