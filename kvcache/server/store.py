@@ -170,6 +170,9 @@ class ShardStore:
         self.capacity_bytes = capacity_bytes
         self._high = int(capacity_bytes * high_watermark)
         self._low = int(capacity_bytes * low_watermark)
+        # Set when usage reached the high watermark; background eviction then runs until
+        # usage is down to the low one.
+        self._draining = False
         self._clock = clock
         self._sweep_batch = sweep_batch
         self._resolution_ms = max(1, int(touch_resolution_s * 1000))
@@ -422,13 +425,20 @@ class ShardStore:
                 )
 
     def _make_room(self, incoming: int, *, writer: TenantId | None) -> None:
+        """Evict just enough for ``incoming`` bytes to fit under the high watermark.
+
+        The rest of the way down to the low watermark is background work
+        (:meth:`maintain`, bounded batches between requests), so no request
+        waits for a large eviction.
+        """
         if self.book.used + incoming <= self._high:
             return
         if incoming > self.capacity_bytes:
             raise CapacityError(
                 f"batch of {incoming} bytes exceeds the node capacity of {self.capacity_bytes}"
             )
-        self.evict(max(0, self._low - incoming), writer=writer)
+        self._draining = True
+        self.evict(max(0, self._high - incoming), writer=writer)
         if self.book.used + incoming > self.capacity_bytes:
             raise CapacityError(
                 f"no room for {incoming} bytes: {self.book.used} of {self.capacity_bytes} used "
@@ -641,8 +651,11 @@ class ShardStore:
         if self.now_ms() >= self._next_sweep_ms:
             more |= self.sweep(limit=self._sweep_batch) >= self._sweep_batch
         if self.book.used > self._high:
+            self._draining = True
+        if self._draining:
             self.evict(self._low, limit=self._sweep_batch)
-            more |= self.book.used > self._low
+            self._draining = self.book.used > self._low
+            more |= self._draining
         return more
 
     def flush_touches(self) -> int:
