@@ -68,6 +68,7 @@ class _Conn:
     __slots__ = (
         "addr",
         "auth_buf",
+        "busy",
         "events",
         "handshake",
         "last_progress",
@@ -94,6 +95,10 @@ class _Conn:
         self.reply: Reply | None = None
         #: Selector events registered (0: not registered).
         self.events = 0
+        #: A request of this connection is queued or its reply is being sent; the
+        #: connection stays registered for reading (a client sends its next request only
+        #: after the reply, so nothing arrives meanwhile) unless it does send more.
+        self.busy = False
         self.opened = now
         self.last_progress = now
 
@@ -280,12 +285,17 @@ class DataServer:
             return
         if mask & selectors.EVENT_WRITE:
             self._flush(conn)
-        if mask & selectors.EVENT_READ and not conn.out and conn.sock.fileno() >= 0:
-            self._read(conn)
+        if mask & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+            if conn.busy:
+                # Sent more before its reply (or closed): stop watching until the reply
+                # is out, instead of being woken for it on every turn.
+                self._watch(conn, 0)
+            elif not conn.out:
+                self._read(conn)
 
     def _read(self, conn: _Conn) -> None:
         """Receive what is there; hand over at most one complete request."""
-        while conn.state in (_AUTH, _READY) and not conn.out:
+        while conn.state in (_AUTH, _READY) and not conn.out and not conn.busy:
             if conn.state == _AUTH:
                 want = AUTH_BYTES - len(conn.auth_buf)
                 buf = memoryview(bytearray(want))
@@ -336,7 +346,7 @@ class DataServer:
         size = 48 + message.header.items_len + message.header.data_len
         request = Request(conn.tenant.id, message, time.perf_counter(), size)
         self._ready.append((conn, request))
-        self._watch(conn, 0)
+        conn.busy = True
         return True
 
     def _authenticate(self, conn: _Conn) -> None:
@@ -417,6 +427,7 @@ class DataServer:
         if conn.reply is not None:
             conn.reply.done()
             conn.reply = None
+        conn.busy = False
         if conn.state == _CLOSING:
             self._close(conn, "refused")
             return
