@@ -92,6 +92,9 @@ class LoadAssembly:
         self.got = np.zeros((blocks, n), bool)
         #: Shards a holder answered NOT_FOUND for (candidates for read repair).
         self.not_found = np.zeros((blocks, n), bool)
+        #: Shards that arrived but are not the shard asked for (wrong length or header).
+        self.rejected = np.zeros((blocks, n), bool)
+        self._last_digest = b""
         self._out = out.reshape(-1).data
         self._pad = self.pad.reshape(-1).data
         self._parity = self.parity.reshape(-1).data
@@ -183,6 +186,8 @@ class LoadAssembly:
         ok = (statuses == 0) & (lengths == HEADER_BYTES + self.length)
         accepted = np.zeros(len(blocks), bool)
         if not ok.any():
+            wrong_length = statuses == 0
+            self.rejected[blocks[wrong_length], indices[wrong_length]] = True
             return accepted
         b, i = blocks[ok], indices[ok]
         hdr = self.headers[b, i]
@@ -199,16 +204,29 @@ class LoadAssembly:
         )
         accepted[ok] = good
         self.got[b[good], i[good]] = True
+        self.rejected[b[~good], i[~good]] = True
+        wrong_length = (statuses == 0) & ~ok
+        if wrong_length.any():
+            self.rejected[blocks[wrong_length], indices[wrong_length]] = True
         return accepted
+
+    def bad_shards(self, b: int, verdict: BlockVerdict) -> set[int]:
+        """Shards of block ``b`` its holders have wrong: rejected on arrival or found bad."""
+        return set(verdict.bad_indices) | set(np.flatnonzero(self.rejected[b]).tolist())
 
     def verify(self, blocks: list[int]) -> list[BlockVerdict]:
         """A verdict for each of ``blocks`` (see the module docstring)."""
         k = self.k
         verdicts: dict[int, BlockVerdict] = {}
         # Fast path: every data shard arrived; one hash per block.
+        fast: list[int] = []
+        digests: list[bytes] = []
         for b in blocks:
             if self.got[b, :k].all() and self._matches(b):
-                verdicts[b] = BlockVerdict(True, False)
+                fast.append(b)
+                digests.append(self._last_digest)
+        for b, wrong in zip(fast, self._wrong_claims(fast, digests), strict=True):
+            verdicts[b] = BlockVerdict(True, False, wrong)
         # Rebuild, grouped by erasure pattern: one codec call per pattern.
         patterns: dict[tuple[int, ...], list[int]] = {}
         for b in blocks:
@@ -255,8 +273,21 @@ class LoadAssembly:
         values, counts = np.unique(claimed, return_counts=True)
         return [bytes(v) for v in values[np.argsort(-counts, kind="stable")]]
 
+    def _wrong_claims(self, blocks: list[int], digests: list[bytes]) -> list[tuple[int, ...]]:
+        """Per verified block: received shards whose header claims a payload hash other
+        than the block's (their bodies may be fine, their headers are not)."""
+        if not blocks:
+            return []
+        idx = np.asarray(blocks, np.int64)
+        claims = self.headers["payload_hash"][idx].view(np.uint64).reshape(len(idx), self.n, 2)
+        truth = np.frombuffer(b"".join(digests), np.uint64).reshape(len(idx), 1, 2)
+        wrong = self.got[idx] & (claims != truth).any(axis=2)
+        if not wrong.any():
+            return [()] * len(blocks)
+        return [tuple(np.flatnonzero(row).tolist()) for row in wrong]
+
     def _matches(self, b: int, refs: list[bytes] | None = None) -> bool:
-        digest = xxhash.xxh3_128_digest(self.out[b].data)
+        digest = self._last_digest = xxhash.xxh3_128_digest(self.out[b].data)
         if refs is None:
             # Usually every header claims the same hash: compare with the first, and
             # only if that fails with any other one claimed.
@@ -336,8 +367,15 @@ class LoadAssembly:
             if self._matches(b, refs):
                 # Every received shard that differs from the verified stripe was bad.
                 full = self._reencode(b)
-                bad = tuple(i for i in got.tolist() if not np.array_equal(stripe[i], full[i]))
+                bad = tuple(
+                    i
+                    for i in got.tolist()
+                    if i not in intact or not np.array_equal(stripe[i], full[i])
+                )
                 return BlockVerdict(True, True, bad)
+        # Put the received data rows back: the trials overwrote them, and an escalation
+        # retries with them and the shards it adds.
+        self._write_back(b, stripe)
         return BlockVerdict(False, False, tuple(got.tolist()))
 
     def _reencode(self, b: int) -> npt.NDArray[np.uint8]:

@@ -187,6 +187,9 @@ def load_keys(
     core.count("hedges", round_.hedges)
     core.count("blocks_loaded", good)
     core.count("blocks_rebuilt", sum(1 for b in range(good) if verdicts[b].rebuilt))
+    core.count(
+        "bad_shards_found", sum(len(assembly.bad_shards(b, verdicts[b])) for b in range(good))
+    )
     if core.config.read_repair:
         if end < total and end in verdicts:
             _drop_broken(core, assembly, match, placement_rows, end)
@@ -246,10 +249,11 @@ def _repair(
     per_node: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
     for b in range(good):
         verdict = verdicts[b]
-        wanted = set(verdict.bad_indices) | set(np.flatnonzero(assembly.not_found[b]).tolist())
+        wanted = assembly.bad_shards(b, verdict) | set(
+            np.flatnonzero(assembly.not_found[b]).tolist()
+        )
         if not wanted:
             continue
-        core.count("bad_shards_found", len(verdict.bad_indices))
         for shard in assembly.repair_shards(b, tuple(sorted(wanted))):
             node = _holder(match, placement_rows, b, shard.index)
             per_node.setdefault(node, []).append((b, shard.index, shard.header, shard.body))

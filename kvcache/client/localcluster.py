@@ -117,6 +117,10 @@ class LocalCluster:
         """Process id of node ``index``."""
         return self._nodes[index].pid
 
+    def data_dir(self, index: int) -> Path:
+        """Data directory (the LMDB environment) of node ``index``."""
+        return self._nodes[index].data_dir
+
     # -------------------------------------------------------------- start / stop
 
     def start(

@@ -237,6 +237,7 @@ class LoadRound:
         self.opened_at = [0.0] * self.chunks
         self.complete_at: list[float | None] = [None] * self.chunks
         self._settle_at = [0.0] * self.chunks
+        self._escalating = [False] * self.chunks
 
     # -------------------------------------------------------------- events
 
@@ -317,6 +318,9 @@ class LoadRound:
         self._later[chunk] = []
         self._deadline[chunk] = now + self._timeout_s
         self.complete_at[chunk] = None
+        # The escalated blocks have their data shards, some of them bad: the chunk is
+        # over only when every new ask is answered (or at the deadline).
+        self._escalating[chunk] = True
         return self._track(chunk, sends)
 
     def finish_chunk(self, chunk: int) -> list[Send]:
@@ -386,10 +390,18 @@ class LoadRound:
     def _advance(self, chunk: int, now: float) -> list[Send]:
         if self.state[chunk] != _OPEN:
             return []
+        out: list[Send] = []
+        if self._escalating[chunk]:
+            if self._outstanding[chunk] and now < self._deadline[chunk]:
+                return out
+            self.state[chunk] = _READY
+            for ticket in list(self._outstanding[chunk]):  # late answers are ignored
+                self.sends.pop(ticket, None)
+            self._outstanding[chunk].clear()
+            return self._open_more(now)
         start, stop = self.chunk_range(chunk)
         got = self.got[start:stop]
         complete = got.sum(axis=1) >= self.k
-        out: list[Send] = []
         if complete.all() and self.complete_at[chunk] is None:
             self.complete_at[chunk] = now
             settle = max(self.SETTLE_FLOOR_S, self.SETTLE_FRACTION * (now - self.opened_at[chunk]))
