@@ -15,6 +15,9 @@ stored shard of one block on the node that holds it:
 Byte flips go through the file, not the daemon: every copy of the record in
 ``data.mdb`` is flipped (LMDB may keep stale copies in free pages), and
 :meth:`PlantedFault.undo` flips them back.
+
+:func:`run_kill_stop` is the process-level chaos: daemons killed and restarted,
+or stopped and resumed, at most two at a time, under a writer and a reader.
 """
 
 from __future__ import annotations
@@ -23,16 +26,33 @@ import dataclasses
 import enum
 import mmap
 import os
+import random
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.client import Client
 from kvcache.client.localcluster import LocalCluster
 from kvcache.errors import KVCacheError
-from kvcache.keys import BlockKey
+from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.server.probe import Probe
 from kvcache.shard import HEADER_BYTES, ShardHeader, shard_hash
 from kvcache.wire import Status
+from kvcache.workload import payload_for_key
 
-__all__ = ["PlantedFault", "ShardFault", "find_shard", "flip_record_byte", "plant", "unflip"]
+__all__ = [
+    "ChaosTally",
+    "PlantedFault",
+    "ShardFault",
+    "find_shard",
+    "flip_record_byte",
+    "plant",
+    "run_kill_stop",
+    "unflip",
+]
 
 
 class ShardFault(enum.Enum):
@@ -158,3 +178,129 @@ def plant(
         fault.data_file = str(cluster.data_dir(node) / "data.mdb")
         fault.offsets = flip_record_byte(cluster, node, record, base + at)
     return fault
+
+
+# ---------------------------------------------------------------------- process chaos
+
+
+@dataclass
+class ChaosTally:
+    """What the writer and reader of :func:`run_kill_stop` saw."""
+
+    acked: list[int] = field(default_factory=list)
+    stores: int = 0
+    loads: int = 0
+    blocks_loaded: int = 0
+    wrong_bytes: int = 0
+    faults: int = 0
+    errors: list[BaseException] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def chaos_prompt(i: int, blocks: int, tokens_per_block: int) -> npt.NDArray[np.uint32]:
+    """Prompt ``i`` of a chaos run (deterministic)."""
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 50_000, blocks * tokens_per_block).astype(np.uint32)
+
+
+def check_prompt(
+    client: Client, space: Namespace, tokens: npt.NDArray[np.uint32]
+) -> tuple[int, int]:
+    """(blocks loaded, wrong bytes among them) of a prompt whose payloads are
+    :func:`kvcache.workload.payload_for_key` of its keys."""
+    result = client.load_prefix(space, tokens)
+    size = space.layout.payload_bytes
+    want = [payload_for_key(k, size) for k in block_keys(space, tokens)]
+    wrong = sum(int(np.count_nonzero(g != w)) for g, w in zip(result.payloads, want, strict=False))
+    return result.blocks, wrong
+
+
+def run_kill_stop(
+    cluster: LocalCluster,
+    space: Namespace,
+    *,
+    seconds: float,
+    seed: int,
+    blocks: int = 4,
+    client_overrides: dict[str, object] | None = None,
+) -> ChaosTally:
+    """Store and load prompts for ``seconds`` while one or two daemons at a time are
+    killed (then restarted) or stopped (then resumed); returns the tally."""
+    tally = ChaosTally()
+    stop = threading.Event()
+    overrides = {"timeout_s": 1.0, "down_retry_s": 0.5, **(client_overrides or {})}
+    tpb = space.layout.tokens_per_block
+    size = space.layout.payload_bytes
+
+    def writer() -> None:
+        with Client(cluster.client_config(**overrides)) as client:
+            i = seed * 1_000_000
+            while not stop.is_set():
+                i += 1
+                tokens = chaos_prompt(i, blocks, tpb)
+                payloads = [payload_for_key(k, size) for k in block_keys(space, tokens)]
+                result = client.store(space, tokens, payloads)
+                with tally.lock:
+                    tally.stores += 1
+                    if result.failed == 0:
+                        tally.acked.append(i)
+
+    def reader() -> None:
+        rng = random.Random(seed)
+        with Client(cluster.client_config(**overrides)) as client:
+            while not stop.is_set():
+                with tally.lock:
+                    acked = list(tally.acked)
+                if not acked:
+                    stop.wait(0.01)
+                    continue
+                got, wrong = check_prompt(
+                    client, space, chaos_prompt(rng.choice(acked), blocks, tpb)
+                )
+                with tally.lock:
+                    tally.loads += 1
+                    tally.blocks_loaded += got
+                    tally.wrong_bytes += wrong
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # reported in the tally
+                tally.errors.append(exc)
+                stop.set()
+
+        return run
+
+    workers = [
+        threading.Thread(target=guarded(f), name=f"chaos-{f.__name__}") for f in (writer, reader)
+    ]
+    for w in workers:
+        w.start()
+    rng = random.Random(seed)
+    over = threading.Event()
+    timer = threading.Timer(seconds, over.set)
+    timer.start()
+    try:
+        while not over.is_set() and not stop.is_set():
+            victims = rng.sample(range(len(cluster.nodes)), rng.choice((1, 2)))
+            kill = rng.random() < 0.5
+            for v in victims:
+                if kill:
+                    cluster.kill(v)
+                else:
+                    cluster.pause(v)
+            tally.faults += len(victims)
+            over.wait(rng.uniform(0.3, 1.0))
+            for v in victims:
+                if kill:
+                    cluster.restart(v)
+                else:
+                    cluster.resume(v)
+            over.wait(rng.uniform(0.1, 0.5))
+    finally:
+        timer.cancel()
+        stop.set()
+        for w in workers:
+            w.join(60)
+    return tally

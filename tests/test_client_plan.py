@@ -177,15 +177,29 @@ def deliver(asm: LoadAssembly, records: dict[tuple[int, int], bytes], count: int
             [len(records[(b, node)]) if h else 0 for b, h in enumerate(have)], np.int64
         )
         data = b"".join(records[(b, node)] for b, h in enumerate(have) if h)
-        views = asm.landing(blocks, idx, status, lengths)
-        assert views is not None
-        at = 0
-        for view in views:
-            view[:] = data[at : at + view.nbytes]
-            at += view.nbytes
-        assert at == len(data)
-        asm.landed()
-        asm.accept(blocks, idx, status, lengths)
+        land(asm, blocks, idx, status, lengths, data)
+
+
+def land(
+    asm: LoadAssembly,
+    blocks: np.ndarray,
+    idx: np.ndarray,
+    status: np.ndarray,
+    lengths: np.ndarray,
+    data: bytes,
+) -> np.ndarray:
+    """One GET reply received into the assembly's landing buffers, then accepted."""
+    claim = asm.landing(blocks, idx, status, lengths)
+    assert claim is not None
+    views, writes = claim
+    at = 0
+    for view in views:
+        view[:] = data[at : at + view.nbytes]
+        at += view.nbytes
+    assert at == len(data)
+    asm.landed(writes)
+    accepted: np.ndarray = asm.accept(blocks, idx, status, lengths)
+    return accepted
 
 
 def good_prefix(asm: LoadAssembly, count: int) -> int:
@@ -224,6 +238,42 @@ def test_assembly_ignores_shards_of_another_stripe_and_key() -> None:
     assert not asm.got[0, 0] and asm.got[1, 0]
     assert good_prefix(asm, 2) == 2
     assert np.array_equal(out[0], payloads[0])
+
+
+def test_a_late_answer_never_writes_over_a_verified_block() -> None:
+    """Block 0 verified by rebuilding data shard 2 (its answer was late); then the late
+    answer arrives, with bad bytes: it lands in scratch, is not accepted, and the checked
+    payload stays as it was."""
+    ks, records, stripe_ids, payloads = encoded(1)
+    late = records.pop((0, 2))
+    out = np.zeros((1, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, 1)
+    asm.seal(np.arange(1))
+    (verdict,) = asm.verify([0])
+    assert verdict.good and verdict.rebuilt
+    bad = bytearray(late)
+    bad[HEADER_BYTES:] = bytes(len(bad) - HEADER_BYTES)  # zeros instead of the shard body
+    accepted = land(
+        asm,
+        np.array([0]),
+        np.array([2]),
+        np.array([0], np.uint8),
+        np.array([len(bad)], np.int64),
+        bytes(bad),
+    )
+    assert not accepted.any() and not asm.got[0, 2]
+    assert np.array_equal(out[0], payloads[0])
+    # Unsealed (its asks were escalated), the block takes answers again.
+    asm.unseal(np.arange(1))
+    assert land(
+        asm,
+        np.array([0]),
+        np.array([2]),
+        np.array([0], np.uint8),
+        np.array([len(late)], np.int64),
+        late,
+    ).all()
 
 
 @pytest.mark.parametrize("where", ["data", "parity"])

@@ -102,6 +102,11 @@ class LoadAssembly:
         self._cond = threading.Condition()
         self._live = True
         self._writers = 0
+        #: Blocks the driver is verifying or has verified: replies for them (late answers
+        #: to abandoned asks) are discarded, never written over what was checked.
+        self.sealed = np.zeros(blocks, bool)
+        #: Landings in progress per block.
+        self._writing = np.zeros(blocks, np.int64)
 
     # -------------------------------------------------------------- landing (I/O threads)
 
@@ -127,8 +132,9 @@ class LoadAssembly:
         indices: IntArray,
         statuses: npt.NDArray[np.uint8],
         lengths: IntArray,
-    ) -> list[memoryview] | None:
-        """Buffers for a GET reply's data section, or None once the load is over.
+    ) -> tuple[list[memoryview], IntArray] | None:
+        """Buffers for a GET reply's data section and the blocks it writes, or None once
+        the load is over. Shards of sealed blocks go to scratch buffers (discarded).
 
         A claim: until :meth:`landed` the load will not return (see :meth:`close`).
         """
@@ -136,26 +142,47 @@ class LoadAssembly:
             if not self._live:
                 return None
             self._writers += 1
+            live = ~self.sealed[blocks]
+            writes = blocks[live & (statuses == 0)]
+            np.add.at(self._writing, writes, 1)
         record = HEADER_BYTES + self.length
         views: list[memoryview] = []
-        for b, i, status, size in zip(
-            blocks.tolist(), indices.tolist(), statuses.tolist(), lengths.tolist(), strict=True
+        for b, i, status, size, open_ in zip(
+            blocks.tolist(),
+            indices.tolist(),
+            statuses.tolist(),
+            lengths.tolist(),
+            live.tolist(),
+            strict=True,
         ):
             if status != 0:
                 continue
-            if size != record:
-                views.append(memoryview(bytearray(size)))  # not what was asked: discarded
+            if size != record or not open_:
+                views.append(memoryview(bytearray(size)))  # not asked for, or too late
                 continue
             at = (b * self.n + i) * HEADER_BYTES
             views.append(self._headers[at : at + HEADER_BYTES])
             views += self.shard_views(b, i)
-        return views
+        return views, writes
 
-    def landed(self) -> None:
-        """A claimed landing is over (received, or failed)."""
+    def landed(self, writes: IntArray) -> None:
+        """A claimed landing of ``writes`` blocks is over (received, or failed)."""
         with self._cond:
             self._writers -= 1
+            np.subtract.at(self._writing, writes, 1)
             self._cond.notify_all()
+
+    def seal(self, blocks: IntArray) -> None:
+        """From now on no reply writes into ``blocks``; returns once landings already
+        writing into them are over (driver thread, before verifying them)."""
+        with self._cond:
+            self.sealed[blocks] = True
+            self._cond.wait_for(lambda: not self._writing[blocks].any())
+
+    def unseal(self, blocks: IntArray) -> None:
+        """Let replies land in ``blocks`` again (their asks were escalated)."""
+        with self._cond:
+            self.sealed[blocks] = False
 
     def close(self, abort: Callable[[], None], grace_s: float = 0.05) -> None:
         """Refuse new landings and wait for those in progress; ``abort`` cuts stalled ones."""
@@ -179,7 +206,17 @@ class LoadAssembly:
         statuses: npt.NDArray[np.uint8],
         lengths: IntArray,
     ) -> npt.NDArray[np.bool_]:
-        """Per item of a landed reply: is it exactly the shard asked for? Marks those as got."""
+        """Per item of a landed reply: is it exactly the shard asked for? Marks those as got.
+
+        Items of sealed blocks are ignored: their bytes went to scratch.
+        """
+        open_ = ~self.sealed[blocks]
+        blocks, indices = blocks[open_], indices[open_]
+        statuses, lengths = statuses[open_], lengths[open_]
+        if not open_.all():
+            accepted_all = np.zeros(len(open_), bool)
+            accepted_all[open_] = self.accept(blocks, indices, statuses, lengths)
+            return accepted_all
         missing = statuses == 1  # Status.NOT_FOUND
         if missing.any():
             self.not_found[blocks[missing], indices[missing]] = True

@@ -73,24 +73,30 @@ class GetExchange(PumpedExchange):
         super().__init__(pump, send.ticket, send.node, Op.GET, items, traffic_class=cls)
         self.send = send
         self.assembly = assembly
-        self._claimed = False
+        self._writes: npt.NDArray[np.int64] | None = None
+        #: The reply's data went into the assembly (only then may its shards be accepted).
+        self.landed_in_assembly = False
 
     def landing(self, header: Header, items: npt.NDArray[np.void]) -> list[memoryview] | None:
         if len(items) != len(self.send.blocks):
             return None
-        views = self.assembly.landing(
+        claim = self.assembly.landing(
             self.send.blocks, self.send.indices, items["status"], items["length"].astype(np.int64)
         )
-        self._claimed = views is not None
+        if claim is None:
+            return None
+        views, self._writes = claim
         return views
 
     def finish(self, reply: Message | None, error: BaseException | None) -> None:
-        if self._claimed:
-            self._claimed = False
+        if self._writes is not None:
+            writes, self._writes = self._writes, None
             if error is not None:
                 # Whatever landed is incomplete: never accept it.
                 reply = None
-            self.assembly.landed()
+            else:
+                self.landed_in_assembly = True
+            self.assembly.landed(writes)
         super().finish(reply, error)
 
 

@@ -158,6 +158,8 @@ def load_keys(
                 if chunk not in escalated and latency is not None:
                     core.read_latency.record(latency)
                 todo = [b for b in range(start, min(stop, end)) if not _good(verdicts, b)]
+                # Late answers to abandoned asks must not write over what is checked.
+                assembly.seal(np.arange(start, stop))
                 for b, verdict in zip(todo, assembly.verify(todo), strict=True):
                     verdicts[b] = verdict
                 failing = [b for b in todo if not verdicts[b].good]
@@ -165,6 +167,7 @@ def load_keys(
                     escalated.add(chunk)
                     sends = round_.escalate(chunk, np.array(failing, np.int64), now)
                     if sends:
+                        assembly.unseal(np.array(failing, np.int64))
                         core.count("escalations")
                         submit(sends)
                         continue
@@ -214,6 +217,12 @@ def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
     items = reply.items
     if len(items) != len(send.blocks):
         return np.zeros(len(send.blocks), bool)
+    if reply.header.data_len and not exchange.landed_in_assembly:
+        # Its shards went to scratch (the load was closing): only its NOT_FOUNDs count.
+        statuses = np.where(items["status"] == 0, 255, items["status"]).astype(np.uint8)
+        return assembly.accept(
+            send.blocks, send.indices, statuses, items["length"].astype(np.int64)
+        )
     return assembly.accept(
         send.blocks, send.indices, items["status"], items["length"].astype(np.int64)
     )

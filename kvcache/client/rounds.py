@@ -395,9 +395,7 @@ class LoadRound:
             if self._outstanding[chunk] and now < self._deadline[chunk]:
                 return out
             self.state[chunk] = _READY
-            for ticket in list(self._outstanding[chunk]):  # late answers are ignored
-                self.sends.pop(ticket, None)
-            self._outstanding[chunk].clear()
+            self._abandon(chunk)
             return self._open_more(now)
         start, stop = self.chunk_range(chunk)
         got = self.got[start:stop]
@@ -427,12 +425,19 @@ class LoadRound:
         elif not self._outstanding[chunk] or now >= self._deadline[chunk]:
             self.state[chunk] = _READY
         if self.state[chunk] == _READY:
-            # Asks still out are abandoned; their replies are ignored.
-            for ticket in list(self._outstanding[chunk]):
-                self.sends.pop(ticket, None)
-            self._outstanding[chunk].clear()
+            self._abandon(chunk)
             out += self._open_more(now)
         return out
+
+    def _abandon(self, chunk: int) -> None:
+        """Asks of ``chunk`` still out are abandoned: their replies are ignored, and their
+        shards count as not asked, so an escalation asks for them again."""
+        for ticket in list(self._outstanding[chunk]):
+            entry = self.sends.pop(ticket, None)
+            if entry is not None:
+                send = entry[1]
+                self.asked[send.blocks, send.indices] = False
+        self._outstanding[chunk].clear()
 
 
 # ---------------------------------------------------------------------- stores
