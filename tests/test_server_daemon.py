@@ -461,3 +461,47 @@ def test_second_daemon_on_the_same_directory_refuses(tmp_path: Path) -> None:
         assert "in use" in other.log()
         assert daemon.alive()
     assert os.path.exists(tmp_path / "data" / "data.mdb")
+
+
+def _rss_anon_kib(pid: int) -> int:
+    """Heap and other anonymous memory of a process (LMDB's mapped file is not in it)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssAnon in /proc/PID/status")
+
+
+def test_clients_that_never_read_replies_cost_bounded_memory(tmp_path: Path) -> None:
+    """Eight clients each ask for 16 MiB and never read the replies: the daemon sends from
+    its read transactions (no copies), so its anonymous memory hardly grows; it keeps serving
+    others, and closes the stalled connections at the send timeout."""
+    daemon = DaemonProcess(tmp_path, server={"send_timeout_s": 2.0, "max_data_bytes": 32 << 20})
+    daemon.start()
+    try:
+        blocks = [block_records(key(50_000 + n), body_len=128 << 10) for n in range(12)]
+        with daemon.probe(timeout_s=30) as probe:
+            for shards in blocks:
+                assert probe.put(shards).tolist() == [Status.OK] * 12
+        wanted = [(k, i) for shards in blocks for k, i, _ in shards]  # 144 x 128 KiB = 18 MiB
+        assert daemon.proc is not None
+        before = _rss_anon_kib(daemon.proc.pid)
+        stalled = []
+        for n in range(8):
+            probe = daemon.probe(timeout_s=30)
+            probe.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            items = get_items(wanted)
+            probe.send_raw(
+                join(encode(Header(op=Op.GET, request_id=n + 1, count=len(items)), items))
+            )
+            stalled.append(probe)
+        good_client_served(daemon)  # the loop still answers everyone else
+        grown_mib = (_rss_anon_kib(daemon.proc.pid) - before) / 1024
+        # 8 replies of 18 MiB unread would be 144 MiB if copied; views cost almost nothing.
+        print(f"daemon anonymous memory grew {grown_mib:.1f} MiB with 8 unread 18 MiB replies")
+        assert grown_mib < 16, grown_mib
+        wait_until(lambda: error_count(daemon, "send_timeout") >= 8, timeout_s=20, what="timeouts")
+        good_client_served(daemon, 8)
+        for probe in stalled:
+            probe.close()
+    finally:
+        assert daemon.stop() == 0, daemon.log()
