@@ -222,10 +222,12 @@ def run_kill_stop(
     seconds: float,
     seed: int,
     blocks: int = 4,
+    min_rounds: int = 3,
     client_overrides: dict[str, object] | None = None,
 ) -> ChaosTally:
-    """Store and load prompts for ``seconds`` while one or two daemons at a time are
-    killed (then restarted) or stopped (then resumed); returns the tally."""
+    """Store and load prompts for ``seconds`` (and at least ``min_rounds`` fault rounds)
+    while one or two daemons at a time are killed (then restarted) or stopped (then
+    resumed); returns the tally."""
     tally = ChaosTally()
     stop = threading.Event()
     overrides = {"timeout_s": 1.0, "down_retry_s": 0.5, **(client_overrides or {})}
@@ -281,8 +283,10 @@ def run_kill_stop(
     over = threading.Event()
     timer = threading.Timer(seconds, over.set)
     timer.start()
+    rounds = 0
     try:
-        while not over.is_set() and not stop.is_set():
+        while (rounds < min_rounds or not over.is_set()) and not stop.is_set():
+            rounds += 1
             victims = rng.sample(range(len(cluster.nodes)), rng.choice((1, 2)))
             kill = rng.random() < 0.5
             for v in victims:

@@ -31,7 +31,7 @@ def test_kill_and_stop_under_load_lose_no_acknowledged_block(
     tally = run_kill_stop(cluster, NS, seconds=8.0, seed=2026)
     assert not tally.errors, tally.errors
     assert tally.wrong_bytes == 0
-    assert tally.faults >= 5 and tally.stores > 5 and tally.acked and tally.loads > 5
+    assert tally.faults >= 3 and tally.stores > 5 and tally.acked and tally.loads > 5
     cluster.wait_healthy()
     with Client(cluster.client_config()) as client:
         for i in tally.acked:
