@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcache.client.plan import best_counts
 from kvcache.client.rounds import HasRound, LoadRound, PutRound, Send
 
 K, N = 10, 12
@@ -315,3 +316,29 @@ def test_has_round_waits_when_an_answer_could_still_matter() -> None:
     assert not r.done  # 10 of 11 wanted; two nodes could still bring the 11th
     r.tick(0.5)
     assert r.done
+
+
+def test_has_round_after_the_hedge_still_waits_for_a_block_that_can_reach_k() -> None:
+    """A block stored on 11 nodes; at the hedge time 10 nodes answered, one of them the node
+    without a shard: 9 known, and a slow node holds a 10th. Ending now would turn a stored
+    block into a miss: the round waits for it (or the deadline)."""
+    rows = holders(1)
+    r = HasRound(rows, list(range(N)), k=K, n=N, settle=K, hedge_s=0.01, timeout_s=1.0)
+    sends = {s.node: s for s in r.start(0.0)}
+    for node in range(K):  # nodes 0..9 answer; node 0 has nothing
+        held = np.zeros(0 if node == 0 else 1, np.int64)
+        r.on_reply(
+            sends[node].ticket,
+            held,
+            np.full(len(held), node, np.int64),
+            np.full(len(held), 7, np.uint64),
+            0.001,
+        )
+    r.tick(0.02)
+    assert not r.done and r.next_wakeup() == 1.0
+    r.on_reply(
+        sends[10].ticket, np.zeros(1, np.int64), np.array([10]), np.array([7], np.uint64), 0.03
+    )
+    assert r.done
+    (block_count,) = best_counts(r.held_shards(), 1, n=N)
+    assert block_count == K

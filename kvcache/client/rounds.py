@@ -7,8 +7,9 @@ returns. Rounds take the time as an argument and never read a clock or touch
 a socket, so tests drive them through any schedule of replies and delays.
 
 * :class:`HasRound` — one HAS per node; over when every answer that could
-  still change the outcome is in, or, after the hedge time, once k nodes
-  answered, or at the deadline.
+  still change the outcome is in; after the hedge time, once every block
+  has k shards or cannot reach k whatever the rest answer; or at the
+  deadline.
 * :class:`LoadRound` — a whole load, cut into chunks of blocks with several
   chunks in flight (the window). Each chunk asks k + 1 shards per block
   first, the remaining holders at its hedge time (or when its first asks are
@@ -100,6 +101,7 @@ class HasRound:
         self._stripe = np.zeros(len(rows), np.uint64)
         self._mixed = np.zeros(len(rows), bool)
         self.started = 0.0
+        self._hedged = False
         self.done = not self.pending
 
     def start(self, now: float) -> list[Send]:
@@ -143,7 +145,7 @@ class HasRound:
         if self.done:
             return None
         hedge_at = self.started + self._hedge_s
-        return hedge_at if self.answered < self.k else self.started + self._timeout_s
+        return self.started + self._timeout_s if self._hedged else hedge_at
 
     def _resolve(self, ticket: int) -> Send | None:
         if ticket not in self.pending:
@@ -157,15 +159,18 @@ class HasRound:
         if not self.pending or now >= self.started + self._timeout_s:
             self.done = True
             return
-        if self.answered < self.k:
-            return
         if now >= self.started + self._hedge_s:
-            self.done = True  # everyone had until the hedge time; k answers are enough now
+            self._hedged = True
+        if self.answered < self.k:
             return
         best = self._count
         if self._mixed.any():  # rare: two writes of a block answered; count per stripe
             best = best_counts(self.held_shards(), len(self.rows), n=self.n)
-        if ((best >= self.settle) | (best + self.unanswered < self.settle)).all():
+        # Until the hedge time every block waits for ``settle`` shards; after it, k are
+        # enough, but a block that may still reach k waits for it (else a slow node would
+        # turn a stored block into a miss).
+        want = self.k if self._hedged else self.settle
+        if ((best >= want) | (best + self.unanswered < want)).all():
             self.done = True
 
     def held_shards(self) -> list[HeldShards]:
