@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
-# chromium + chromium-driver: the status page's browser test (tests/test_dashboard_browser.py).
-for pkg in libisal2 redis-server chromium chromium-driver; do
+# chromium + chromium-driver: the status page's browser test (tests/test_dashboard_browser.py);
+# systemd: systemd-analyze verifies deploy/kvcache-server.service (tests/test_deploy.py).
+for pkg in libisal2 redis-server chromium chromium-driver systemd; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
