@@ -111,6 +111,11 @@ def latency_cdf_figure(series: Mapping[str, Sequence[float]], *, title: str = ""
             xs, ys, where="post", label=f"{name} (n={len(xs)}, p50 {p50:.1f}, p99 {p99:.1f} ms)"
         )
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: ""))
     ax.set_xlabel("load latency (ms, log scale)")
     ax.set_ylabel("fraction of loads")
     ax.set_ylim(0, 1.01)
