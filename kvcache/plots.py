@@ -160,7 +160,7 @@ def demo_figure(
         if fault_at is not None:
             ax.axvline(fault_at + 1, color="tab:red", linestyle=":", label="fault injected")
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(loc="best")
     hit_ax.set_ylabel("hit rate (% of input tokens)")
     hit_ax.set_ylim(0, 100)
     gbps_ax.set_ylabel("load throughput (GB/s)")
