@@ -6,6 +6,7 @@ import bisect
 import importlib
 import itertools
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.cluster import NodeInfo, NodeState
+from kvcache.credentials import Credentials
 from kvcache.dashboard.auth import COOKIE_NAME, Access, session_value
+from kvcache.dashboard.config import DashboardConfig, load_dashboard_config
 from kvcache.dashboard.quantiles import counter_delta, histogram_quantile, subtract_buckets
 from kvcache.dashboard.samples import ClusterSample, History, NodePoll, flat_counters, window_delta
 from kvcache.dashboard.view import REPAIR_NOTE, ViewContext, build_view
+from kvcache.errors import ConfigError
 from kvcache.server.metrics import LATENCY_BUCKETS_S, Metrics
 from kvcache.wire import Op
 
@@ -265,3 +269,31 @@ def test_access_checks_token_header_and_cookie() -> None:
     assert session_value(token) != session_value("u" * 40)
     assert Access(None).allows({}, {}) and Access(None).open
     assert "t" * 40 not in repr(access)
+
+
+def test_dashboard_config_layers_and_token_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCACHE_ADMIN_TOKEN", raising=False)
+    creds = Credentials.generate()
+    assert creds.admin_token is not None
+    creds.write(tmp_path / "credentials.toml")
+    toml = tmp_path / "dash.toml"
+    toml.write_text(f'[dashboard]\ncluster_file = "{tmp_path / "cluster.toml"}"\nrefresh_s = 5\n')
+    config = load_dashboard_config(toml, flags={"listen": "0.0.0.0:9000"})
+    assert config.refresh_s == 5.0 and config.listen == "0.0.0.0:9000"
+    assert config.admin_token() == creds.admin_token  # credentials.toml beside the map
+    monkeypatch.setenv("KVCACHE_DASHBOARD_REFRESH_S", "3")
+    monkeypatch.setenv("KVCACHE_ADMIN_TOKEN", "e" * 32)
+    config = load_dashboard_config(toml)
+    assert config.refresh_s == 3.0 and config.admin_token() == "e" * 32
+    assert load_dashboard_config(toml, flags={"no_auth": True}).admin_token() is None
+    assert "e" * 32 not in repr(config)
+    with pytest.raises(ConfigError, match="listen must be host:port"):
+        load_dashboard_config(flags={"listen": "nope"})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_dashboard_config(flags={"colour": "blue"})
+    monkeypatch.delenv("KVCACHE_ADMIN_TOKEN")
+    lonely = DashboardConfig(cluster_file=tmp_path / "elsewhere" / "cluster.toml")
+    with pytest.raises(ConfigError, match="needs the admin token"):
+        lonely.admin_token()

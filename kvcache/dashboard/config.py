@@ -45,7 +45,10 @@ class DashboardConfig:
     timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
-        parse_admin_listen(self.listen)
+        try:
+            parse_admin_listen(self.listen)
+        except ConfigError:
+            raise ConfigError(f"listen must be host:port, got {self.listen!r}") from None
         for name in ("refresh_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
