@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DemoPoint",
+    "DemoSeries",
     "RetentionPoint",
     "demo_figure",
+    "demo_series",
     "human_duration",
     "latency_cdf_figure",
     "retention_figure",
@@ -33,6 +35,7 @@ __all__ = [
 ]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_MIN_LOAD_S = 1e-6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +128,37 @@ def latency_cdf_figure(series: Mapping[str, Sequence[float]], *, title: str = ""
     return fig
 
 
+@dataclass(frozen=True, slots=True)
+class DemoSeries:
+    """What :func:`demo_figure` draws, one value per request (percent and GB/s)."""
+
+    cumulative_hit_pct: npt.NDArray[np.float64]
+    window_hit_pct: npt.NDArray[np.float64]
+    window_gbps: npt.NDArray[np.float64]
+
+
+def demo_series(points: Sequence[DemoPoint], *, window: int = 10) -> DemoSeries:
+    """Cumulative and windowed hit rate, and load GB/s over the last ``window`` requests
+    (0 where the window loaded nothing in a measurable time)."""
+    if not points:
+        raise ConfigError("a demo plot needs at least one request")
+    if window < 1:
+        raise ConfigError(f"window must be >= 1, got {window}")
+    tokens = np.array([p.input_tokens for p in points], dtype=float)
+    hits = np.array([p.hit_tokens for p in points], dtype=float)
+    loaded = np.array([p.loaded_bytes for p in points], dtype=float)
+    seconds = np.array([p.load_seconds for p in points], dtype=float)
+    secs = _rolling(seconds, window)
+    return DemoSeries(
+        cumulative_hit_pct=100 * np.cumsum(hits) / np.maximum(1, np.cumsum(tokens)),
+        window_hit_pct=100 * _rolling(hits, window) / np.maximum(1, _rolling(tokens, window)),
+        # A load takes microseconds at least; below that the time is noise, not a rate.
+        window_gbps=np.divide(
+            _rolling(loaded, window), secs * 1e9, out=np.zeros_like(secs), where=secs > _MIN_LOAD_S
+        ),
+    )
+
+
 def demo_figure(
     points: Sequence[DemoPoint],
     *,
@@ -135,27 +169,13 @@ def demo_figure(
     """Hit rate (top: cumulative and over the last ``window`` requests) and load throughput
     (bottom: GB/s over the last ``window`` requests) against the request number; a vertical
     line marks the request where a fault was injected."""
-    if not points:
-        raise ConfigError("a demo plot needs at least one request")
-    if window < 1:
-        raise ConfigError(f"window must be >= 1, got {window}")
+    series = demo_series(points, window=window)
     fig = _figure(2, height=6.5)
     hit_ax, gbps_ax = fig.axes
     n = np.arange(1, len(points) + 1)
-    tokens = np.array([p.input_tokens for p in points], dtype=float)
-    hits = np.array([p.hit_tokens for p in points], dtype=float)
-    loaded = np.array([p.loaded_bytes for p in points], dtype=float)
-    seconds = np.array([p.load_seconds for p in points], dtype=float)
-    hit_ax.plot(n, 100 * np.cumsum(hits) / np.maximum(1, np.cumsum(tokens)), label="cumulative")
-    hit_ax.plot(
-        n,
-        100 * _rolling(hits, window) / np.maximum(1, _rolling(tokens, window)),
-        alpha=0.7,
-        label=f"last {window} requests",
-    )
-    secs = _rolling(seconds, window)
-    gbps = np.divide(_rolling(loaded, window), secs * 1e9, out=np.zeros_like(secs), where=secs > 0)
-    gbps_ax.plot(n, gbps, color="tab:green", label=f"last {window} requests")
+    hit_ax.plot(n, series.cumulative_hit_pct, label="cumulative")
+    hit_ax.plot(n, series.window_hit_pct, alpha=0.7, label=f"last {window} requests")
+    gbps_ax.plot(n, series.window_gbps, color="tab:green", label=f"last {window} requests")
     for ax in (hit_ax, gbps_ax):
         if fault_at is not None:
             ax.axvline(fault_at + 1, color="tab:red", linestyle=":", label="fault injected")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from matplotlib.figure import Figure
 
@@ -20,6 +20,7 @@ from kvcache.plots import (
     DemoPoint,
     RetentionPoint,
     demo_figure,
+    demo_series,
     human_duration,
     latency_cdf_figure,
     retention_figure,
@@ -82,23 +83,36 @@ def test_latency_cdf_is_a_step_up_to_one_per_series() -> None:
     ),
     window=st.integers(1, 20),
 )
-@settings(max_examples=40, deadline=None)
-def test_demo_figure_rates_stay_in_range(
-    points: list[tuple[int, int, int, float]], window: int
-) -> None:
+def test_demo_series_stay_in_range(points: list[tuple[int, int, int, float]], window: int) -> None:
     demo = [
         DemoPoint(input_tokens=t, hit_tokens=min(h, t), loaded_bytes=b, load_seconds=s)
         for t, h, b, s in points
     ]
-    fig = demo_figure(demo, window=window, fault_at=len(demo) // 2)
+    series = demo_series(demo, window=window)
+    for pct in (series.cumulative_hit_pct, series.window_hit_pct):
+        assert len(pct) == len(demo) and np.all((pct >= 0) & (pct <= 100 + 1e-9))
+    gbps = series.window_gbps
+    assert np.all(np.isfinite(gbps)) and np.all(gbps >= 0)
+    # The last window's rate is its bytes over its seconds.
+    tail = demo[-window:]
+    secs = sum(p.load_seconds for p in tail)
+    if secs > 1e-6:
+        assert gbps[-1] == pytest.approx(sum(p.loaded_bytes for p in tail) / secs / 1e9)
+
+
+def test_demo_figure_draws_the_series_and_the_fault() -> None:
+    demo = [
+        DemoPoint(
+            input_tokens=1000, hit_tokens=100 * (i % 10), loaded_bytes=10**6, load_seconds=0.01
+        )
+        for i in range(30)
+    ]
+    fig = demo_figure(demo, window=5, fault_at=10)
     hit_ax, gbps_ax = fig.axes
     # Two hit-rate lines and the fault marker; one throughput line and the marker.
     assert len(hit_ax.lines) == 3 and len(gbps_ax.lines) == 2
-    for line in hit_ax.lines[:2]:
-        ys = np.asarray(line.get_ydata(), dtype=float)
-        assert len(ys) == len(demo) and np.all((ys >= 0) & (ys <= 100 + 1e-9))
-    gbps = np.asarray(gbps_ax.lines[0].get_ydata(), dtype=float)
-    assert np.all(np.isfinite(gbps)) and np.all(gbps >= 0)
+    assert list(hit_ax.lines[2].get_xdata()) == [11, 11]
+    assert np.asarray(gbps_ax.lines[0].get_ydata())[-1] == pytest.approx(0.1)  # 1 MB / 10 ms
     assert isinstance(fig, Figure)
 
 
