@@ -69,8 +69,8 @@ def browser() -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
-def fill_cluster(cluster: LocalCluster) -> dict[str, int]:
-    """Store and load blocks as two tenants in two classes; returns blocks stored per class."""
+def fill_cluster(cluster: LocalCluster, *, store: bool = True, loads: int = 3) -> dict[str, int]:
+    """Store (once) and load blocks as two tenants in two classes; returns blocks per class."""
     layout = REFERENCE_LAYOUT
     stored: dict[str, int] = {}
     for tenant, cls, blocks, seed in (("default", "chat", 6, 1), ("alice", "agent", 4, 2)):
@@ -79,11 +79,12 @@ def fill_cluster(cluster: LocalCluster) -> dict[str, int]:
             0, 50_000, blocks * layout.tokens_per_block, dtype=np.uint32
         )
         with Client(cluster.client_config(tenant=tenant)) as client:
-            match = client.match_prefix(ns, tokens)
-            payloads = [payload_for_key(k, layout.payload_bytes) for k in match.keys]
-            result = client.store(ns, tokens, payloads, traffic_class=cls)
-            assert result.written == blocks, result
-            for _ in range(3):
+            if store:
+                match = client.match_prefix(ns, tokens)
+                payloads = [payload_for_key(k, layout.payload_bytes) for k in match.keys]
+                result = client.store(ns, tokens, payloads, traffic_class=cls)
+                assert result.written == blocks, result
+            for _ in range(loads):
                 loaded = client.load(ns, client.match_prefix(ns, tokens), traffic_class=cls)
                 assert loaded.blocks == blocks
         stored[cls] = blocks
@@ -129,8 +130,11 @@ def _page_load_ms(driver: webdriver.Chrome) -> tuple[float, float]:
 
 
 def _save(driver: webdriver.Chrome, tmp_path: Path, name: str) -> Path:
-    height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1400, max(1000, int(height) + 40))
+    for _ in range(3):  # the whole page: the window's chrome takes some of its height
+        height = int(driver.execute_script("return document.documentElement.scrollHeight"))
+        if driver.execute_script("return window.innerHeight") >= height:
+            break
+        driver.set_window_size(1400, height + 200)
     path = tmp_path / name
     assert driver.save_screenshot(str(path)), "chromium wrote no screenshot"
     data = path.read_bytes()
@@ -252,6 +256,14 @@ def test_page_shows_the_cluster_and_a_killed_daemon(
     assert dead[1] == "unreachable" and "cannot connect" in dead[5]
     others = browser.find_elements(By.CSS_SELECTOR, '#nodes tbody tr[data-health="healthy"]')
     assert len(others) == 11
+
+    # Loads go on around the dead daemon, and the page's window shows them.
+    fill_cluster(cluster, store=False, loads=5)
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: _row(d, '#hit-rates tr[data-class="chat"]')[1] not in ("0", "—")
+    )
+    window_get = _row(browser, '#latencies tr[data-op="get"][data-window="window"]')
+    assert int(window_get[2].replace(",", "")) > 0
     _save(browser, tmp_path, "dashboard.png")
 
     status, view = _api(f"{admin}/dashboard/api/cluster", token)

@@ -35,6 +35,7 @@
 
   function ms(x) {
     if (x === null || x === undefined) return "—";
+    if (x >= 1000) return (x / 1000).toFixed(x >= 10000 ? 0 : 1) + " s";
     return x < 1 ? x.toFixed(2) + " ms" : x < 100 ? x.toFixed(1) + " ms" : x.toFixed(0) + " ms";
   }
 
@@ -200,7 +201,15 @@
       for (const [name, ys, cls] of series) {
         let points = [];
         const flush = () => {
-          if (points.length) {
+          if (points.length === 1) {
+            // A lone interval: a dot, since a one-point line draws nothing.
+            const [cx, cy] = points[0].split(",");
+            const dot = document.createElementNS(NS, "circle");
+            dot.setAttribute("cx", cx); dot.setAttribute("cy", cy); dot.setAttribute("r", "3");
+            dot.setAttribute("class", "series " + cls);
+            dot.dataset.series = name;
+            nodes.push(dot);
+          } else if (points.length) {
             const pl = document.createElementNS(NS, "polyline");
             pl.setAttribute("points", points.join(" "));
             pl.setAttribute("class", "series " + cls);
@@ -213,7 +222,6 @@
           if (y === null) { flush(); return; }
           points.push(x(t[i]).toFixed(1) + "," + (PAD + (1 - y) * (H - 2 * PAD)).toFixed(1));
         });
-        if (points.length === 1) points.push(points[0]);
         flush();
         if (ys.some((y) => y !== null)) legend.push(el("span", name, cls));
       }
