@@ -22,6 +22,10 @@ as a user configures it: the library defaults, or the settings named with ``--cl
 (applied to every client of the run, the sweep's included); the sweep only reports.
 
 Usage: python bench/cluster.py [--quick] [--json PATH] [--client KEY=VALUE ...] [--no-sweep]
+                               [--plot PNG]
+
+``--plot`` draws the CDFs of the match + load latencies, healthy against one daemon
+SIGSTOPped (the p99 figures above come from the same two lists).
 """
 
 from __future__ import annotations
@@ -440,6 +444,9 @@ def main() -> None:
         help="a ClientConfig setting for every client of the run (repeatable), e.g. window=2",
     )
     p.add_argument("--no-sweep", action="store_true", help="skip the client-settings sweep")
+    p.add_argument(
+        "--plot", type=Path, metavar="PNG", help="write load-latency CDFs (healthy vs stopped)"
+    )
     args = p.parse_args()
     settings = client_settings(args.client)
     blocks = 1024
@@ -636,7 +643,21 @@ def main() -> None:
         counters=stopped_counters,
         batches=(rb_batch_default, rb_batch_tuned, raw_batch),
     )
+    if args.plot is not None:
+        plot_latencies(args.plot, healthy_lat, stopped_lat, figures["commit"])
     print(f"\n(run took {time.monotonic() - started:.0f} s)")
+
+
+def plot_latencies(path: Path, healthy: list[float], stopped: list[float], sha: str) -> None:
+    """CDFs of match + load latency of 64-block prompts, healthy vs one daemon stopped."""
+    from kvcache.plots import latency_cdf_figure, write_png
+
+    fig = latency_cdf_figure(
+        {"healthy": healthy, "1 daemon SIGSTOPped": stopped},
+        title=f"match + load of 64-block prompts, 12 daemons ({sha}, {machine()})",
+    )
+    write_png(fig, path)
+    print(f"plot written to {path}")
 
 
 def run_sweep(

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvcache import __version__
 from kvcache.errors import KVCacheError
+from kvcache.logs import add_logging_flags, configure_logging
 
 __all__ = ["main"]
 
@@ -22,6 +23,7 @@ _AREAS = (
     "kvcache.server.cli",
     "kvcache.client.cli",
     "kvcache.retention.cli",
+    "kvcache.dashboard.cli",
 )
 
 
@@ -32,12 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed KV-cache storage for LLM inference.",
     )
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging threshold (default INFO)",
-    )
+    add_logging_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _AREAS:
         try:
@@ -47,21 +44,50 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    _add_demo_plot(sub)
+    _inherit_logging_flags(parser)
     return parser
+
+
+def _add_demo_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvcache demo --plot PNG``: the flag, and the demo handler that draws it."""
+    demo = sub.choices.get("demo")
+    if demo is None:
+        return
+    demo.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="draw hit rate and load throughput over the replay into PNG (needs matplotlib)",
+    )
+    demo.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvcache.client.demo import run_cli  # the client is imported only when a demo runs
+
+    return run_cli(args)
+
+
+def _inherit_logging_flags(parser: argparse.ArgumentParser) -> None:
+    """Accept ``--log-level`` / ``--log-format`` after any subcommand too
+    (``kvcache server --log-format json``), as a service unit writes them."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                add_logging_flags(subparser, inherited=True)
+                _inherit_logging_flags(subparser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvcache`` command line; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
+        configure_logging(args.log_level, args.log_format)
         return int(args.func(args))
     except KVCacheError as exc:
         print(f"kvcache: error: {exc}", file=sys.stderr)

@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
-for pkg in libisal2 redis-server; do
+# chromium + chromium-driver: the status page's browser test (tests/test_dashboard_browser.py);
+# systemd: systemd-analyze verifies deploy/kvcache-server.service (tests/test_deploy.py).
+for pkg in libisal2 redis-server chromium chromium-driver systemd; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
@@ -22,5 +24,5 @@ if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-serv
 # CPU torch for the engine adapter's tests: this machine kind keeps the 2.13.0 CPU wheel on disk
 # (PIP_FIND_LINKS); a bare `torch` requirement would pull a multi-GB CUDA build from PyPI.
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q 'torch==2.13.0'
-.venv/bin/python -m pip install -q -e '.[dev,engine]'
+.venv/bin/python -m pip install -q -e '.[dev,engine,plot]'
 echo "kvcache installed in $(pwd)/.venv"

@@ -3,11 +3,13 @@
 Per request: match the prompt's cached prefix, load the hit blocks, "prefill"
 the missed blocks (synthesise their KV bytes from their keys) and store them.
 Every loaded byte is compared with what was stored, so the summary's
-``wrong_bytes`` is a real check, not a claim.
+``wrong_bytes`` is a real check, not a claim. ``--plot`` draws the hit rate
+and load throughput over the replay (:func:`kvcache.plots.demo_figure`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -25,6 +27,7 @@ from kvcache.client.localcluster import LocalCluster
 from kvcache.errors import ConfigError
 from kvcache.keys import Namespace
 from kvcache.layout import REFERENCE_LAYOUT
+from kvcache.plots import DemoPoint
 from kvcache.workload import (
     Request,
     generate_workload,
@@ -33,7 +36,7 @@ from kvcache.workload import (
     tokens_for,
 )
 
-__all__ = ["DemoOptions", "DemoSummary", "run_demo"]
+__all__ = ["DemoOptions", "DemoSummary", "run_cli", "run_demo", "write_plot"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ class DemoOptions:
     seed: int = 7
     root: Path | None = None
     capacity: str = "4GiB"
+    #: Write a PNG of hit rate and load throughput over the replay here.
+    plot: Path | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +74,10 @@ class DemoSummary:
     load_latencies_ms: list[float] = field(default_factory=list)
     wall_seconds: float = 0.0
     fault: str = ""
+    #: One entry per replayed request, in order (what ``--plot`` draws).
+    points: list[DemoPoint] = field(default_factory=list)
+    #: Index of the request before which the fault was injected.
+    fault_at: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The flat summary written by ``--json``."""
@@ -122,7 +131,11 @@ def run_demo(options: DemoOptions, *, out: TextIO = sys.stderr) -> DemoSummary:
         with LocalCluster(root).start(nodes=options.nodes, capacity=options.capacity) as cluster:
             config = cluster.client_config()
             with Client(config) as client:
-                return _replay(client, cluster, requests, options, fault, out)
+                summary = _replay(client, cluster, requests, options, fault, out)
+    if options.plot is not None:
+        write_plot(summary, options.plot)
+        print(f"plot written to {options.plot}", file=out)
+    return summary
 
 
 def _replay(
@@ -139,6 +152,7 @@ def _replay(
     ideal = ideal_hit_blocks(requests)
     summary = DemoSummary(fault=options.fault or "")
     fault_at = len(requests) // 3 if fault else -1
+    summary.fault_at = fault_at if fault else None
     resume_at = 2 * len(requests) // 3
     started = time.perf_counter()
     t0_ms = requests[0].timestamp_ms if requests else 0
@@ -163,6 +177,14 @@ def _replay(
         t = time.perf_counter()
         result = client.load(ns, match, traffic_class=req.traffic_class)
         elapsed = time.perf_counter() - t
+        summary.points.append(
+            DemoPoint(
+                input_tokens=req.input_length,
+                hit_tokens=result.tokens,
+                loaded_bytes=result.bytes_loaded if result.blocks else 0,
+                load_seconds=elapsed if result.blocks else 0.0,
+            )
+        )
         if result.blocks:
             summary.load_latencies_ms.append(elapsed * 1000)
             summary.load_seconds += elapsed
@@ -239,3 +261,36 @@ def print_summary(summary: DemoSummary, out: TextIO = sys.stdout) -> None:
 def write_json(summary: DemoSummary, path: Path) -> None:
     """Write the flat JSON summary."""
     path.write_text(json.dumps(summary.as_dict(), indent=2, sort_keys=True))
+
+
+def write_plot(summary: DemoSummary, path: Path) -> None:
+    """Hit rate and load throughput over the replay, as a PNG."""
+    from kvcache.plots import demo_figure, write_png
+
+    title = "kvcache demo: hit rate and load throughput over the replay"
+    if summary.fault:
+        title += f" (fault {summary.fault})"
+    window = max(1, min(20, len(summary.points) // 10))
+    fig = demo_figure(summary.points, window=window, fault_at=summary.fault_at, title=title)
+    write_png(fig, path)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """``kvcache demo``: replay, print the summary, write ``--json`` and ``--plot``."""
+    options = DemoOptions(
+        trace=args.trace,
+        trace_class=args.trace_class,
+        limit=args.limit,
+        speed=args.speed,
+        fault=args.fault,
+        nodes=args.nodes,
+        seed=args.seed,
+        root=args.dir,
+        capacity=args.capacity,
+        plot=getattr(args, "plot", None),
+    )
+    summary = run_demo(options)
+    print_summary(summary)
+    if args.json:
+        write_json(summary, args.json)
+    return 0 if summary.wrong_bytes == 0 else 3

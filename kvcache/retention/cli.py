@@ -6,6 +6,7 @@ the retention policy of a cluster.
     kvcache retention reset    --cluster cluster.toml
     kvcache retention usage    --cluster cluster.toml
     kvcache retention simulate --trace trace.jsonl --classes agent=3d,chat=7d [--sweep 1h,1d,3d,7d]
+                               [--plot ttl.png]
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 from kvcache.cluster import ClusterMap
 from kvcache.credentials import Credentials
 from kvcache.errors import ConfigError, KVCacheError
+from kvcache.logs import add_logging_flags, configure_logging
 from kvcache.retention.policy import RetentionPolicy, parse_duration
-from kvcache.retention.simulate import simulate
+from kvcache.retention.simulate import SimulationResult, simulate
 
 __all__ = ["main", "register"]
 
@@ -83,6 +85,12 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         "--block-bytes", type=int, default=112 * 1024, help="payload bytes per 512-token block"
     )
     sim.add_argument("--json", action="store_true", help="print JSON")
+    sim.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="draw hit rate and stored bytes against the --sweep TTLs, per class, into PNG",
+    )
     sim.set_defaults(func=_simulate)
 
 
@@ -93,9 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_logging_flags(parser)
     _add_subcommands(parser)
     args = parser.parse_args(argv)
     try:
+        configure_logging(args.log_level, args.log_format)
         return int(args.func(args))
     except KVCacheError as exc:
         print(f"kvcache-retention: error: {exc}", file=sys.stderr)
@@ -211,15 +221,22 @@ def _simulate(args: argparse.Namespace) -> int:
     requests = list(read_trace(args.trace, traffic_class=args.trace_class))
     if not requests:
         raise ConfigError(f"{args.trace} holds no requests")
-    candidates: list[tuple[str, RetentionPolicy]] = [(args.classes, _policy(args.classes, None))]
+    if args.plot is not None and not args.sweep:
+        raise ConfigError("--plot draws the --sweep TTLs: give --sweep, e.g. 10m,1h,1d,3d,7d")
+    candidates: list[tuple[str, RetentionPolicy, int | None]] = [
+        (args.classes, _policy(args.classes, None), None)
+    ]
     for ttl in args.sweep.split(",") if args.sweep else []:
         seconds = parse_duration(ttl.strip(), what="--sweep")
         names = {r.traffic_class for r in requests} | {"default"}
         policy = RetentionPolicy(classes={n: seconds for n in names}, default_class="default")
-        candidates.append((f"all={ttl.strip()}", policy))
+        candidates.append((f"all={ttl.strip()}", policy, seconds))
     rows: list[dict[str, Any]] = []
-    for label, policy in candidates:
+    swept: list[tuple[int, SimulationResult]] = []
+    for label, policy, ttl_s in candidates:
         res = simulate(requests, policy)
+        if ttl_s is not None:
+            swept.append((ttl_s, res))
         rows.append(
             {
                 "policy": label,
@@ -228,8 +245,18 @@ def _simulate(args: argparse.Namespace) -> int:
                 "peak_stored_bytes": res.stored_bytes(args.block_bytes),
                 "mean_stored_bytes": res.stored_bytes(args.block_bytes, peak=False),
                 "expirations": res.expirations,
+                "classes": {
+                    name: {
+                        "hit_rate": c.hit_rate,
+                        "peak_stored_bytes": c.stored_bytes(args.block_bytes),
+                        "mean_stored_bytes": c.stored_bytes(args.block_bytes, peak=False),
+                    }
+                    for name, c in res.classes.items()
+                },
             }
         )
+    if args.plot is not None:
+        _plot_sweep(swept, args.block_bytes, args.plot, title=f"{args.trace.name}: TTL sweep")
     span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000
     if args.json:
         print(json.dumps({"requests": len(requests), "span_s": span_s, "results": rows}, indent=2))
@@ -243,7 +270,36 @@ def _simulate(args: argparse.Namespace) -> int:
             f"{r['policy']:<34} {r['hit_rate']:>9.1%} {r['peak_blocks']:>12,} "
             f"{r['peak_stored_bytes'] / 1e9:>10.2f}GB {r['mean_stored_bytes'] / 1e9:>10.2f}GB"
         )
+    if args.plot is not None:
+        print(f"plot written to {args.plot}")
     return 0
+
+
+def _plot_sweep(
+    swept: list[tuple[int, SimulationResult]], block_bytes: int, path: Path, *, title: str
+) -> None:
+    """Hit rate and mean stored bytes per class (and for the whole trace) against TTL."""
+    from kvcache.plots import RetentionPoint, retention_figure, write_png
+
+    curves: dict[str, list[RetentionPoint]] = {}
+    for ttl_s, res in swept:
+        for name, c in res.classes.items():
+            curves.setdefault(name, []).append(
+                RetentionPoint(
+                    ttl_s=ttl_s,
+                    hit_rate=c.hit_rate,
+                    stored_bytes=c.stored_bytes(block_bytes, peak=False),
+                )
+            )
+        if len(res.classes) > 1:
+            curves.setdefault("all", []).append(
+                RetentionPoint(
+                    ttl_s=ttl_s,
+                    hit_rate=res.hit_rate,
+                    stored_bytes=res.stored_bytes(block_bytes, peak=False),
+                )
+            )
+    write_png(retention_figure(curves, title=title), path)
 
 
 def _human(seconds: int) -> str:

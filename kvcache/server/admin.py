@@ -1,7 +1,9 @@
 """The admin HTTP server (aiohttp) on its own port and thread.
 
 Reads: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /stats``
-(JSON), ``GET /retention``. Writes always need the admin token from the
+(JSON), ``GET /retention``, and the cluster status page under ``/dashboard``
+(:mod:`kvcache.dashboard`: it needs the admin token when one is configured, and
+shows the nodes of ``cluster_file``, or this node alone). Writes always need the admin token from the
 cluster credentials (``Authorization: Bearer <token>``); without one
 configured they are refused: ``PUT /retention`` (a policy as JSON),
 ``DELETE /retention`` (back to the configured policy) and, only with
@@ -23,6 +25,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvcache.cluster import NodeInfo
+from kvcache.dashboard import Access, Collector, LocalNode, add_dashboard
 from kvcache.errors import ConfigError
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.config import ServerConfig, parse_admin_listen
@@ -89,8 +93,14 @@ def build_app(
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
+    def stats_document() -> dict[str, Any]:
+        """``/stats``: the handler's counters and usage, and this daemon's watermarks."""
+        doc = service.handler.stats()
+        doc["watermarks"] = {"high": config.high_watermark, "low": config.low_watermark}
+        return doc
+
     async def stats(request: web.Request) -> web.Response:
-        return _json(service.handler.stats())
+        return _json(stats_document())
 
     async def get_retention(request: web.Request) -> web.Response:
         return _json(store.policy.to_dict())
@@ -131,7 +141,22 @@ def build_app(
     app.router.add_delete("/retention", guarded(delete_retention))
     if clock is not None and config.allow_clock_override:
         app.router.add_post("/debug/clock", guarded(set_clock))
+    collector = Collector(
+        cluster_file=config.cluster_file,
+        local=LocalNode(info=_local_node(config), stats=stats_document),
+        served_by=config.node_id,
+        auth="open" if admin_token is None else "token",
+    )
+    add_dashboard(app, collector, Access(admin_token))
     return app
+
+
+def _local_node(config: ServerConfig) -> NodeInfo:
+    """This daemon as the status page lists it when no cluster file names it."""
+    try:
+        return NodeInfo(id=config.node_id, data=config.listen)
+    except ConfigError:  # a node_id the cluster map would not accept (spaces, ...)
+        return NodeInfo(id="this-node", data=config.listen)
 
 
 class AdminServer:

@@ -53,6 +53,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--tls-key", type=Path, help="TLS private key (PEM) for the data path")
     parser.add_argument(
+        "--cluster-file",
+        type=Path,
+        help="cluster map the admin status page (/dashboard) polls (default: this node only)",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         help="write {node_id, data, admin} as JSON here once serving (for scripts and tests)",
@@ -72,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "credentials_file": args.credentials_file,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
+        "cluster_file": args.cluster_file,
     }
     config, policy = load_server_config(args.config, flags=flags)
     log.info("effective config: %s", json.dumps(config.redacted(), sort_keys=True))

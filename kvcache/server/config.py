@@ -113,6 +113,9 @@ class ServerConfig:
     #: A stored shard of another write may be replaced (PUT with ``expect``) only once it is
     #: this old: longer than any writer takes to finish a block, so none is overwritten mid-way.
     replace_after_s: float = 10.0
+    #: The cluster map the status page (``/dashboard``) shows, read again at every poll so an
+    #: edited file shows without a restart. Unset: the page shows this node alone.
+    cluster_file: Path | None = None
     #: Test only: allow ``POST /debug/clock`` to shift the daemon's clock (admin-token-guarded).
     allow_clock_override: bool = False
 

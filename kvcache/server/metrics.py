@@ -1,12 +1,16 @@
 """Counters and latency histograms of one daemon, rendered in the Prometheus text format.
 
 The service thread records; the admin thread renders. Recording is per
-request (a batch), never per item, and takes one uncontended lock.
+request (a batch), never per item, and takes one uncontended lock. Each
+recorded request may also become a sampled DEBUG line on the
+``kvcache.server.requests`` logger (:class:`kvcache.logs.RequestLog`: at most
+10 a second; with DEBUG off it costs one level check).
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -15,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvcache.logs import RequestLog
 from kvcache.wire import Op, Status
 
 __all__ = ["LATENCY_BUCKETS_S", "Metrics", "render_prometheus", "store_errors"]
@@ -41,6 +46,8 @@ LATENCY_BUCKETS_S = (
 _ITEM_STATUSES = [s for s in Status if s < 16]
 _OP_NAMES = {op: op.name.lower() for op in Op}
 _PREFIX = "kvcache_server"
+#: The logger of the sampled per-request lines (enable with ``--log-level DEBUG``).
+REQUEST_LOGGER = "kvcache.server.requests"
 
 
 class _Histogram:
@@ -60,8 +67,10 @@ class _Histogram:
 class Metrics:
     """What the data path did: requests, items by status, bytes, latency, errors by kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, request_log: RequestLog | None = None) -> None:
         self._lock = threading.Lock()
+        #: Sampled DEBUG line per recorded request.
+        self.request_log = request_log or RequestLog(logging.getLogger(REQUEST_LOGGER))
         self.started = time.time()
         ops = [op.name.lower() for op in Op]
         self._requests = dict.fromkeys(ops, 0)
@@ -72,6 +81,8 @@ class Metrics:
         self._errors: dict[str, int] = {}
         #: Shards served by GET and keys refreshed by TOUCH, by (kind, traffic class).
         self._hits: dict[tuple[str, str], int] = {}
+        #: GET shards and TOUCH keys not found, by (kind, traffic class); see :meth:`miss`.
+        self._misses: dict[tuple[str, str], int] = {}
         #: Data-path peers connected now, and connections closed so far (by the
         #: peer, or by the daemon after a protocol or auth error). Loop thread only.
         self.connections = 0
@@ -99,6 +110,21 @@ class Metrics:
             self._latency[name].observe(seconds)
             if counts is not None:
                 self._items[name] += counts
+        if self.request_log.enabled():
+            self.request_log.record(
+                name,
+                seconds,
+                items=0 if counts is None else int(counts.sum()),
+                statuses=(
+                    {}
+                    if counts is None
+                    else {
+                        Status(s).name.lower(): int(counts[s]) for s in _ITEM_STATUSES if counts[s]
+                    }
+                ),
+                bytes_in=bytes_in,
+                bytes_out=bytes_out,
+            )
 
     def error(self, kind: str, count: int = 1) -> None:
         """Count a failure of ``kind`` (bad_request, unauthorized, too_large, internal, ...)."""
@@ -110,6 +136,16 @@ class Metrics:
         with self._lock:
             key = (kind, traffic_class)
             self._hits[key] = self._hits.get(key, 0) + count
+
+    def miss(self, kind: str, traffic_class: str, count: int) -> None:
+        """Count ``count`` misses of ``kind`` ("get" shards, "touch" keys) for a class.
+
+        The request handler calls it beside :meth:`hit` with the items that
+        came back NOT_FOUND, so hit and miss rates per class can be told apart.
+        """
+        with self._lock:
+            key = (kind, traffic_class)
+            self._misses[key] = self._misses.get(key, 0) + count
 
     def errors(self) -> dict[str, int]:
         """Errors counted so far, by kind."""
@@ -132,6 +168,17 @@ class Metrics:
                 "hits": {
                     kind: {c: n for (k, c), n in sorted(self._hits.items()) if k == kind}
                     for kind in ("get", "touch")
+                },
+                "misses": {
+                    kind: {c: n for (k, c), n in sorted(self._misses.items()) if k == kind}
+                    for kind in ("get", "touch")
+                },
+                "latency": {
+                    "bounds_s": list(LATENCY_BUCKETS_S),
+                    "ops": {
+                        op: {"buckets": list(h.buckets), "count": h.count, "sum_s": h.sum}
+                        for op, h in self._latency.items()
+                    },
                 },
                 "connections": self.connections,
                 "disconnects": self.disconnects,
@@ -185,6 +232,15 @@ class Metrics:
                 (
                     (f'kind="{kind}",class="{_esc(cls)}"', n)
                     for (kind, cls), n in sorted(self._hits.items())
+                ),
+            )
+            lines += _family(
+                "misses_total",
+                "counter",
+                "GET shards and TOUCH keys not found, by traffic class.",
+                (
+                    (f'kind="{kind}",class="{_esc(cls)}"', n)
+                    for (kind, cls), n in sorted(self._misses.items())
                 ),
             )
             lines += _family(
