@@ -10,7 +10,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from kvcache import __version__
 from kvcache.errors import KVCacheError
@@ -44,29 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
-    _add_demo_plot(sub)
     _inherit_logging_flags(parser)
     return parser
-
-
-def _add_demo_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``kvcache demo --plot PNG``: the flag, and the demo handler that draws it."""
-    demo = sub.choices.get("demo")
-    if demo is None:
-        return
-    demo.add_argument(
-        "--plot",
-        type=Path,
-        metavar="PNG",
-        help="draw hit rate and load throughput over the replay into PNG (needs matplotlib)",
-    )
-    demo.set_defaults(func=_demo)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from kvcache.client.demo import run_cli  # the client is imported only when a demo runs
-
-    return run_cli(args)
 
 
 def _inherit_logging_flags(parser: argparse.ArgumentParser) -> None:

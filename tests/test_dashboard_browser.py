@@ -99,7 +99,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         nodes=12,
         capacity="256MiB",
         tenants=("default", "alice"),
-        extra_args=("--cluster-file", str((root / "cluster.toml").resolve())),
     )
     try:
         fill_cluster(c)

@@ -59,6 +59,12 @@ def register(sub: Any) -> None:
     demo.add_argument("--capacity", default="4GiB", help="capacity per daemon")
     demo.add_argument("--dir", type=Path, help="cluster directory (default: a temporary one)")
     demo.add_argument("--json", type=Path, help="write the summary as a flat JSON object")
+    demo.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="draw hit rate and load throughput over the replay into PNG (needs matplotlib)",
+    )
     demo.set_defaults(func=_demo)
 
 
@@ -111,21 +117,6 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvcache.client.demo import DemoOptions, print_summary, run_demo, write_json
+    from kvcache.client.demo import run_cli  # the client is imported only when a demo runs
 
-    options = DemoOptions(
-        trace=args.trace,
-        trace_class=args.trace_class,
-        limit=args.limit,
-        speed=args.speed,
-        fault=args.fault,
-        nodes=args.nodes,
-        seed=args.seed,
-        root=args.dir,
-        capacity=args.capacity,
-    )
-    summary = run_demo(options)
-    print_summary(summary)
-    if args.json:
-        write_json(summary, args.json)
-    return 0 if summary.wrong_bytes == 0 else 3
+    return run_cli(args)

@@ -171,6 +171,8 @@ class LocalCluster:
                 "--admin-listen", f"127.0.0.1:{admin_port}",
                 "--capacity", capacity,
                 "--credentials", str(self.credentials_file.resolve()),
+                # The status page of every daemon shows the whole cluster (read lazily).
+                "--cluster-file", str(self.cluster_file.resolve()),
                 *extra_args,
             ]  # fmt: skip
             node = _Node(info, data_dir, 0, cmd=cmd)

@@ -198,11 +198,15 @@ class RequestHandler:
         return Reply(_frames(header, make_items(Op.STATS, 0, reply=True), body)), None
 
     def _count_hits(self, kind: str, cls: str, statuses: npt.NDArray[np.uint8]) -> None:
-        """Hits by the class the policy counts them under (unnamed: ``unlabelled``)."""
+        """Hits and misses by the class the policy counts them under (unnamed: ``unlabelled``)."""
         n = int(np.count_nonzero(statuses == Status.OK))
-        if n:
+        missed = int(np.count_nonzero(statuses == Status.NOT_FOUND))
+        if n or missed:
             name = self.store.policy.resolve(cls) if cls else "unlabelled"
-            self.metrics.hit(kind, name, n)
+            if n:
+                self.metrics.hit(kind, name, n)
+            if missed:
+                self.metrics.miss(kind, name, missed)
 
     def _observe(
         self, request: Request, reply: Reply, statuses: npt.NDArray[np.uint8] | None
