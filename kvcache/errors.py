@@ -18,7 +18,6 @@ Every exception kvcache raises on purpose derives from :class:`KVCacheError`::
     └── ClusterError             talking to storage nodes failed
         ├── NodeError            one node answered with an error or not at all
         │   └── NodeTimeoutError one node did not answer in time
-        └── WriteQuorumError     too few shards of a block were stored
 
 Errors carry the fields a caller needs (key, node, shard, expected, actual) as
 attributes; their messages say what failed, the value seen and what to do.
@@ -43,7 +42,6 @@ __all__ = [
     "ShardFormatError",
     "StorageError",
     "TooManyErasuresError",
-    "WriteQuorumError",
 ]
 
 
@@ -120,7 +118,8 @@ class QuotaError(StorageError):
 
 
 class AuthError(KVCacheError):
-    """A request lacked valid credentials (missing or wrong token or MAC)."""
+    """Credentials were missing or refused: the session handshake failed (wrong tenant
+    secret, unknown tenant) or an admin change came without the admin token."""
 
 
 class ClusterError(KVCacheError):
@@ -139,10 +138,3 @@ class NodeTimeoutError(NodeError):
     """One node did not answer before the deadline."""
 
 
-class WriteQuorumError(ClusterError):
-    """Too few shards of a block were stored; what was stored has been removed."""
-
-    def __init__(self, message: str, *, stored: int, needed: int) -> None:
-        super().__init__(message)
-        self.stored = stored
-        self.needed = needed

@@ -241,6 +241,11 @@ def test_tenants_never_see_each_other(daemon: DaemonProcess) -> None:
         assert status.tolist() == [0] * 12 and records == [r for _, _, r in shards]
     tenants = daemon.stats()["usage"]["tenants"]
     assert tenants["default"]["shards"] >= 12 and tenants["alice"]["shards"] >= 12
+    # Over the data path a tenant's STATS lists its own usage, not the other tenants'.
+    with daemon.probe("alice") as other:
+        seen = other.stats()["usage"]
+    assert set(seen["tenants"]) == {"alice"}
+    assert seen["shards"] == daemon.stats()["usage"]["shards"]  # node totals stay
 
 
 def test_bad_items_fail_alone_and_are_counted(daemon: DaemonProcess) -> None:

@@ -25,7 +25,7 @@ from kvcache.client.assembly import LoadAssembly
 from kvcache.client.health import NodeHealth
 from kvcache.client.rounds import Send
 from kvcache.client.transport import Exchange, RemoteStatusError, Transport
-from kvcache.errors import NodeError
+from kvcache.errors import AuthError, NodeError
 from kvcache.wire import Frame, Header, Message, Op
 
 __all__ = ["Event", "GetExchange", "Pump", "Watchdog"]
@@ -145,7 +145,11 @@ class Pump:
         node_id = self.transport.nodes[event.exchange.node].id
         if event.error is None:
             self.health.mark_up(node_id)
-        elif isinstance(event.error, NodeError) and not isinstance(event.error, RemoteStatusError):
+        elif isinstance(event.error, AuthError) or (
+            isinstance(event.error, NodeError) and not isinstance(event.error, RemoteStatusError)
+        ):
+            # A node that refuses our credentials is as useless as a dead one, and asking it
+            # again on every request would redo a connection and a handshake each time.
             self.node_errors += 1
             self.health.mark_down(node_id, str(event.error))
 

@@ -193,8 +193,9 @@ class RequestHandler:
             if (~bad).any():
                 reply[~bad] = self.store.delete(tenant, items[~bad])
             return Reply(_frames(header, reply, b"")), reply["status"]
-        # Op.STATS
-        body = json.dumps(self.stats()).encode()
+        # Op.STATS: over the data path a tenant sees the node's totals and its own usage,
+        # never other tenants' names or usage (the admin /stats, for operators, shows all).
+        body = json.dumps(self.stats(only_tenant=tenant)).encode()
         return Reply(_frames(header, make_items(Op.STATS, 0, reply=True), body)), None
 
     def _count_hits(self, kind: str, cls: str, statuses: npt.NDArray[np.uint8]) -> None:
@@ -225,16 +226,20 @@ class RequestHandler:
                 if n := int(counts[status]):
                     self.metrics.error(kind, n)
 
-    def stats(self) -> dict[str, Any]:
-        """What STATS and ``/stats`` report."""
+    def stats(self, only_tenant: TenantId | None = None) -> dict[str, Any]:
+        """What ``/stats`` reports; STATS (``only_tenant``) lists that tenant's usage alone."""
         snapshot = self.metrics.snapshot()
         counters = dict(self.store.counters)
         for kind, n in store_errors(counters).items():
             if n:
                 snapshot["errors"][kind] = snapshot["errors"].get(kind, 0) + n
+        usage = self.store.usage(self.tenant_names)
+        if only_tenant is not None:
+            name = self.tenant_names.get(only_tenant, only_tenant.hex())
+            usage["tenants"] = {n: u for n, u in usage.get("tenants", {}).items() if n == name}
         return {
             "node_id": self.node_id,
-            "usage": self.store.usage(self.tenant_names),
+            "usage": usage,
             "gc": {k: v for k, v in counters.items() if not k.startswith("error_")},
             "policy": self.store.policy.to_dict(),
             **snapshot,
