@@ -190,14 +190,22 @@ class ClientPool:
                 ),
             )
         good: dict[int, int] = {}
+        # Workers finish their ranges in any order; ``on_ready`` hears of the verified
+        # prefix only, in order (blocks past a range that came up short are never reported).
+        ready = np.zeros(max((stop for _, stop in requests.values()), default=0), bool)
+        front = 0
         try:
             while len(good) < len(requests):
                 message = replies.get()
                 kind, request_id = message[0], message[1]
                 start, stop = requests[request_id]
                 if kind == "ready":
-                    if on_ready is not None:
-                        on_ready(start + message[2], start + message[3])
+                    ready[start + message[2] : start + message[3]] = True
+                    if on_ready is not None and ready[front:].any() and ready[front]:
+                        gap = np.flatnonzero(~ready[front:])
+                        end = len(ready) if not len(gap) else front + int(gap[0])
+                        on_ready(front, end)
+                        front = end
                 elif kind == "loaded":
                     good[request_id] = message[2]
                 else:  # "error"
