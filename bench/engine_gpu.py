@@ -344,7 +344,9 @@ def main() -> None:
                 c1, d1 = cpu_seconds(client), process_cpu(daemons)
                 gb4 = e2e_blocks * page_bytes / 1e9
                 probe_blocks = min(64, e2e_blocks)
-                reference = adapter.gather(src[:probe_blocks, None]).host
+                probe = adapter.gather(src[:probe_blocks, None])
+                probe.synchronize()
+                reference = probe.host
                 figures["gather_into_shared_equal"] = torch.equal(
                     reference, host_out[:probe_blocks]
                 )
