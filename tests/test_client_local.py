@@ -131,3 +131,24 @@ def test_a_dead_node_is_marked_down_and_skipped(cluster: Cluster) -> None:
         before = client.counters["node_errors"]
         assert identical(client, tokens) == 8
         assert client.counters["node_errors"] == before  # skipped, not asked again
+
+
+def test_a_long_store_decides_again_what_it_may_replace(cluster: Cluster) -> None:
+    """Chunks written more than EXPECT_FRESH_S after the store's first HAS ask the holders
+    again (one more HAS round per late chunk), so a slow store never replaces a stripe
+    another writer finished meanwhile."""
+    from kvcache.client.storing import EXPECT_FRESH_S
+
+    tokens = prompt(6, 5)
+    for node in cluster.nodes:
+        node.delay_s = EXPECT_FRESH_S / 2 + 0.1  # each PUT round takes over half of it
+    metrics = cluster.nodes[0].handler.metrics
+    with cluster.client(chunk_bytes=2 * P, window=1, timeout_s=10.0) as client:
+        before = metrics.snapshot()["requests"].get("has", 0)
+        assert client.store(NS, tokens, payloads(tokens)).written == 6
+        has_rounds = metrics.snapshot()["requests"].get("has", 0) - before
+        # The first HAS, and again before each of the chunks that started late.
+        assert has_rounds >= 2
+        for node in cluster.nodes:
+            node.delay_s = 0.0
+        assert identical(client, tokens) == 6

@@ -12,7 +12,9 @@ unless the PUT names that stripe (``expect``) and it is old enough that its
 writer has finished (``docs/spec/wire.md``). A store names a stripe only
 when it is not readable (fewer than k shards) or known broken. So two
 concurrent stores of one block cannot both be acknowledged: each node keeps
-the first, at most one writer reaches the quorum, the other rolls back.
+the first, at most one writer reaches the quorum, the other rolls back. A
+long store decides again, per chunk, what it may replace once its first
+decision is older than ``EXPECT_FRESH_S``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from kvcache.wire import NO_INDEX, Op, make_items
 __all__ = ["Payloads", "StoreResult", "store_keys", "touch_or_delete"]
 
 log = logging.getLogger(__name__)
+
+#: A chunk written longer than this after the store's HAS asks again what it may replace:
+#: well inside the daemons' ``replace_after_s`` (10 s by default), so a long store never
+#: replaces the shards of a stripe another writer has finished in the meantime.
+EXPECT_FRESH_S = 2.0
 
 Payloads = Sequence[Any] | npt.NDArray[np.uint8]
 
@@ -91,6 +98,7 @@ def store_keys(
     todo = np.flatnonzero(~present)
     placement_rows = core.placement.holders(keys)
     expect = _replaceable(held, placement_rows, best, suspects, k=k)
+    checked_at = core.clock()
     chunk = config.chunk_blocks(payload_len)
     groups = [todo[s : s + chunk] for s in range(0, len(todo), chunk)]
     now_ms = int(time.time() * 1000)
@@ -120,6 +128,13 @@ def store_keys(
             while pending and len(flights) < config.window:
                 g_index = len(flights) + done_groups
                 batch = pending.pop(0).result()
+                if core.clock() - checked_at > EXPECT_FRESH_S:
+                    # What this store may replace was decided long ago: decide again for
+                    # this chunk, so it never replaces a stripe another writer finished since.
+                    group = groups[g_index]
+                    expect[group] = _fresh_expect(
+                        core, [keys[i] for i in group], placement_rows[group]
+                    )
                 flights.append(_start_put(core, groups[g_index], batch, placement_rows, expect))
                 if next_group < len(groups):
                     pending.append(pool.submit(encode, groups[next_group]))
@@ -146,6 +161,16 @@ def store_keys(
     return StoreResult(
         written=written, touched=touched, failed=len(failed), failed_blocks=tuple(failed)
     )
+
+
+def _fresh_expect(
+    core: ClientCore, keys: list[BlockKey], placement_rows: npt.NDArray[np.int64]
+) -> npt.NDArray[np.uint64]:
+    """:func:`_replaceable` for ``keys`` from a new HAS round."""
+    config = core.config
+    held = held_shards(core, keys, settle=config.min_write_shards)
+    best = best_counts(held, len(keys), n=config.n)
+    return _replaceable(held, placement_rows, best, core.suspects(keys), k=config.k)
 
 
 def _replaceable(
