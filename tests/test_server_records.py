@@ -14,8 +14,10 @@ from kvcache.errors import IntegrityError, ShardFormatError
 from kvcache.server.probe import fake_shard
 from kvcache.server.records import (
     PARTITION_LEN,
+    Retention,
     check_put,
     expiry_key,
+    fresh_rows,
     partition,
     split_expiry_key,
     split_store_key,
@@ -100,3 +102,39 @@ def test_expiry_keys_sort_by_partition_then_time() -> None:
     other_class = expiry_key(skey, "agent", 1)
     assert early < late and split_expiry_key(late) == (6, skey)
     assert early[:PARTITION_LEN] == partition(TENANT, "chat") != other_class[:PARTITION_LEN]
+
+
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.binary(min_size=16, max_size=16),
+            st.integers(0, 65535),
+            st.integers(1, 2**32 - 1),
+            st.integers(0, 2**64 - 1),
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    cls=st.from_regex(r"[a-z0-9][a-z0-9_-]{0,14}", fullmatch=True),
+    expiry=st.integers(0, 2**63 - 1),
+    written=st.integers(0, 2**63 - 1),
+)
+def test_fresh_rows_are_the_records_and_keys_one_at_a_time(
+    rows: list[tuple[bytes, int, int, int]], cls: str, expiry: int, written: int
+) -> None:
+    """The column builder of a fresh PUT equals Retention.pack and expiry_key, row by row."""
+    tenant = b"tenant-8"
+    keys = store_keys(
+        tenant,
+        np.frombuffer(b"".join(r[0] for r in rows), "V16"),
+        np.array([r[1] for r in rows]),
+    )
+    sizes = np.array([r[2] for r in rows], np.int64)
+    stripes = np.array([r[3] for r in rows], np.uint64)
+    ret, exp = fresh_rows(
+        keys, sizes, stripes, traffic_class=cls, expiry_ms=expiry, written_ms=written
+    )
+    for key, (_k, _i, size, stripe), r, e in zip(keys, rows, ret, exp, strict=True):
+        assert r == Retention(expiry, size, stripe, written, cls).pack()
+        assert e == expiry_key(key, cls, expiry)
+        assert split_expiry_key(e) == (expiry, key)

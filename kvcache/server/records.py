@@ -53,6 +53,7 @@ __all__ = [
     "check_put",
     "class_field",
     "expiry_key",
+    "fresh_rows",
     "partition",
     "record_class",
     "record_expiry",
@@ -141,6 +142,42 @@ def expiry_key(skey: bytes, traffic_class: str, expiry_ms: int) -> bytes:
     return skey[:TENANT_LEN] + class_field(traffic_class) + _U64.pack(expiry_ms) + skey[TENANT_LEN:]
 
 
+def fresh_rows(
+    skeys: list[bytes],
+    sizes: npt.NDArray[np.int64],
+    stripes: npt.NDArray[np.uint64],
+    *,
+    traffic_class: str,
+    expiry_ms: int,
+    written_ms: int,
+) -> tuple[list[bytes], list[bytes]]:
+    """(retention records, expiry-index keys) of shards of one tenant and class, built as
+    columns: the batch twin of :meth:`Retention.pack` and :func:`expiry_key` (a property
+    test holds them byte-identical)."""
+    n = len(skeys)
+    name = traffic_class.encode("ascii")
+    rec = np.empty(
+        n,
+        [("expiry", ">u8"), ("size", ">u4"), ("stripe", ">u8"), ("written", ">u8"),
+         ("name", f"V{len(name)}")],
+    )  # fmt: skip
+    rec["expiry"] = expiry_ms
+    rec["size"] = sizes
+    rec["stripe"] = stripes
+    rec["written"] = written_ms
+    rec["name"] = np.frombuffer(name, f"V{len(name)}")[0] if name else b""
+    keys = np.frombuffer(b"".join(skeys), np.uint8).reshape(n, KEY_LEN)
+    exp = np.empty((n, PARTITION_LEN + 8 + KEY_LEN - TENANT_LEN), np.uint8)
+    exp[:, :TENANT_LEN] = keys[:, :TENANT_LEN]
+    exp[:, TENANT_LEN:PARTITION_LEN] = np.frombuffer(class_field(traffic_class), np.uint8)
+    exp[:, PARTITION_LEN : PARTITION_LEN + 8] = np.frombuffer(_U64.pack(expiry_ms), np.uint8)
+    exp[:, PARTITION_LEN + 8 :] = keys[:, TENANT_LEN:]
+    return (
+        rec.view(f"V{rec.dtype.itemsize}").tolist(),
+        exp.view(f"V{exp.shape[1]}").ravel().tolist(),
+    )
+
+
 def split_expiry_key(raw: bytes | memoryview) -> tuple[int, bytes]:
     """(expiry_ms, storage key) of an expiry-index key."""
     data = bytes(raw)
@@ -213,26 +250,32 @@ def check_put(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> C
     cand = np.flatnonzero(lengths >= HEADER_BYTES)
     gathered = np.ascontiguousarray(raw[offsets[cand, None] + np.arange(HEADER_BYTES)])
     hdr = gathered.view(HEADER_DTYPE).reshape(-1)
-    ok = header_verdicts(hdr) & (lengths[cand] == HEADER_BYTES + hdr["shard_len"].astype(np.int64))
+    ok = header_verdicts(hdr, checksum=False) & (
+        lengths[cand] == HEADER_BYTES + hdr["shard_len"].astype(np.int64)
+    )
     view = memoryview(data)
-    # Only the body checksums are per record; everything around them is columns.
+    # Only the checksums (header, then body) are per record, in one pass; everything
+    # around them is columns.
     sel = np.flatnonzero(ok)
     rows = cand[sel]
     shard_hashes = hdr["shard_hash"][sel].tolist()
+    header_checks = hdr["header_check"][sel].tolist()
     records: list[memoryview] = []
     passed: list[int] = []
+    header_fail: list[int] = []
     hash_fail: list[int] = []
     digest = xxhash.xxh3_64_intdigest
     for t, (start, length) in enumerate(
         zip(offsets[rows].tolist(), lengths[rows].tolist(), strict=True)
     ):
-        record = view[start : start + length]
-        if digest(record[HEADER_BYTES:]) != shard_hashes[t]:
+        if digest(view[start : start + _CHECKED_LEN]) & 0xFFFFFFFF != header_checks[t]:
+            header_fail.append(t)
+        elif digest(view[start + HEADER_BYTES : start + length]) != shard_hashes[t]:
             hash_fail.append(t)
-            continue
-        passed.append(t)
-        records.append(record)
-    status[rows[hash_fail]] = Status.CHECKSUM
+        else:
+            passed.append(t)
+            records.append(view[start : start + length])
+    status[rows[hash_fail]] = Status.CHECKSUM  # header_fail rows stay BAD_ITEM
     if not passed:
         return CheckedPut(status, [], [], [], [], [], [])
     sel = sel[passed]

@@ -31,6 +31,7 @@ read from others.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import operator
@@ -62,6 +63,7 @@ from kvcache.server.records import (
     Retention,
     check_put,
     expiry_key,
+    fresh_rows,
     partition,
     record_class,
     record_expiry,
@@ -331,6 +333,14 @@ class ShardStore:
                 earliest = 2**63
                 for c in passed:
                     old = dict(get_old(list(dict.fromkeys(c.keys))))
+                    if not old and self._fresh_batch(c, retention_rows):
+                        # The common PUT: every shard new. Rows built as columns.
+                        earliest = min(
+                            earliest,
+                            self._write_fresh(c, now, resolved, shard_rows, retention_rows,
+                                              expiry_rows, deltas),
+                        )  # fmt: skip
+                        continue
                     conflicts: list[int] = []
                     for j, (skey, record, cls, stripe, expect) in enumerate(
                         zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
@@ -392,6 +402,55 @@ class ShardStore:
         for c, conflicts in status_updates:
             c.status[[c.positions[j] for j in conflicts]] = Status.CONFLICT
             self.counters["put_conflicts"] += len(conflicts)
+
+    @staticmethod
+    def _fresh_batch(c: CheckedPut, retention_rows: dict[bytes, bytes]) -> bool:
+        """No key of ``c`` repeats, in it or in what this transaction wrote already."""
+        keys = set(c.keys)
+        return len(keys) == len(c.keys) and keys.isdisjoint(retention_rows)
+
+    def _write_fresh(
+        self,
+        c: CheckedPut,
+        now: int,
+        resolved: dict[str, tuple[str, int]],
+        shard_rows: list[tuple[bytes, memoryview]],
+        retention_rows: dict[bytes, bytes],
+        expiry_rows: list[tuple[bytes, bytes]],
+        deltas: Deltas,
+    ) -> int:
+        """Rows of a batch of new shards (no previous record of any); returns the earliest
+        expiry written."""
+        policy = self.policy
+        earliest = 2**63
+        groups: dict[str, list[int]] = {}
+        for j, cls in enumerate(c.classes):
+            groups.setdefault(cls, []).append(j)
+        sizes = np.fromiter(map(len, c.records), np.int64, len(c.records))
+        stripes = np.array(c.stripes, np.uint64)
+        tenant = c.keys[0][:TENANT_LEN]
+        for cls, idx in groups.items():
+            if cls not in resolved:
+                name = policy.resolve(cls)
+                resolved[cls] = (name, policy.expiry_for(name, now / 1000))
+            name, expiry = resolved[cls]
+            keys = c.keys if len(idx) == len(c.keys) else [c.keys[j] for j in idx]
+            records = c.records if len(idx) == len(c.keys) else [c.records[j] for j in idx]
+            sel = np.asarray(idx, np.int64)
+            ret, exp = fresh_rows(
+                keys,
+                sizes[sel],
+                stripes[sel],
+                traffic_class=name,
+                expiry_ms=expiry,
+                written_ms=now,
+            )
+            shard_rows.extend(zip(keys, records, strict=True))
+            retention_rows.update(zip(keys, ret, strict=True))
+            expiry_rows.extend(zip(exp, itertools.repeat(b"")))
+            deltas.add(partition(tenant, name), int(sizes[sel].sum()), len(idx))
+            earliest = min(earliest, expiry)
+        return earliest
 
     def _make_room_for_quota(self, tenant: TenantId, incoming: dict[str, int]) -> None:
         """Evict the tenant's own shards so ``incoming`` fits its quotas, or raise QuotaError."""
