@@ -26,7 +26,8 @@ __all__ = ["LmdbEnvironment", "storage_error"]
 
 log = logging.getLogger(__name__)
 
-#: The data file is kept allocated this far past what LMDB uses (see preallocate).
+#: The data file is kept allocated this far past what LMDB uses (see preallocate), but at
+#: most a 32nd of the map: a small store (a test's) must not take 64 MiB of disk up front.
 _PREALLOCATE_BYTES = 64 << 20
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 _STRERROR = {code: os.strerror(code) for code in (*_DISK_FULL_ERRNOS, errno.EIO)}
@@ -146,7 +147,8 @@ class LmdbEnvironment:
         used = (int(self.env.info()["last_pgno"]) + 1) * self._page_size
         if used + 2 * incoming <= self._allocated or self._allocated >= self.map_size:
             return
-        target = min(self.map_size, used + 2 * incoming + _PREALLOCATE_BYTES)
+        ahead = min(_PREALLOCATE_BYTES, self.map_size // 32)
+        target = min(self.map_size, used + 2 * incoming + ahead)
         try:
             os.posix_fallocate(self._datafd, self._allocated, target - self._allocated)
         except OSError as exc:
