@@ -136,5 +136,3 @@ class NodeError(ClusterError):
 
 class NodeTimeoutError(NodeError):
     """One node did not answer before the deadline."""
-
-

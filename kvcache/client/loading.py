@@ -190,8 +190,11 @@ def load_keys(
     core.count("hedges", round_.hedges)
     core.count("blocks_loaded", good)
     core.count("blocks_rebuilt", sum(1 for b in range(good) if verdicts[b].rebuilt))
+    # Rejected shards never count as received, so they are never among a verdict's bad ones.
     core.count(
-        "bad_shards_found", sum(len(assembly.bad_shards(b, verdicts[b])) for b in range(good))
+        "bad_shards_found",
+        int(assembly.rejected[:good].sum())
+        + sum(len(verdicts[b].bad_indices) for b in range(good) if verdicts[b].bad_indices),
     )
     if core.config.read_repair:
         if end < total and end in verdicts:
