@@ -22,6 +22,7 @@ _AREAS = (
     "kvcache.server.cli",
     "kvcache.client.cli",
     "kvcache.retention.cli",
+    "kvcache.swa_local.cli",
 )
 
 
