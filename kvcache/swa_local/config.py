@@ -26,6 +26,8 @@ class SwaConfig:
     address). A fetch gives up after ``fetch_timeout_s`` (then the engine
     recomputes). Holder records go to the first ``directory_replicas``
     rendezvous holders of the state's block key, so one dead daemon loses none.
+    A worker that stops withdraws its records (``withdraw_on_close``); one that
+    does not (or dies) leaves records that resolve to clean misses until they expire.
     """
 
     max_bytes: int = 2 << 30
@@ -36,6 +38,7 @@ class SwaConfig:
     directory_replicas: int = 3
     connections_per_peer: int = 4
     max_connections: int = 256
+    withdraw_on_close: bool = True
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1:

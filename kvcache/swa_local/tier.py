@@ -103,9 +103,11 @@ class SwaTier:
         )
         return self.endpoint
 
-    def close(self, *, withdraw: bool = True, timeout_s: float = 5.0) -> None:
-        """Stop serving; with ``withdraw``, first remove this worker's records from the
-        directory (bounded by ``timeout_s``)."""
+    def close(self, *, withdraw: bool | None = None, timeout_s: float = 5.0) -> None:
+        """Stop serving; with ``withdraw`` (default: the config's ``withdraw_on_close``),
+        first remove this worker's records from the directory (bounded by ``timeout_s``)."""
+        if withdraw is None:
+            withdraw = self.config.withdraw_on_close
         if self._publisher is not None:
             self._published.put(_STOP)
             self._publisher.join(timeout_s)
