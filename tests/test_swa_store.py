@@ -214,3 +214,26 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreProperties = StoreMachine.TestCase
 TestStoreProperties.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------------- config
+
+
+def test_config_layers_toml_env_and_overrides(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    from kvcache.errors import ConfigError
+    from kvcache.swa_local import SwaConfig
+
+    path = Path(str(tmp_path)) / "swa.toml"
+    path.write_text('[swa]\nmax_bytes = "64MiB"\nttl_s = 120\nlisten = "tcp://0.0.0.0:7100"\n')
+    monkeypatch.setenv("KVCACHE_SWA_TTL_S", "90")
+    config = SwaConfig.load(path, overrides={"advertise": "tcp://10.1.2.3:7100"})
+    assert config.max_bytes == 64 << 20
+    assert config.ttl_s == 90.0  # the environment beats the file
+    assert config.advertise == "tcp://10.1.2.3:7100"
+    for bad in ({"ttl_s": 0}, {"listen": "10.0.0.1:7"}, {"directory_replicas": 0}, {"nope": 1}):
+        with pytest.raises(ConfigError):
+            SwaConfig.load(overrides=bad)
