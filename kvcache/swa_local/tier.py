@@ -133,7 +133,7 @@ class SwaTier:
         state = self.store.put(key, data)
         if state is None:
             return None
-        self.counters["puts"] += 1
+        self._count("puts")
         if publish and self.endpoint:
             with self._idle:
                 self._pending += 1
@@ -172,7 +172,7 @@ class SwaTier:
         verified against its record's digest; None when nobody could serve it in time."""
         local = self.store.get(key)
         if local is not None:
-            self.counters["local_hits"] += 1
+            self._count("local_hits")
             return local.data
         deadline = self._clock() + (
             timeout_s if timeout_s is not None else self.config.fetch_timeout_s
@@ -187,10 +187,14 @@ class SwaTier:
             want = Wanted(key, record.incarnation, record.digest)
             (got,) = self.transport.fetch(record.endpoint, [want], deadline=deadline)
             if got is not None:
-                self.counters["remote_hits"] += 1
+                self._count("remote_hits")
                 return got
-        self.counters["misses"] += 1
+        self._count("misses")
         return None
+
+    def _count(self, name: str) -> None:
+        with self._idle:  # the engine's loader and saver threads count concurrently
+            self.counters[name] += 1
 
     def stats(self) -> dict[str, Any]:
         """Counters of the tier, its store, its server, its transport and its directory."""
