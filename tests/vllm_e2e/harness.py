@@ -204,11 +204,17 @@ class HeldEngine:
         )
         assert self.proc.stdout is not None
         ready = False
-        for line in self.proc.stdout:  # ends when the process exits
-            self._log.write(line)
-            if line.strip() == READY.encode():
-                ready = True
-                break
+        # An engine that hangs before it is ready is killed, which ends the read below.
+        watchdog = threading.Timer(ENGINE_TIMEOUT_S, self.proc.kill)
+        watchdog.start()
+        try:
+            for line in self.proc.stdout:  # ends when the process exits
+                self._log.write(line)
+                if line.strip() == READY.encode():
+                    ready = True
+                    break
+        finally:
+            watchdog.cancel()
         if not ready:
             self.proc.wait(ENGINE_TIMEOUT_S)
             self._log.close()
