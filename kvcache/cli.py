@@ -23,6 +23,7 @@ _AREAS = (
     "kvcache.client.cli",
     "kvcache.retention.cli",
     "kvcache.dashboard.cli",
+    "kvcache.swa_local.cli",
 )
 
 

@@ -35,6 +35,8 @@ from kvcache.shard import MAX_CLASS_NAME, check_class_name
 __all__ = [
     "FLAG_REPLY",
     "HEADER_BYTES",
+    "DIR_ANSWER_DTYPE",
+    "DIR_RECORD_DTYPE",
     "ITEM_DTYPES",
     "MAGIC",
     "NO_INDEX",
@@ -81,6 +83,12 @@ class Op(enum.IntEnum):
     TOUCH = 4
     DELETE = 5
     STATS = 6
+    #: Register SWA-state holder records (an inference worker to a storage daemon).
+    DIR_PUT = 7
+    #: HAS, plus the SWA holder records of the same keys in the reply's data section.
+    HAS_DIR = 8
+    #: Fetch SWA states (an inference worker from the worker that holds them).
+    SWA_GET = 9
 
 
 class Status(enum.IntEnum):
@@ -104,6 +112,26 @@ class Status(enum.IntEnum):
 
 
 _KEY = ("key", "V16")
+
+#: One SWA holder record: who holds the sliding-window state taken at ``position`` after the
+#: prefix named by block ``key``, in state namespace ``state_ns``, and for how long
+#: (``ttl_ms``: asked for in DIR_PUT, remaining in a HAS_DIR answer). See docs/spec/swa.md.
+DIR_RECORD_DTYPE: np.dtype[np.void] = np.dtype(
+    [
+        _KEY,
+        ("position", "<u4"),
+        ("ttl_ms", "<u4"),
+        ("incarnation", "<u8"),
+        ("state_ns", "V8"),
+        ("nbytes", "<u8"),
+        ("digest", "V16"),
+        ("endpoint", "S64"),
+    ]
+)
+#: A HAS_DIR reply's data section: records, each with the ordinal of the request item it answers.
+DIR_ANSWER_DTYPE: np.dtype[np.void] = np.dtype(
+    [("ordinal", "<u4"), ("pad", "V4"), ("record", DIR_RECORD_DTYPE)]
+)
 #: Record type per (op, is_reply).
 ITEM_DTYPES: dict[tuple[Op, bool], np.dtype[np.void]] = {
     # expect: the stripe id the writer saw stored (0: none); see docs/spec/wire.md, PUT.
@@ -125,10 +153,23 @@ ITEM_DTYPES: dict[tuple[Op, bool], np.dtype[np.void]] = {
     (Op.DELETE, True): np.dtype([("status", "u1")]),
     (Op.STATS, False): np.dtype([("pad", "u1")]),
     (Op.STATS, True): np.dtype([("pad", "u1")]),
+    (Op.DIR_PUT, False): DIR_RECORD_DTYPE,
+    (Op.DIR_PUT, True): np.dtype([("status", "u1")]),
+    (Op.HAS_DIR, False): np.dtype([_KEY]),
+    (Op.HAS_DIR, True): np.dtype(
+        [("ordinal", "<u4"), ("index", "<u2"), ("pad", "<u2"), ("stripe", "<u8")]
+    ),
+    # The state wanted: after block ``key``, at ``position``, of the holder's ``incarnation``.
+    (Op.SWA_GET, False): np.dtype(
+        [_KEY, ("position", "<u4"), ("pad", "V4"), ("state_ns", "V8"), ("incarnation", "<u8")]
+    ),
+    (Op.SWA_GET, True): np.dtype(
+        [("status", "u1"), ("pad", "V3"), ("length", "<u4"), ("digest", "V16")]
+    ),
 }
 
 #: Ops whose items carry a ``length`` each, pointing consecutively into the data section.
-_LENGTH_ITEMS = {(Op.PUT, False), (Op.GET, True)}
+_LENGTH_ITEMS = {(Op.PUT, False), (Op.GET, True), (Op.SWA_GET, True)}
 
 
 def item_dtype(op: Op, *, reply: bool) -> np.dtype[np.void]:
@@ -309,6 +350,12 @@ def check_message(header: Header, items: npt.NDArray[np.void], data_len: int) ->
         total = int(items["length"].sum(dtype=np.uint64)) if header.count else 0
         if total != data_len:
             raise ProtocolError(f"item lengths add up to {total}, data section is {data_len}")
+    answers = header.op is Op.HAS_DIR and header.is_reply and header.status == Status.OK
+    if answers and data_len % DIR_ANSWER_DTYPE.itemsize:
+        raise ProtocolError(
+            f"HAS_DIR answer of {data_len} bytes is not whole "
+            f"{DIR_ANSWER_DTYPE.itemsize}-byte records"
+        )
 
 
 def decode(raw: Frame, *, limits: Limits = Limits()) -> Message:

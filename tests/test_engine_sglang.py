@@ -141,3 +141,41 @@ def test_other_tp_rank_never_shares_pages(backend: Any, shared_cluster: LocalClu
 def test_missing_cluster_file_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="cluster_file"):
         KVCacheStorage(StorageConfig(), {})
+
+
+def test_unknown_keys_are_refused_like_the_vllm_connectors() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'clustr_file'.*cluster_file"):
+        KVCacheStorage(StorageConfig(extra_config={"clustr_file": "c.toml"}), {})
+
+
+def test_sglangs_own_keys_pass_and_shared_settings_parse(shared_cluster: LocalCluster) -> None:
+    cfg = StorageConfig(
+        extra_config={
+            "backend_name": "kvcache",
+            "module_path": "kvcache.engine.sglang_backend",
+            "class_name": "KVCacheStorage",
+            "prefetch_threshold": 256,
+            "cluster_file": str(shared_cluster.cluster_file),
+            "credentials_file": str(shared_cluster.credentials_file),
+            "model_name": "org/model",
+            "model_revision": "abc",
+            "sliding_window": 129,
+            "swa_layers": 20,
+        }
+    )
+    backend = KVCacheStorage(cfg, {})
+    try:
+        backend.register_mem_pool_host(HostPool(tokens=64, page_size=16))
+        ns = backend._require_layout()
+        assert ns.model == "org/model"
+        assert ns.revision == "abc;engine=sglang;kv=host-page"
+        # Tail re-prefill: the bounded replay unless the state at the hit is held.
+        assert backend.reprefill_tail_tokens(77_000) == 128
+        assert backend.reprefill_tail_tokens(77_000, state_held=True) == 0
+        assert backend.replay_plan(100).tokens == 100  # a hit shorter than the replay
+    finally:
+        backend.close()
+
+
+def test_a_model_without_sliding_window_reprefills_nothing(backend: Any) -> None:
+    assert backend.reprefill_tail_tokens(4096) == 0

@@ -28,10 +28,7 @@ usage statistics.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +36,9 @@ from typing import Any
 
 import pytest
 from vllm_e2e.damage import damage_block
+from vllm_e2e.harness import E2E, EngineRun, build_vllm_python
+from vllm_e2e.harness import run as run_cmd
+from vllm_e2e.harness import run_engine as _run_engine
 
 from kvcache.client import Client
 from kvcache.client.localcluster import LocalCluster
@@ -48,21 +48,8 @@ from kvcache.keys import Namespace, block_keys
 # Building the vLLM venv (first run only, ~2 min) and three engine processes take a while.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-REPO = Path(__file__).resolve().parent.parent
-E2E = Path(__file__).resolve().parent / "vllm_e2e"
 BLOCK = 32
 MAX_TOKENS = 16
-ENGINE_TIMEOUT_S = 300
-
-#: vLLM must never post usage statistics or reach a hub from a test.
-VLLM_ENV = {
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
 
 rng = random.Random(20261130)
 P1 = [rng.randrange(3, 1024) for _ in range(100)]  # 3 full blocks, 3 loadable
@@ -71,39 +58,17 @@ P3 = [rng.randrange(3, 1024) for _ in range(160)]  # 5 full blocks, 4 loadable
 DAMAGED_BLOCK = 1
 
 
-def vllm_env() -> dict[str, str]:
-    """The environment of every vLLM process: ours, without the project venv, plus VLLM_ENV."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env.update(VLLM_ENV)
-    return env
-
-
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
     """The vLLM venv's python, built by scripts/vllm-venv.sh if it is not there yet."""
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "vllm-venv.sh")],
-        capture_output=True,
-        text=True,
-        env=vllm_env(),
-        timeout=1500,
-        check=False,
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            "scripts/vllm-venv.sh could not build the vLLM venv this tier needs "
-            f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    python = Path(proc.stdout.strip().splitlines()[-1])
-    assert python.exists(), python
-    return python
+    return build_vllm_python()
 
 
 @pytest.fixture(scope="module")
 def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama and its tokenizer, built offline."""
     out = tmp_path_factory.mktemp("tiny-llama")
-    _run([str(vllm_python), str(E2E / "make_model.py"), str(out)], out / "build.log", 300)
+    run_cmd([str(vllm_python), str(E2E / "make_model.py"), str(out)], out / "build.log", 300)
     return out
 
 
@@ -114,32 +79,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c.start(nodes=12, capacity="256MiB")
     yield c
     c.stop()
-
-
-def _run(cmd: list[str], log: Path, timeout: int) -> None:
-    with log.open("wb") as fh:
-        proc = subprocess.run(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, env=vllm_env(), timeout=timeout, check=False
-        )
-    if proc.returncode != 0:
-        tail = log.read_bytes()[-6000:].decode(errors="replace")
-        pytest.fail(f"{cmd[1]} exited with {proc.returncode}; log {log}:\n{tail}")
-
-
-@dataclass
-class EngineRun:
-    """What one engine process reported."""
-
-    phases: dict[str, dict[str, Any]]
-    final: dict[str, dict[str, Any]]
-
-    def tokens(self, phase: str) -> list[int]:
-        toks: list[int] = self.phases[phase]["tokens"][0]
-        return toks
-
-    def delta(self, phase: str, role: str) -> dict[str, int]:
-        out: dict[str, int] = self.phases[phase]["stats_delta"][role]
-        return out
 
 
 def run_engine(
@@ -153,36 +92,9 @@ def run_engine(
 ) -> EngineRun:
     """One engine process over ``prompts`` (one generate call each), with or without the
     connector; ``settings`` are added to the connector's extra config."""
-    stats_dir = workdir / f"{name}-stats"
-    connector = None
-    if cluster is not None:
-        connector = {
-            "cluster_file": str(cluster.cluster_file),
-            "credentials_file": str(cluster.credentials_file),
-            "traffic_class": "chat",
-            "timeout_s": 5.0,
-            "stats_dir": str(stats_dir),
-            **settings,
-        }
-    spec = {
-        "model": str(model),
-        "connector": connector,
-        "stats_dir": str(stats_dir) if connector else None,
-        "phases": [
-            {"name": key, "prompts": [prompt], "max_tokens": MAX_TOKENS}
-            for key, prompt in prompts.items()
-        ],
-    }
-    spec_path = workdir / f"{name}-spec.json"
-    out_path = workdir / f"{name}-out.json"
-    spec_path.write_text(json.dumps(spec))
-    _run(
-        [str(python), str(E2E / "run_engine.py"), str(spec_path), str(out_path)],
-        workdir / f"{name}.log",
-        ENGINE_TIMEOUT_S,
+    return _run_engine(
+        python, model, workdir, name, prompts, cluster, max_tokens=MAX_TOKENS, **settings
     )
-    result = json.loads(out_path.read_text())
-    return EngineRun({p["name"]: p for p in result["phases"]}, result["final_stats"])
 
 
 @dataclass

@@ -73,7 +73,7 @@ def test_engine_package_does_not_import_vllm() -> None:
 
 
 def test_extra_config_splits_connector_and_client_settings() -> None:
-    settings, client = vm.split_extra_config(
+    settings, client, _ = vm.split_extra_config(
         {
             "cluster_file": "/etc/kvcache/cluster.toml",
             "traffic_class": "chat",
@@ -96,7 +96,7 @@ def test_extra_config_splits_connector_and_client_settings() -> None:
 def test_extra_config_needs_a_cluster() -> None:
     with pytest.raises(ConfigError, match="cluster_file"):
         vm.split_extra_config({"traffic_class": "chat"})
-    settings, client = vm.split_extra_config({"client_config": "/etc/kvcache/client.toml"})
+    settings, client, _ = vm.split_extra_config({"client_config": "/etc/kvcache/client.toml"})
     assert client == {} and settings.client_config is not None
 
 
@@ -124,9 +124,9 @@ def test_extra_config_rejects_bad_values(bad: dict[str, object]) -> None:
 
 
 def test_load_mode_and_fetch_settings_parse() -> None:
-    settings, client = vm.split_extra_config({"cluster_file": "c.toml"})
+    settings, client, _ = vm.split_extra_config({"cluster_file": "c.toml"})
     assert settings.load_mode is vm.LoadMode.ASYNC and settings.recompute_margin == 1.0
-    settings, client = vm.split_extra_config(
+    settings, client, _ = vm.split_extra_config(
         {"cluster_file": "c.toml", "load_mode": "sync", "recompute_margin": "1.5", "load_gbps": 4}
     )
     assert settings.load_mode is vm.LoadMode.SYNC
@@ -135,7 +135,7 @@ def test_load_mode_and_fetch_settings_parse() -> None:
 
 
 def test_empty_model_name_means_vllms_own() -> None:
-    settings, _ = vm.split_extra_config({"cluster_file": "c.toml", "model_name": ""})
+    settings, _, _ = vm.split_extra_config({"cluster_file": "c.toml", "model_name": ""})
     assert settings.model_name is None
     with pytest.raises(ConfigError):
         vm.ConnectorSettings(model_name="")

@@ -1,4 +1,10 @@
-"""Prefix match: which leading blocks of a prompt are stored, and where (one HAS per node)."""
+"""Prefix match: which leading blocks of a prompt are stored, and where (one HAS per node).
+
+:func:`match_with_directory` asks the same question with ``HAS_DIR`` instead
+of ``HAS``: each node also answers the SWA holder records it keeps for the
+asked keys (``kvcache.server.swa_directory``), so an engine learns which
+worker holds a sliding-window state in the round trip that matches the prompt.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,11 @@ from kvcache.client.rounds import HasRound
 from kvcache.keys import BlockKey
 from kvcache.wire import Op, make_items
 
-__all__ = ["held_shards", "match_keys"]
+__all__ = ["DirectoryAnswer", "held_shards", "match_keys", "match_with_directory"]
+
+#: One node's directory answer: the block each request item asked about, and the raw
+#: records (``kvcache.wire.DIR_ANSWER_DTYPE``; parsed by ``kvcache.swa_local.protocol``).
+DirectoryAnswer = tuple[npt.NDArray[np.int64], memoryview]
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +43,39 @@ def match_keys(
     return match_from_held(keys, held, k=k, n=n, tokens_per_block=tokens_per_block)
 
 
-def held_shards(core: ClientCore, keys: list[BlockKey], *, settle: int) -> list[HeldShards]:
+def match_with_directory(
+    core: ClientCore, keys: list[BlockKey], *, tokens_per_block: int = 1
+) -> tuple[MatchResult, list[DirectoryAnswer]]:
+    """:func:`match_keys`, plus every answering node's SWA holder records for ``keys``."""
+    answers: list[DirectoryAnswer] = []
+    held = held_shards(core, keys, settle=core.config.k, directory=answers)
+    match = match_from_held(
+        keys, held, k=core.config.k, n=core.config.n, tokens_per_block=tokens_per_block
+    )
+    return match, answers
+
+
+def held_shards(
+    core: ClientCore,
+    keys: list[BlockKey],
+    *,
+    settle: int,
+    directory: list[DirectoryAnswer] | None = None,
+) -> list[HeldShards]:
     """Every node's HAS answer for ``keys`` (nodes marked down are asked only when needed).
 
     Stragglers are not waited for once every block has ``settle`` shards of one
-    stripe or cannot reach that many.
+    stripe or cannot reach that many. With ``directory``, the nodes are asked
+    ``HAS_DIR`` and their SWA holder records are appended to it.
     """
     if not keys:
         return []
     rows = core.placement.holders(keys)
     up = core.node_up_mask(rows, settle)
     nodes = [int(node) for node in np.unique(rows)]
-    held = _has_round(core, keys, rows, [nd for nd in nodes if up[nd]], settle, record=True)
+    held = _has_round(
+        core, keys, rows, [nd for nd in nodes if up[nd]], settle, record=True, directory=directory
+    )
     skipped = [nd for nd in nodes if not up[nd]]
     if skipped:
         # Nodes marked down were skipped; if some block fell short of ``settle`` and
@@ -56,7 +87,7 @@ def held_shards(core: ClientCore, keys: list[BlockKey], *, settle: int) -> list[
         for node in skipped:
             could += (rows == node).sum(axis=1)
         if ((best < settle) & (best + could >= settle)).any():
-            held += _has_round(core, keys, rows, skipped, settle, record=False)
+            held += _has_round(core, keys, rows, skipped, settle, record=False, directory=directory)
     return held
 
 
@@ -68,8 +99,10 @@ def _has_round(
     settle: int,
     *,
     record: bool,
+    directory: list[DirectoryAnswer] | None = None,
 ) -> list[HeldShards]:
     config = core.config
+    op = Op.HAS if directory is None else Op.HAS_DIR
     round_ = HasRound(
         rows,
         nodes,
@@ -83,9 +116,9 @@ def _has_round(
     key_words = np.frombuffer(b"".join(keys), dtype="V16")
     started = core.clock()
     for send in round_.start(started):
-        items = make_items(Op.HAS, len(send.blocks), reply=False)
+        items = make_items(op, len(send.blocks), reply=False)
         items["key"] = key_words[send.blocks]
-        pump.submit(PumpedExchange(pump, send.ticket, send.node, Op.HAS, items))
+        pump.submit(PumpedExchange(pump, send.ticket, send.node, op, items))
     while not round_.done:
         for event in pump.wait(round_.next_wakeup()):
             now = core.clock()
@@ -93,6 +126,9 @@ def _has_round(
                 round_.on_failure(event.ticket, now)
                 continue
             recs = event.reply.items
+            asked = round_.sends.get(event.ticket)
+            if directory is not None and asked is not None and event.reply.data.nbytes:
+                directory.append((asked.blocks, event.reply.data))
             round_.on_reply(
                 event.ticket,
                 recs["ordinal"].astype(np.int64),

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 #: Most buffers per recvmsg_into / sendmsg call (Linux IOV_MAX).
 _IOV_MAX = 1024
-_CONTROL_OPS = {Op.HAS, Op.TOUCH, Op.DELETE, Op.STATS}
+_CONTROL_OPS = {Op.HAS, Op.TOUCH, Op.DELETE, Op.STATS, Op.HAS_DIR, Op.DIR_PUT}
 
 
 class RemoteStatusError(NodeError):

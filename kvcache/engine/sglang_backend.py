@@ -12,6 +12,18 @@ block key under a namespace of model, revision, page layout, TP rank and
 tenant, so the store's prefix semantics carry over unchanged and incompatible
 workers never share a key. A page's bytes are an opaque payload.
 
+The extra config is parsed like the vLLM connector's
+(:mod:`kvcache.engine.settings`): the backend's own keys, ClientConfig keys,
+``swa_*`` keys, and the keys SGLang itself reads from the same JSON
+(:data:`SGLANG_KEYS`); any other key is an error naming the known ones.
+
+Sliding-window models: SGLang holds back the trailing window of a matched
+prefix and re-prefills it (``swa_reprefill_tail_tokens``), because its
+storage keeps no window. :meth:`KVCacheStorage.reprefill_tail_tokens` says
+how many tokens that is for a hit, from the same bounded-replay plan as
+everywhere else (:mod:`kvcache.swa_local.replay`): none when the state at the
+hit is held, the bounded replay's ``replay`` tokens otherwise.
+
 SGLang itself is optional: without it this class derives from a local base with
 the same methods, so the backend can be built and tested without the engine.
 """
@@ -21,7 +33,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,11 +42,52 @@ import xxhash
 
 from kvcache.client import Client, ClientConfig
 from kvcache.engine.paged import kv_dtype
+from kvcache.engine.settings import EngineSettings, engine_namespace, split_engine_config
 from kvcache.errors import ConfigError
 from kvcache.keys import BlockKey, Namespace
 from kvcache.layout import KVLayout
+from kvcache.swa_local.replay import ReplayPlan, plan_replay
 
-__all__ = ["KVCacheStorage", "page_key"]
+__all__ = ["SGLANG_KEYS", "KVCacheStorage", "SGLangSettings", "page_key"]
+
+#: Keys of the extra-config JSON that SGLang itself reads (the dynamic backend's name,
+#: module and class, its prefetch tuning); the backend passes over them.
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "canonical_dcp_size",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SGLangSettings(EngineSettings):
+    """The backend's settings: the shared ones, plus the page size when SGLang's host pool
+    is not registered (``page_size``), and for sliding-window models the window
+    (``sliding_window``), the sliding-window layers (``swa_layers``) and the bounded replay
+    length (``replay_tokens``; default ``sliding_window - 1``)."""
+
+    page_size: int = 0
+    sliding_window: int = 0
+    swa_layers: int = 0
+    replay_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        EngineSettings.__post_init__(self)
+        if self.page_size < 0 or self.sliding_window < 0 or self.swa_layers < 0:
+            raise ConfigError("page_size, sliding_window and swa_layers must be >= 0")
+        if self.sliding_window == 1 or (self.sliding_window and not self.swa_layers):
+            raise ConfigError("sliding_window needs a window >= 2 and swa_layers >= 1")
+        if self.replay_tokens is not None and self.replay_tokens < 1:
+            raise ConfigError(f"replay_tokens must be >= 1, got {self.replay_tokens}")
+
 
 log = logging.getLogger(__name__)
 
@@ -89,36 +142,30 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
         self, storage_config: Any, kwargs: Any = None, *, client: Client | None = None
     ) -> None:
         extra: dict[str, Any] = dict(getattr(storage_config, "extra_config", None) or {})
+        settings, overrides, _swa = split_engine_config(
+            extra,
+            SGLangSettings,
+            source="--hicache-storage-backend-extra-config",
+            ignored=SGLANG_KEYS,
+            needs_cluster=client is None,
+        )
+        self.settings = settings
         self._tp_rank = int(getattr(storage_config, "tp_rank", 0))
         self._tp_size = int(getattr(storage_config, "tp_size", 1))
         self._is_mla = bool(getattr(storage_config, "is_mla_model", False))
-        self._model = str(
-            getattr(storage_config, "model_name", None) or extra.get("model", "unknown")
+        self._model = settings.model_name or str(
+            getattr(storage_config, "model_name", None) or "unknown"
         )
-        self._revision = str(extra.get("model_revision", "unspecified"))
-        self._tenant = str(extra.get("tenant", "default"))
-        self._traffic_class = str(extra.get("traffic_class", "chat"))
+        self._tenant = settings.tenant
+        overrides.setdefault("traffic_class", "chat")
+        self._traffic_class = str(overrides["traffic_class"])
         if client is None:
-            cluster_file = extra.get("cluster_file")
-            if not cluster_file:
-                raise ConfigError(
-                    "kvcache SGLang backend needs 'cluster_file' in "
-                    "--hicache-storage-backend-extra-config"
-                )
-            overrides: dict[str, Any] = {
-                "cluster_file": Path(cluster_file),
-                "traffic_class": self._traffic_class,
-                "tenant": self._tenant,
-            }
-            for name in ("credentials_file", "secret", "tls_ca"):
-                if extra.get(name):
-                    overrides[name] = extra[name]
-            client = Client(ClientConfig.load(overrides=overrides))
+            client = Client(ClientConfig.load(settings.client_config, overrides=overrides))
         self._client = client
         self._namespace: Namespace | None = None
         self._page_bytes = 0
         self._dtype: torch.dtype | None = None
-        self._page_size = int(extra.get("page_size", 0))
+        self._page_size = settings.page_size
         self.stats: dict[str, int] = {
             "pages_hit": 0,
             "pages_loaded": 0,
@@ -145,10 +192,12 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
         )
         if layout.payload_bytes != page_bytes:
             raise ConfigError(f"page of {page_bytes} bytes is not {page_size} equal token slices")
-        self._namespace = Namespace(
+        self._namespace = engine_namespace(
+            engine="sglang",
             model=self._model,
-            revision=self._revision,
+            revision=self.settings.model_revision,
             layout=layout,
+            packing="mla-page" if self._is_mla else "host-page",
             parallel=parallel,
             tenant=self._tenant,
         )
@@ -297,6 +346,28 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
         self.stats["pages_stored"] += result.written + result.touched
         self.stats["pages_failed"] += len(failed)
         return [i not in failed for i in range(len(page_hashes))]
+
+    # ------------------------------------------------------------ sliding-window models
+
+    def replay_plan(self, hit_tokens: int, *, state_held: bool = False) -> ReplayPlan:
+        """What SGLang recomputes of a hit of ``hit_tokens`` on a sliding-window model: the
+        bounded replay of ``replay_tokens`` (nothing when the state at the hit is held)."""
+        s = self.settings
+        if not s.sliding_window:
+            return ReplayPlan(hit=hit_tokens, start=hit_tokens, exact=True)
+        return plan_replay(
+            hit_tokens,
+            window=s.sliding_window,
+            swa_layers=s.swa_layers,
+            replay=s.replay_tokens,
+            state_held=state_held,
+        )
+
+    def reprefill_tail_tokens(self, hit_tokens: int, *, state_held: bool = False) -> int:
+        """Tokens SGLang must hold back from the end of a matched prefix and re-prefill
+        (its ``swa_reprefill_tail_tokens``) for a hit of ``hit_tokens``: 0 for a model
+        without sliding-window layers or when the state at the hit is held."""
+        return self.replay_plan(hit_tokens, state_held=state_held).tokens
 
     # ------------------------------------------------------------ misc
 

@@ -25,6 +25,12 @@ Rules this module enforces:
   predicted to finish before recomputing it would (:class:`FetchPlanner`, from
   running estimates of this worker's load bandwidth and the engine's prefill
   rate), so a slow or degraded store makes the engine recompute, not wait.
+- Hybrid models (:mod:`kvcache.engine.hybrid`): the book tracks the
+  sliding-window groups' blocks too, a load may carry the state that fills
+  them (:attr:`LoadSpec.swa`), and a step may take states (:attr:`StepPlan.swa_saves`).
+
+Settings parsing and namespaces are shared with the SGLang backend
+(:mod:`kvcache.engine.settings`).
 """
 
 from __future__ import annotations
@@ -35,14 +41,20 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache.client.config import ClientConfig
-from kvcache.config import build_config
+from kvcache.engine.hybrid import HybridLayout, SwaLoadSpec, SwaSaveSpec, window_ids
+from kvcache.engine.settings import (
+    EngineSettings,
+    engine_namespace,
+    namespace_dict,
+    namespace_from_dict,
+    parallel_name,
+    split_engine_config,
+)
 from kvcache.errors import ConfigError
 from kvcache.keys import Namespace, TokenArray, as_token_array
 from kvcache.layout import DType, KVLayout
@@ -72,9 +84,6 @@ __all__ = [
     "split_extra_config",
 ]
 
-_CLIENT_FIELDS = frozenset(ClientConfig.__dataclass_fields__)
-
-
 # ---------------------------------------------------------------------- settings
 
 
@@ -86,27 +95,18 @@ class LoadMode(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ConnectorSettings:
+class ConnectorSettings(EngineSettings):
     """The connector's own settings from ``kv_connector_extra_config``.
 
-    ``client_config`` names a TOML file for :class:`~kvcache.client.ClientConfig`;
-    ClientConfig fields given directly in the extra config (``cluster_file``,
-    ``traffic_class``, ``timeout_s``...) override it. ``model_name`` and
-    ``model_revision`` replace vLLM's model path and revision in the key
-    namespace (a path says little about the weights behind it). A fresh prefix
+    The fields every engine adapter shares (cluster, model name, tenant, stats,
+    SWA tier) are :class:`~kvcache.engine.settings.EngineSettings`'. A fresh prefix
     lookup may block scheduling for ``match_wait_ms``; after that the
     scheduler is told to ask again next step, and after ``match_deadline_ms``
-    the request is treated as a miss. ``stats_dir`` receives one JSON file of
-    counters per connector process. Saves waiting to be written may hold at
+    the request is treated as a miss. Saves waiting to be written may hold at
     most ``max_pending_save_mb`` of host memory; beyond that new saves are
     dropped (a cache may forget; it must not stall the engine).
     """
 
-    client_config: Path | None = None
-    model_name: str | None = None
-    model_revision: str | None = None
-    tenant: str = "default"
-    stats_dir: Path | None = None
     match_wait_ms: float = 20.0
     match_deadline_ms: float = 5000.0
     max_pending_save_mb: int = 256
@@ -122,6 +122,7 @@ class ConnectorSettings:
     prefill_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
+        EngineSettings.__post_init__(self)
         if not (self.match_wait_ms >= 0 and self.match_deadline_ms >= self.match_wait_ms):
             raise ConfigError(
                 f"need 0 <= match_wait_ms <= match_deadline_ms, got {self.match_wait_ms} and "
@@ -135,44 +136,18 @@ class ConnectorSettings:
                 raise ConfigError(f"{name} must be > 0 when given, got {value}")
         if self.max_pending_save_mb < 1:
             raise ConfigError(f"max_pending_save_mb must be >= 1, got {self.max_pending_save_mb}")
-        for name in ("model_name", "model_revision"):
-            value = getattr(self, name)
-            if value is not None and not value:
-                raise ConfigError(f"{name} must not be empty when given")
 
 
 def split_extra_config(
     extra: Mapping[str, Any],
-) -> tuple[ConnectorSettings, dict[str, Any]]:
-    """Split vLLM's extra config into connector settings and ClientConfig overrides.
+) -> tuple[ConnectorSettings, dict[str, Any], dict[str, Any]]:
+    """Split vLLM's extra config into connector settings, ClientConfig overrides and SwaConfig
+    overrides (``swa_<field>``); see :func:`kvcache.engine.settings.split_engine_config`.
 
     Unknown keys are errors that list every known key, so a typo in a
     deployment's config fails at start-up instead of being ignored.
     """
-    own_fields = set(ConnectorSettings.__dataclass_fields__)
-    own: dict[str, Any] = {}
-    client: dict[str, Any] = {}
-    for key, value in extra.items():
-        name = key.replace("-", "_")
-        if name in own_fields:
-            own[name] = value
-            if name == "tenant":  # the namespace's tenant is the one the client authenticates as
-                client[name] = value
-        elif name in _CLIENT_FIELDS:
-            client[name] = value
-        else:
-            known = ", ".join(sorted(own_fields | _CLIENT_FIELDS))
-            raise ConfigError(
-                f"kv_connector_extra_config: unknown key {key!r} for the kvcache connector; "
-                f"known: {known}"
-            )
-    settings = build_config(ConnectorSettings, own, source="kv_connector_extra_config")
-    if settings.client_config is None and "cluster_file" not in client:
-        raise ConfigError(
-            "kv_connector_extra_config needs 'cluster_file' (the cluster map written by "
-            "`kvcache up`) or 'client_config' (a client TOML file naming one)"
-        )
-    return settings, client
+    return split_engine_config(extra, ConnectorSettings, source="kv_connector_extra_config")
 
 
 # ---------------------------------------------------------------------- namespace
@@ -225,14 +200,6 @@ class KVGeometry:
         )
 
 
-def parallel_name(*, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """The namespace's ``parallel`` field: ``tp{r}of{n}``, with ``-pp{r}of{n}`` under PP."""
-    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
-        raise ConfigError(f"bad parallel rank: tp {tp_rank}/{tp_size}, pp {pp_rank}/{pp_size}")
-    name = f"tp{tp_rank}of{tp_size}"
-    return name if pp_size == 1 else f"{name}-pp{pp_rank}of{pp_size}"
-
-
 def make_namespace(
     *,
     model: str,
@@ -247,9 +214,14 @@ def make_namespace(
     (``docs/spec/hashing.md``: anything that changes the KV bytes must be in a
     namespace field), the byte geometry into ``layout``.
     """
-    rev = f"{revision or 'unversioned'};engine=vllm;kv={geometry.packing}"
-    return Namespace(
-        model=model, revision=rev, layout=geometry.kv_layout(), parallel=parallel, tenant=tenant
+    return engine_namespace(
+        engine="vllm",
+        model=model,
+        revision=revision,
+        layout=geometry.kv_layout(),
+        packing=geometry.packing,
+        parallel=parallel,
+        tenant=tenant,
     )
 
 
@@ -297,9 +269,12 @@ class BlockSpan:
 @dataclass(frozen=True, slots=True)
 class LoadSpec(BlockSpan):
     """Load these blocks from the store into vLLM's blocks: before the forward pass, or
-    (``asynchronous``) in the background while the request waits for them."""
+    (``asynchronous``) in the background while the request waits for them. For a hybrid
+    model, ``swa`` fills the sliding-window groups from a state; the load succeeds only
+    when both arrive."""
 
     asynchronous: bool = False
+    swa: SwaLoadSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,16 +291,23 @@ class StepPlan:
     #: Tokens the engine computes in this step (all requests): the worker times prefill-sized
     #: steps so the scheduler learns the engine's prefill rate (FetchPlanner.record_step).
     step_tokens: int = 0
+    #: Sliding-window states to take after the forward pass (hybrid models).
+    swa_saves: tuple[SwaSaveSpec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class NewReq:
-    """A request scheduled for the first time (vLLM's NewRequestData, reduced)."""
+    """A request scheduled for the first time (vLLM's NewRequestData, reduced).
+
+    ``block_ids`` are the full-attention group's; ``swa_block_ids`` each
+    sliding-window group's (hybrid models).
+    """
 
     req_id: str
     prompt: Sequence[int] | None
     block_ids: Sequence[int]
     num_computed_tokens: int
+    swa_block_ids: Sequence[Sequence[int]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,12 +318,16 @@ class CachedReq:
     resumed: bool
     new_block_ids: Sequence[int] | None
     num_computed_tokens: int
+    new_swa_block_ids: Sequence[Sequence[int]] | None = None
 
 
 @dataclass
 class _Tracked:
     tokens: TokenArray
     block_ids: list[int] = field(default_factory=list)
+    swa_ids: list[list[int]] = field(default_factory=list)
+    #: Whether this request's state was taken (once per scheduling, not again per step).
+    swa_taken: bool = False
 
 
 class SchedulerBook:
@@ -349,15 +335,26 @@ class SchedulerBook:
 
     vLLM sends a request's full block list when it is first scheduled (or
     resumed after preemption) and only the new blocks afterwards; the book
-    keeps the list so each step's plan can name the blocks it touches.
+    keeps the list so each step's plan can name the blocks it touches. With a
+    ``hybrid`` layout it keeps each sliding-window group's list as well (block
+    ``i`` at index ``i``; vLLM puts the null block where it freed one) and plans
+    each request's state in the step that completes it (``hybrid`` module).
     """
 
-    def __init__(self, *, block_size: int, load: bool = True, save: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        load: bool = True,
+        save: bool = True,
+        hybrid: HybridLayout | None = None,
+    ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.load = load
         self.save = save
+        self.hybrid = hybrid
         self._reqs: dict[str, _Tracked] = {}
         self._pending: dict[str, tuple[int, int]] = {}
         self._async: list[LoadSpec] = []
@@ -373,12 +370,14 @@ class SchedulerBook:
         local_tokens: int,
         external: int,
         block_ids: Sequence[int] | None = None,
+        swa: SwaLoadSpec | None = None,
     ) -> None:
         """vLLM allocated blocks for ``req_id``; ``external`` tokens after ``local_tokens`` are to load.
 
         With ``block_ids`` (the request's blocks, for an asynchronous load) the load
         is planned for the next step whether or not the request is scheduled in it:
-        vLLM schedules it only once the load has finished.
+        vLLM schedules it only once the load has finished. ``swa`` (hybrid models,
+        asynchronous loads only) fills the sliding-window groups.
         """
         if not self.load or external <= 0:
             self._pending.pop(req_id, None)
@@ -392,6 +391,8 @@ class SchedulerBook:
         first, end = local_tokens // b, (local_tokens + external) // b
         tracked = self._reqs.setdefault(req_id, _Tracked(as_token_array(prompt)))
         if block_ids is None:
+            if swa is not None:
+                raise ConfigError(f"request {req_id}: a state is loaded only asynchronously")
             self._pending[req_id] = (first, end)
             return
         if end > len(block_ids):
@@ -407,6 +408,7 @@ class SchedulerBook:
                 first,
                 tuple(block_ids[first:end]),
                 asynchronous=True,
+                swa=swa,
             )
         )
 
@@ -434,6 +436,8 @@ class SchedulerBook:
             if tracked is None:
                 tracked = self._reqs[r.req_id] = _Tracked(as_token_array(r.prompt))
             tracked.block_ids = list(r.block_ids)
+            tracked.swa_ids = [list(ids) for ids in r.swa_block_ids]
+            tracked.swa_taken = False
             begins[r.req_id] = r.num_computed_tokens
         for c in cached:
             tracked = self._reqs.get(c.req_id)
@@ -441,8 +445,15 @@ class SchedulerBook:
                 continue
             if c.resumed:
                 tracked.block_ids = list(c.new_block_ids or ())
-            elif c.new_block_ids:
-                tracked.block_ids.extend(c.new_block_ids)
+                tracked.swa_ids = [list(ids) for ids in c.new_swa_block_ids or ()]
+                tracked.swa_taken = False
+            else:
+                if c.new_block_ids:
+                    tracked.block_ids.extend(c.new_block_ids)
+                for group_ids, added in zip(
+                    tracked.swa_ids, c.new_swa_block_ids or (), strict=False
+                ):
+                    group_ids.extend(added)
             begins[c.req_id] = c.num_computed_tokens
         loads, self._async = list(self._async), []
         for req_id, (first, end) in list(self._pending.items()):
@@ -464,6 +475,7 @@ class SchedulerBook:
                 )
             )
         saves = []
+        swa_saves = []
         if self.save:
             for req_id, begin in begins.items():
                 tracked = self._reqs[req_id]
@@ -478,7 +490,31 @@ class SchedulerBook:
                             tuple(tracked.block_ids[first:stop]),
                         )
                     )
-        return StepPlan(tuple(loads), tuple(saves), step_tokens=sum(scheduled.values()))
+                state = self._state(req_id, begin, begin + real, tracked)
+                if state is not None:
+                    swa_saves.append(state)
+        return StepPlan(
+            tuple(loads),
+            tuple(saves),
+            step_tokens=sum(scheduled.values()),
+            swa_saves=tuple(swa_saves),
+        )
+
+    def _state(self, req_id: str, begin: int, end: int, tracked: _Tracked) -> SwaSaveSpec | None:
+        """The state to take after this step: at the end of the prompt's last full block,
+        in the step whose tokens complete it, while its window's blocks are all held."""
+        layout = self.hybrid
+        if layout is None or tracked.swa_taken:
+            return None
+        position = (len(tracked.tokens) // self.block_size) * self.block_size
+        if not position or not begin <= position <= end:
+            return None
+        first, stop = layout.window_blocks(position)
+        ids = window_ids(tracked.swa_ids, first, stop)
+        if ids is None or len(ids) != len(layout.swa_groups):
+            return None
+        tracked.swa_taken = True
+        return SwaSaveSpec(req_id, tracked.tokens[:position], position, first, ids)
 
     def _completed(self, begin: int, end: int, tracked: _Tracked) -> tuple[int, int]:
         """Prompt blocks that become complete when tokens ``begin..end`` are computed."""
@@ -667,6 +703,14 @@ class ConnectorStats:
     ``fetch_decisions`` (hits offered), ``recompute_decisions`` (hits declined
     because recomputing was predicted faster), ``tokens_recompute_chosen``, and the
     planner's current ``load_gbps_estimate`` and ``prefill_tokens_per_s_estimate``.
+
+    Hybrid models, scheduler half: ``swa_hits`` (hits backed by a worker's state),
+    ``swa_tokens_without_state`` (stored tokens not offered because no worker holds
+    the state after them). Worker half: ``swa_states_saved`` / ``swa_state_bytes_saved``
+    (states taken and held), ``swa_local_hits`` / ``swa_remote_hits`` (states loaded
+    from this worker's RAM / fetched from a peer), ``swa_misses`` (states that could
+    not be had: the request was recomputed), and ``swa_state_dropped`` (states whose
+    window was freed before they could be taken, or refused).
     """
 
     role: str
@@ -695,44 +739,15 @@ class ConnectorStats:
     tokens_recompute_chosen: int = 0
     load_gbps_estimate: float | None = None
     prefill_tokens_per_s_estimate: float | None = None
+    swa_hits: int = 0
+    swa_tokens_without_state: int = 0
+    swa_states_saved: int = 0
+    swa_state_bytes_saved: int = 0
+    swa_local_hits: int = 0
+    swa_remote_hits: int = 0
+    swa_misses: int = 0
+    swa_state_dropped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return asdict(self)
-
-
-def namespace_dict(ns: Namespace) -> dict[str, Any]:
-    """A namespace as JSON (for stats and logs): every field, and the seed in hex."""
-    return {
-        "model": ns.model,
-        "revision": ns.revision,
-        "layout": {
-            "tokens_per_block": ns.layout.tokens_per_block,
-            "bytes_per_token": ns.layout.bytes_per_token,
-            "dtype": ns.layout.dtype.value,
-            "layers_in_block": ns.layout.layers_in_block,
-        },
-        "parallel": ns.parallel,
-        "tenant": ns.tenant,
-        "seed": ns.seed.hex(),
-    }
-
-
-def namespace_from_dict(data: Mapping[str, Any]) -> Namespace:
-    """Inverse of :func:`namespace_dict` (checks the seed, so a mismatch cannot go unnoticed)."""
-    layout = data["layout"]
-    ns = Namespace(
-        model=data["model"],
-        revision=data["revision"],
-        layout=KVLayout(
-            tokens_per_block=int(layout["tokens_per_block"]),
-            bytes_per_token=int(layout["bytes_per_token"]),
-            dtype=DType(layout["dtype"]),
-            layers_in_block=int(layout["layers_in_block"]),
-        ),
-        parallel=data["parallel"],
-        tenant=data["tenant"],
-    )
-    if "seed" in data and ns.seed.hex() != data["seed"]:
-        raise ConfigError(f"namespace seed {ns.seed.hex()} differs from recorded {data['seed']}")
-    return ns

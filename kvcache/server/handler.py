@@ -29,6 +29,7 @@ from kvcache.credentials import TenantId
 from kvcache.errors import KVCacheError, ProtocolError, StorageError
 from kvcache.server.metrics import Metrics, store_errors
 from kvcache.server.store import PutBatch, ReplyTooLargeError, ShardStore
+from kvcache.server.swa_directory import SwaDirectory
 from kvcache.wire import (
     FLAG_REPLY,
     NO_INDEX,
@@ -94,11 +95,14 @@ class RequestHandler:
         *,
         node_id: str,
         tenant_names: dict[TenantId, str] | None = None,
+        swa_directory: SwaDirectory | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.node_id = node_id
         self.tenant_names = tenant_names or {}
+        #: SWA holder records (DIR_PUT, HAS_DIR), in RAM: see kvcache.server.swa_directory.
+        self.swa_directory = swa_directory if swa_directory is not None else SwaDirectory()
 
     # ------------------------------------------------------------------ entry points
 
@@ -182,6 +186,17 @@ class RequestHandler:
             return Reply([*frames, *result.parts], result.release, result.nbytes), statuses
         if op is Op.HAS:
             return Reply(_frames(header, self.store.has(tenant, items), b"")), None
+        if op is Op.HAS_DIR:
+            answer = self.swa_directory.lookup(tenant, items)
+            has = self.store.has(tenant, items)
+            return Reply(_frames(header, has, answer.tobytes())), None
+        if op is Op.DIR_PUT:
+            statuses = self.swa_directory.put(tenant, items)
+            reply = make_items(Op.DIR_PUT, len(items), reply=True)
+            reply["status"] = statuses
+            return Reply(_frames(header, reply, b"")), statuses
+        if op is Op.SWA_GET:
+            raise ProtocolError("SWA_GET goes to the worker holding the state, not a daemon")
         if op is Op.TOUCH:
             reply = self.store.touch(tenant, items, cls)
             self._count_hits("touch", cls, reply["status"])
@@ -242,6 +257,7 @@ class RequestHandler:
             "usage": usage,
             "gc": {k: v for k, v in counters.items() if not k.startswith("error_")},
             "policy": self.store.policy.to_dict(),
+            "swa_directory": self.swa_directory.stats(),
             **snapshot,
         }
 

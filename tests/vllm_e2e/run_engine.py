@@ -4,7 +4,7 @@ Run with the vLLM venv's python (``scripts/vllm-venv.sh``), never the
 project's: ``python run_engine.py SPEC.json OUT.json``. SPEC holds::
 
     {"model": DIR, "connector": {extra config} | null, "stats_dir": DIR | null,
-     "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int}]}
+     "hold": bool, "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int}]}
 
 Each phase is one ``LLM.generate`` call. With a connector, the connector's
 stats files (``stats_dir``) are read before and after each phase, and once
@@ -12,6 +12,10 @@ more after the engine is shut down (queued saves are drained by then). OUT
 receives ``{"phases": [{"name", "tokens", "num_cached_tokens", "stats_delta"}],
 "final_stats"}``; ``num_cached_tokens`` is vLLM's own count of prompt tokens it
 did not compute.
+
+With ``hold``, the engine prints ``KVCACHE-ENGINE-READY`` on its stdout once
+the phases are done and waits for a line on its stdin before shutting down:
+meanwhile its connector keeps serving its SWA states to other engines.
 
 The caller must set VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1; this
 script refuses to start without them rather than let vLLM phone home.
@@ -37,6 +41,8 @@ def read_stats(stats_dir: Path | None) -> dict[str, dict[str, Any]]:
         data = json.loads(path.read_text())
         role = out.setdefault(data["role"], {"namespace": data["namespace"]})
         for key, value in data.items():
+            if isinstance(value, bool):
+                continue
             if isinstance(value, int) and key != "pid":
                 role[key] = role.get(key, 0) + value
             elif isinstance(value, float):  # an estimate: the last process's
@@ -102,6 +108,9 @@ def main() -> None:
                 "stats_delta": delta(before, read_stats(stats_dir)),
             }
         )
+    if spec.get("hold"):
+        print("KVCACHE-ENGINE-READY", flush=True)
+        sys.stdin.readline()
     # A graceful shutdown lets the worker's connector drain its queued saves.
     llm.llm_engine.engine_core.shutdown()
     result = {"phases": phases, "final_stats": read_stats(stats_dir)}
