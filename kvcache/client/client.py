@@ -23,7 +23,7 @@ from kvcache.client.config import ClientConfig
 from kvcache.client.core import ClientCore
 from kvcache.client.driver import Watchdog
 from kvcache.client.loading import LoadResult, OnReady, check_out, load_keys
-from kvcache.client.matching import match_keys
+from kvcache.client.matching import DirectoryAnswer, match_keys, match_with_directory
 from kvcache.client.plan import MatchResult
 from kvcache.client.pool import ClientPool
 from kvcache.client.storing import Payloads, StoreResult, store_keys, touch_or_delete
@@ -135,6 +135,16 @@ class Client:
         if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
             raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
         return match_keys(self._core, keys, tokens_per_block=tokens_per_block)
+
+    def match_with_directory(
+        self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1
+    ) -> tuple[MatchResult, list[DirectoryAnswer]]:
+        """:meth:`match_keys`, plus the SWA holder records the nodes keep for ``keys``, in
+        the same round trip (``kvcache.swa_local.directory`` parses them)."""
+        keys = list(keys)
+        if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+            raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
+        return match_with_directory(self._core, keys, tokens_per_block=tokens_per_block)
 
     def load(
         self,

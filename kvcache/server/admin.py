@@ -90,6 +90,7 @@ def build_app(
             node_id=config.node_id,
             usage=store.usage(service.handler.tenant_names),
             store_counters=dict(store.counters),
+            swa_directory=service.handler.swa_directory.stats(),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 

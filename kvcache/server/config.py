@@ -113,6 +113,9 @@ class ServerConfig:
     #: A stored shard of another write may be replaced (PUT with ``expect``) only once it is
     #: this old: longer than any writer takes to finish a block, so none is overwritten mid-way.
     replace_after_s: float = 10.0
+    #: SWA holder records kept in RAM (DIR_PUT / HAS_DIR), in all and per block key.
+    swa_directory_records: int = 1 << 18
+    swa_directory_per_key: int = 8
     #: The cluster map the status page (``/dashboard``) shows, read again at every poll so an
     #: edited file shows without a restart. Unset: the page shows this node alone.
     cluster_file: Path | None = None
@@ -154,6 +157,11 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.replace_after_s < 0:
             raise ConfigError(f"replace_after_s must be >= 0, got {self.replace_after_s}")
+        if self.swa_directory_records < 1 or self.swa_directory_per_key < 1:
+            raise ConfigError(
+                "swa_directory_records and swa_directory_per_key must be >= 1, got "
+                f"{self.swa_directory_records} and {self.swa_directory_per_key}"
+            )
         if self.touch_resolution_s < 0:
             raise ConfigError(f"touch_resolution_s must be >= 0, got {self.touch_resolution_s}")
 

@@ -27,6 +27,7 @@ from kvcache.server.handler import RequestHandler
 from kvcache.server.loop import DataServer
 from kvcache.server.metrics import Metrics
 from kvcache.server.store import Clock, ShardStore
+from kvcache.server.swa_directory import SwaDirectory
 
 __all__ = ["DaemonInfo", "DaemonThread", "load_credentials", "run_daemon"]
 
@@ -131,6 +132,10 @@ def run_daemon(
             Metrics(),
             node_id=config.node_id,
             tenant_names={t.id: t.name for t in creds.tenants},
+            swa_directory=SwaDirectory(
+                max_records=config.swa_directory_records,
+                max_per_key=config.swa_directory_per_key,
+            ),
         )
         server = DataServer(
             handler,

@@ -273,8 +273,10 @@ def render_prometheus(
     node_id: str,
     usage: Mapping[str, Any],
     store_counters: Mapping[str, int],
+    swa_directory: Mapping[str, int] | None = None,
 ) -> str:
-    """The whole ``/metrics`` page: request metrics, storage usage per class, GC counters."""
+    """The whole ``/metrics`` page: request metrics, storage usage per class, GC counters,
+    and the SWA holder directory's records and counters."""
     classes: Mapping[str, Mapping[str, int]] = usage["classes"]
     lines = _family("info", "gauge", "Daemon identity.", [(f'node_id="{_esc(node_id)}"', 1)])
     lines += metrics.render(store_errors(store_counters))
@@ -327,6 +329,19 @@ def render_prometheus(
         ("put_conflicts", "PUT items refused because another stripe of the block is stored."),
     ):
         lines += _family(f"{name}_total", "counter", help_text, [("", store_counters[name])])
+    if swa_directory is not None:
+        lines += _family(
+            "swa_directory_records",
+            "gauge",
+            "SWA holder records held in RAM (DIR_PUT, HAS_DIR).",
+            [("", swa_directory.get("records", 0))],
+        )
+        lines += _family(
+            "swa_directory_events_total",
+            "counter",
+            "SWA holder directory events, by kind.",
+            ((f'kind="{_esc(k)}"', v) for k, v in sorted(swa_directory.items()) if k != "records"),
+        )
     return "\n".join(lines) + "\n"
 
 

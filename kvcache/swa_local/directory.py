@@ -22,7 +22,6 @@ import numpy as np
 
 from kvcache.client import Client, MatchResult
 from kvcache.client.driver import Pump, PumpedExchange
-from kvcache.client.matching import match_with_directory
 from kvcache.errors import ProtocolError
 from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.swa_local.protocol import HolderRecord, parse_answers, record_items
@@ -88,9 +87,7 @@ class Directory:
         self, keys: list[BlockKey], *, tokens_per_block: int = 1
     ) -> tuple[MatchResult, Holders]:
         """:meth:`lookup` for block keys computed by the caller."""
-        match, answers = match_with_directory(
-            self._client.core, keys, tokens_per_block=tokens_per_block
-        )
+        match, answers = self._client.match_with_directory(keys, tokens_per_block=tokens_per_block)
         self.counters["lookups"] += 1
         holders: Holders = {}
         seen: set[tuple[int, bytes, str, int]] = set()
