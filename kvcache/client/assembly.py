@@ -173,12 +173,13 @@ class LoadAssembly:
             np.subtract.at(self._writing, writes, 1)
             self._cond.notify_all()
 
-    def seal(self, blocks: IntArray) -> None:
-        """From now on no reply writes into ``blocks``; returns once landings already
-        writing into them are over (driver thread, before verifying them)."""
+    def seal(self, blocks: IntArray) -> bool:
+        """From now on no reply writes into ``blocks``; True once no landing already
+        writing into them is left (then the driver may verify them; else it tries again
+        when the next reply is in, and the I/O threads never wait for it)."""
         with self._cond:
             self.sealed[blocks] = True
-            self._cond.wait_for(lambda: not self._writing[blocks].any())
+            return not self._writing[blocks].any()
 
     def unseal(self, blocks: IntArray) -> None:
         """Let replies land in ``blocks`` again (their asks were escalated)."""

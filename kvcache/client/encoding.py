@@ -1,15 +1,13 @@
-"""The write path's bytes, without I/O: payloads → shard records → per-node PUT sections.
+"""The write path's bytes, without I/O: payloads → shards and headers → per-node PUT sections.
 
-Each shard is laid out once, as the record a daemon stores (header, then
-body), in one array of the whole batch: data rows are copied in from the
-caller's payloads (one copy per block), into records laid out node by node,
-parity is computed straight into the records' parity bodies by
-:meth:`kvcache.erasure.Codec.encode_rows`, and headers come from
+Zero copy where it can be: a block's data shards are slices of the caller's
+payload buffer (only rows that cross the payload's end are copied, padded
+with zeros, into a small scratch), parity is computed into its own array by
+:meth:`kvcache.erasure.Codec.encode_rows` reading the rows where they are,
+and a node's PUT is a list of views (``header, body, header, body, ...``)
+that the transport hands to ``sendmsg``. Headers come from
 :func:`kvcache.shard.build_headers`, the one vectorised home of the header
-layout. A node's PUT is then one slice of the records, sent with one
-``sendmsg``: the payload bytes are copied once, and there is no Python object
-per shard on the hot path (measured on 2 cores: per-shard views cost more
-than the copy).
+layout.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import xxhash
 from kvcache.erasure import Codec
 from kvcache.errors import ConfigError
 from kvcache.keys import BlockKey
-from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, build_headers, new_stripe_id, shard_len_for
+from kvcache.shard import HEADER_BYTES, build_headers, new_stripe_id, shard_len_for
 from kvcache.wire import Op, make_items
 
 __all__ = ["EncodedBatch", "as_payload_rows", "encode_batch"]
@@ -67,43 +65,34 @@ def as_payload_rows(payloads: Payloads, payload_len: int) -> list[npt.NDArray[np
 
 @dataclass(slots=True)
 class EncodedBatch:
-    """A batch of encoded blocks: every shard's record (header and body), ready to be sent.
-
-    ``records`` holds the records in node order (see :func:`encode_batch`), so the
-    shards of one node are consecutive rows and its PUT section is a slice.
-    """
+    """A batch of encoded blocks: every shard's header and body, ready to be sent."""
 
     keys: list[BlockKey]
     stripe_ids: npt.NDArray[np.uint64]
-    #: (blocks * n, HEADER_BYTES + shard_len): shard i of block b is records[position[b, i]].
-    records: npt.NDArray[np.uint8]
-    position: npt.NDArray[np.int64]
+    #: (blocks, n) shard headers, one HEADER_DTYPE record each.
+    headers: npt.NDArray[np.void]
+    #: bodies[b][i]: the bytes of shard i of block b.
+    bodies: list[list[memoryview]]
     shard_len: int
-
-    @property
-    def headers(self) -> npt.NDArray[np.void]:
-        """(blocks, n) shard headers, one HEADER_DTYPE record each."""
-        raw = np.ascontiguousarray(self.records[self.position, :HEADER_BYTES])
-        return raw.view(HEADER_DTYPE).reshape(self.position.shape)
+    #: Arrays the views point into (kept alive with the batch).
+    keepalive: list[Any]
 
     def node_sections(
         self, blocks: npt.NDArray[np.int64], indices: npt.NDArray[np.int64], expect: Any = 0
     ) -> tuple[npt.NDArray[np.void], list[memoryview]]:
-        """PUT items and the data section for the shards (blocks[j], indices[j]) of one node:
-        a slice of the records when they are that node's rows (always, for the holders the
-        batch was laid out for), else a gathered copy."""
+        """PUT items and data sections for the shards (blocks[j], indices[j]) of one node."""
         items = make_items(Op.PUT, len(blocks), reply=False)
         key_words = np.frombuffer(b"".join(self.keys), "V16")
         items["key"] = key_words[blocks] if len(blocks) else b""
         items["index"] = indices
         items["length"] = HEADER_BYTES + self.shard_len
         items["expect"] = expect
-        rows = self.position[blocks, indices]
-        if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (np.diff(rows) == 1).all():
-            section = self.records[int(rows[0]) : int(rows[-1]) + 1]
-        else:
-            section = self.records[rows]
-        return items, [section.reshape(-1).data]
+        raw_headers = self.headers.view(np.uint8).reshape(*self.headers.shape, HEADER_BYTES)
+        data: list[memoryview] = []
+        for b, i in zip(blocks.tolist(), indices.tolist(), strict=True):
+            data.append(raw_headers[b, i].data)
+            data.append(self.bodies[b][i])
+        return items, data
 
 
 def encode_batch(
@@ -115,50 +104,45 @@ def encode_batch(
     traffic_class: str,
     now_ms: int,
     ttl_ms: int = 0,
-    holders: npt.NDArray[np.int64] | None = None,
 ) -> EncodedBatch:
-    """Encode blocks whose payloads are ``rows`` (see :func:`as_payload_rows`).
-
-    With ``holders`` (the node of each shard, (blocks, n)) the records are laid out
-    node by node, each node's shards in block order: what each node is sent is then
-    one slice, and the payload bytes are copied exactly once.
-    """
+    """Encode blocks whose payloads are ``rows`` (see :func:`as_payload_rows`)."""
     k, n = codec.params.k, codec.params.n
     blocks = len(keys)
     length = shard_len_for(payload_len, k)
-    size = HEADER_BYTES + length
-    flat = np.arange(blocks * n, dtype=np.int64)
-    if holders is not None:
-        flat[np.argsort(holders.reshape(-1), kind="stable")] = np.arange(blocks * n)
-    position = flat.reshape(blocks, n)
-    records = np.empty((blocks * n, size), np.uint8)
-    bodies = records[:, HEADER_BYTES:]
     inside = payload_len // length  # data rows wholly inside the payload
+    copied = k - inside  # rows that cross (or lie past) the payload's end
     tail = payload_len - inside * length
-    for b, row in enumerate(rows):  # one copy per block (per shard would cost far more)
-        bodies[position[b, :inside]] = row[: inside * length].reshape(inside, length)
-        if tail:
-            bodies[position[b, inside], :tail] = row[inside * length :]
-    # Padding: the rest of the row that crosses the payload's end, and rows past it.
-    if tail:
-        bodies[position[:, inside], tail:] = 0
-    past = position[:, inside + (1 if tail else 0) : k].reshape(-1)
-    if len(past):
-        bodies[past] = 0
-    offsets = position.astype(np.uint64) * np.uint64(size) + np.uint64(HEADER_BYTES)
-    addresses: npt.NDArray[np.uint64] = np.uint64(records.ctypes.data) + offsets
-    codec.encode_rows(addresses, length, keepalive=records)
-    digest128 = xxhash.xxh3_128_digest
+    scratch = np.zeros((blocks, max(copied, 1), length), np.uint8)
+    parity = np.empty((blocks, n - k, length), np.uint8)
+    addresses = np.empty((blocks, n), np.uint64)
+    scratch_base = scratch.ctypes.data
+    parity_base = parity.ctypes.data
     payload_hashes = np.empty(blocks, "V16")
+    digest128 = xxhash.xxh3_128_digest
     for b, row in enumerate(rows):
+        base = row.ctypes.data
+        addresses[b, :inside] = base + np.arange(inside, dtype=np.uint64) * length
+        if copied:
+            scratch[b].reshape(-1)[:tail] = row[inside * length :]
+            addresses[b, inside:k] = (
+                scratch_base + (b * copied + np.arange(copied, dtype=np.uint64)) * length
+            )
         payload_hashes[b] = digest128(row.data)
+    addresses[:, k:] = (
+        parity_base
+        + (np.arange(blocks, dtype=np.uint64)[:, None] * (n - k) + np.arange(n - k)) * length
+    )
+    codec.encode_rows(addresses, length, keepalive=(rows, scratch, parity))
+    bodies: list[list[memoryview]] = []
+    shard_hashes = np.empty((blocks, n), np.uint64)
     digest64 = xxhash.xxh3_64_intdigest
-    view = records.reshape(-1).data
-    shard_hashes = np.fromiter(
-        (digest64(view[o : o + length]) for o in offsets.reshape(-1).tolist()),
-        np.uint64,
-        blocks * n,
-    ).reshape(blocks, n)
+    for b, row in enumerate(rows):
+        views = [row[i * length : (i + 1) * length].data for i in range(inside)]
+        views += [scratch[b, j].data for j in range(copied)]
+        views += [parity[b, j].data for j in range(n - k)]
+        for i, view in enumerate(views):
+            shard_hashes[b, i] = digest64(view)
+        bodies.append(views)
     stripe_ids = np.array([new_stripe_id() for _ in range(blocks)], np.uint64)
     headers = build_headers(
         keys=np.frombuffer(b"".join(keys), "V16") if blocks else np.zeros(0, "V16"),
@@ -172,13 +156,11 @@ def encode_batch(
         created_ms=now_ms,
         expiry_ms=now_ms + ttl_ms,
     )
-    records[position.reshape(-1), :HEADER_BYTES] = headers.view(np.uint8).reshape(
-        blocks * n, HEADER_BYTES
-    )
     return EncodedBatch(
         keys=list(keys),
         stripe_ids=stripe_ids,
-        records=records,
-        position=position,
+        headers=headers,
+        bodies=bodies,
         shard_len=length,
+        keepalive=[list(rows), scratch, parity],
     )

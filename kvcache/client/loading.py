@@ -136,6 +136,7 @@ def load_keys(
 
     verdicts: dict[int, BlockVerdict] = {}
     escalated: set[int] = set()
+    sealing: list[int] = []  # chunks over whose blocks a late reply is still landing
     end = total  # the first block known to fail ends the prefix
     good = 0
     try:
@@ -149,17 +150,23 @@ def load_keys(
                 submit(round_.on_reply(event.ticket, _accept(assembly, event), now))
             now = core.clock()
             submit(round_.tick(now))
-            for chunk in round_.ready_chunks():
+            for chunk in [*sealing, *round_.ready_chunks()]:
                 start, stop = round_.chunk_range(chunk)
                 if start >= end:
                     round_.finish_chunk(chunk)
                     continue
+                # Late answers to abandoned asks must not write over what is checked: a
+                # chunk with one still landing is verified when that one is in.
+                if not assembly.seal(np.arange(start, stop)):
+                    if chunk not in sealing:
+                        sealing.append(chunk)
+                    continue
+                if chunk in sealing:
+                    sealing.remove(chunk)
                 latency = round_.latency(chunk)
                 if chunk not in escalated and latency is not None:
                     core.read_latency.record(latency)
                 todo = [b for b in range(start, min(stop, end)) if not _good(verdicts, b)]
-                # Late answers to abandoned asks must not write over what is checked.
-                assembly.seal(np.arange(start, stop))
                 for b, verdict in zip(todo, assembly.verify(todo), strict=True):
                     verdicts[b] = verdict
                 failing = [b for b in todo if not verdicts[b].good]

@@ -111,7 +111,6 @@ def store_keys(
             payload_len=payload_len,
             traffic_class=cls,
             now_ms=now_ms,
-            holders=placement_rows[group],
         )
 
     written = 0
