@@ -35,6 +35,9 @@ __all__ = [
     "check_class_name",
     "fill_header_checks",
     "header_verdicts",
+    "identity_matches",
+    "identity_prefixes",
+    "IDENTITY_BYTES",
     "new_stripe_id",
     "payload_hash",
     "shard_hash",
@@ -330,6 +333,53 @@ for _c in b"abcdefghijklmnopqrstuvwxyz0123456789":
     _NAME_FIRST[_c] = _NAME_REST[_c] = True
 for _c in b"_-":
     _NAME_REST[_c] = True
+
+
+#: Bytes 0..IDENTITY_BYTES of a header say which shard it is (magic, version, header
+#: length, k, m, shard index, payload and shard lengths, stripe id, block key); only the
+#: class name length (byte 9) among them varies between writers of the same shard.
+IDENTITY_BYTES: int = HEADER_DTYPE.fields["payload_hash"][1]  # type: ignore[index]
+_CLASS_LEN_AT: int = HEADER_DTYPE.fields["class_len"][1]  # type: ignore[index]
+
+
+def identity_prefixes(
+    keys: npt.NDArray[np.void], stripe_ids: npt.NDArray[np.uint64], *, k: int, m: int,
+    payload_len: int,
+) -> npt.NDArray[np.uint8]:  # fmt: skip
+    """(blocks, k + m, IDENTITY_BYTES): the identity bytes every shard's header must carry,
+    class length zeroed. A reader compares received headers against them with
+    :func:`identity_matches` instead of running every rule of :func:`header_verdicts`:
+    a header that equals the identity of the shard asked for passes those rules' parts on
+    these fields by construction, and whatever else is wrong shows in the payload hash."""
+    blocks, n = len(keys), k + m
+    headers = np.zeros((blocks, n), HEADER_DTYPE)
+    headers["magic"] = MAGIC
+    headers["version"] = VERSION
+    headers["header_len"] = HEADER_BYTES
+    headers["k"] = k
+    headers["m"] = m
+    headers["shard_index"] = np.arange(n)[None, :]
+    headers["payload_len"] = payload_len
+    headers["shard_len"] = shard_len_for(payload_len, k)
+    headers["stripe_id"] = stripe_ids[:, None]
+    headers["block_key"] = keys[:, None]
+    raw = headers.view(np.uint8).reshape(blocks, n, HEADER_BYTES)[:, :, :IDENTITY_BYTES]
+    return np.ascontiguousarray(raw)
+
+
+def identity_matches(
+    received: npt.NDArray[np.uint8], expected: npt.NDArray[np.uint8]
+) -> npt.NDArray[np.bool_]:
+    """Per row: do the received headers' identity bytes (rows of at least IDENTITY_BYTES)
+    equal the expected ones, with a class length in 1..MAX_CLASS_NAME?"""
+    head = received[:, :IDENTITY_BYTES]
+    class_len = head[:, _CLASS_LEN_AT]
+    same = head[:, :_CLASS_LEN_AT] == expected[:, :_CLASS_LEN_AT]
+    rest = head[:, _CLASS_LEN_AT + 1 :] == expected[:, _CLASS_LEN_AT + 1 :]
+    ok: npt.NDArray[np.bool_] = (
+        same.all(axis=1) & rest.all(axis=1) & (class_len >= 1) & (class_len <= MAX_CLASS_NAME)
+    )
+    return ok
 
 
 def header_verdicts(

@@ -16,10 +16,13 @@ from kvcache.keys import BlockKey
 from kvcache.shard import (
     HEADER_BYTES,
     HEADER_DTYPE,
+    IDENTITY_BYTES,
     ShardHeader,
     build_headers,
     check_class_name,
     header_verdicts,
+    identity_matches,
+    identity_prefixes,
     new_stripe_id,
     payload_hash,
     shard_hash,
@@ -219,3 +222,43 @@ def test_build_headers_packs_like_the_scalar_header(header: ShardHeader) -> None
     )
     assert built.shape == (1, header.n)
     assert built[0, header.shard_index].tobytes() == header.pack()
+
+
+@given(
+    stripe=st.integers(1, 2**64 - 1),
+    index=st.integers(0, 11),
+    cls=st.from_regex(r"[a-z0-9][a-z0-9_-]{0,14}", fullmatch=True),
+    flips=st.lists(st.tuples(st.integers(0, IDENTITY_BYTES - 1), st.integers(1, 255)), max_size=3),
+)
+def test_identity_check_agrees_with_the_header_rules_on_identity_bytes(
+    stripe: int, index: int, cls: str, flips: list[tuple[int, int]]
+) -> None:
+    """The reader's identity comparison accepts exactly the headers that pass the header
+    rules and name the shard asked for, for any damage to the identity bytes (the class
+    length byte aside, where it may only be more lenient: the payload hash decides)."""
+    key = np.frombuffer(bytes(range(16)), "V16")
+    stripes = np.array([stripe], np.uint64)
+    headers = build_headers(
+        keys=key, stripe_ids=stripes, k=10, m=2, payload_len=114688,
+        payload_hashes=np.zeros(1, "V16"), shard_hashes=np.zeros((1, 12), np.uint64),
+        traffic_class=cls, created_ms=1, expiry_ms=2,
+    )  # fmt: skip
+    raw = headers.view(np.uint8).reshape(12, HEADER_BYTES)[index : index + 1].copy()
+    for at, mask in flips:
+        raw[0, at] ^= mask
+    hdr = raw.view(HEADER_DTYPE).reshape(-1)
+    rules = bool(
+        header_verdicts(hdr, checksum=False)[0]
+        and hdr["block_key"][0] == key[0]
+        and hdr["stripe_id"][0] == stripe
+        and hdr["shard_index"][0] == index
+        and hdr["k"][0] == 10
+        and hdr["m"][0] == 2
+        and hdr["payload_len"][0] == 114688
+    )
+    expected = identity_prefixes(key, stripes, k=10, m=2, payload_len=114688)[0, index : index + 1]
+    identity = bool(identity_matches(raw, expected)[0])
+    if any(at == 9 for at, _ in flips):
+        assert identity or not rules
+    else:
+        assert identity == rules

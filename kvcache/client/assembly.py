@@ -34,7 +34,15 @@ import xxhash
 
 from kvcache.erasure import Codec
 from kvcache.errors import ErasureError
-from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, build_headers, header_verdicts, shard_len_for
+from kvcache.shard import (
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    build_headers,
+    header_verdicts,
+    identity_matches,
+    identity_prefixes,
+    shard_len_for,
+)
 
 __all__ = ["BlockVerdict", "LoadAssembly", "RepairShard"]
 
@@ -100,6 +108,9 @@ class LoadAssembly:
         self._parity = self.parity.reshape(-1).data
         self._headers = self.headers.view(np.uint8).reshape(-1).data
         self._header_rows = self.headers.view(np.uint8).reshape(blocks * n, HEADER_BYTES)
+        self._identities = identity_prefixes(
+            key_words, stripes, k=k, m=n - k, payload_len=payload_len
+        ).reshape(blocks * n, -1)
         self._cond = threading.Condition()
         self._live = True
         self._writers = 0
@@ -229,18 +240,12 @@ class LoadAssembly:
             self.rejected[blocks[wrong_length], indices[wrong_length]] = True
             return accepted
         b, i = blocks[ok], indices[ok]
-        # Rows of raw bytes, then one view: far cheaper than fancy-indexing the records.
-        hdr = self._header_rows.take(b * self.n + i, axis=0).view(HEADER_DTYPE).reshape(-1)
-        # The header checksum is left to _locate: a damaged header either fails the
-        # checks below or its block fails the payload hash, and then every shard is checked.
-        good = (
-            header_verdicts(hdr, checksum=False)
-            & (hdr["block_key"] == self.key_words[b])
-            & (hdr["stripe_id"] == self.stripes[b])
-            & (hdr["shard_index"] == i)
-            & (hdr["k"] == self.k)
-            & (hdr["m"] == self.m)
-            & (hdr["payload_len"] == self.payload_len)
+        flat = b * self.n + i
+        # Exactly the shard asked for: its identity bytes are what they must be. The rest
+        # of the header (claims, checksum) is left to the payload hash and _locate: a
+        # damaged claim fails the block's check, and then every shard is examined.
+        good = identity_matches(
+            self._header_rows.take(flat, axis=0), self._identities.take(flat, axis=0)
         )
         accepted[ok] = good
         self.got[b[good], i[good]] = True
@@ -369,9 +374,16 @@ class LoadAssembly:
             self.codec.reconstruct(stripes, present)
         except ErasureError:
             return [False] * len(group)
+        # Only the data rows that were missing are written back: the others are in place.
+        rebuilt = [i for i in range(self.k) if i not in present]
         good = []
         for j, b in enumerate(group):
-            self._write_back(b, stripes[j])
+            for i in rebuilt:
+                row = stripes[j, i]
+                at = 0
+                for view in self.shard_views(b, i):
+                    view[:] = row[at : at + view.nbytes].data
+                    at += view.nbytes
             good.append(self._matches(b))
         return good
 
