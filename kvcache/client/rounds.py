@@ -21,13 +21,15 @@ a socket, so tests drive them through any schedule of replies and delays.
   not asked yet is asked.
 * :class:`PutRound` — one batch of blocks, all shards sent at once; over when
   every node answered, or a hedge time after every block reached the write
-  quorum, or at the deadline.
+  quorum, or at the deadline. A node that fails (no answer, refused
+  connection) has its shards sent on to the next node of each block's
+  rendezvous order, within the block's redirect budget.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -448,11 +450,20 @@ class LoadRound:
 # ---------------------------------------------------------------------- stores
 
 
+#: Picks a new node for a shard of block ``b`` whose node failed: (b, the block's current
+#: targets, the nodes failed in this round) -> node, or -1 for none.
+Respill = Callable[[int, IntArray, frozenset[int]], int]
+
+
 class PutRound:
     """One batch of blocks written to their holders (see the module docstring).
 
-    ``holders[b, i]`` is the node shard ``i`` of block ``b`` goes to; nodes
-    not in ``node_up`` are skipped (their shards count as not stored).
+    ``holders[b, i]`` is the node shard ``i`` of block ``b`` goes to (-1: not
+    sent); nodes not in ``node_up`` are skipped (their shards count as not
+    stored). With ``respill``, the shards of a node whose request fails are
+    sent to ``respill(b, holders[b], failed_nodes)`` instead, as long as
+    ``redirected[b]`` (shards of the block already off their holders) stays
+    within ``redirect_limit``; :attr:`holders` always says where each shard went.
     """
 
     def __init__(
@@ -463,13 +474,25 @@ class PutRound:
         min_write: int,
         hedge_s: float,
         timeout_s: float,
+        respill: Respill | None = None,
+        redirected: IntArray | None = None,
+        redirect_limit: int = 0,
     ) -> None:
-        self.holders = holders
+        self.holders = holders.copy()
         self.min_write = min_write
         self._hedge_s, self._timeout_s = hedge_s, timeout_s
         blocks, n = holders.shape
         self.acks = np.zeros((blocks, n), bool)
         self.sends: dict[int, Send] = {}
+        self._respill = respill
+        self.redirected = (
+            redirected.copy() if redirected is not None else np.zeros(blocks, np.int64)
+        )
+        self.redirect_limit = redirect_limit
+        #: Nodes whose request failed in this round.
+        self.failed: set[int] = set()
+        #: Shards sent on to another node after their node failed.
+        self.respilled = 0
         for node in np.unique(holders).tolist():
             if node < 0 or not node_up[node]:
                 continue
@@ -496,11 +519,44 @@ class PutRound:
         self.acks[send.blocks[stored], send.indices[stored]] = True
         self._check(now)
 
-    def on_failure(self, ticket: int, now: float) -> None:
-        """``ticket`` failed: none of its shards count as stored."""
-        if ticket in self.pending:
-            self.pending.discard(ticket)
-            self._check(now)
+    def on_failure(self, ticket: int, now: float) -> list[Send]:
+        """``ticket`` failed: none of its shards count as stored; returns the sends that
+        carry them to other nodes (see the class docstring)."""
+        if ticket not in self.pending:
+            return []
+        self.pending.discard(ticket)
+        send = self.sends[ticket]
+        self.failed.add(send.node)
+        out = self._redirect(send, now)
+        self._check(now)
+        return out
+
+    def _redirect(self, send: Send, now: float) -> list[Send]:
+        if self._respill is None or now >= self.started + self._timeout_s:
+            return []
+        failed = frozenset(self.failed)
+        moved: dict[int, list[tuple[int, int]]] = {}
+        for b, i in zip(send.blocks.tolist(), send.indices.tolist(), strict=True):
+            if self.acks[b, i] or self.holders[b, i] != send.node:
+                continue
+            if self.redirected[b] >= self.redirect_limit:
+                continue
+            node = self._respill(b, self.holders[b], failed)
+            if node < 0 or node in failed:
+                continue
+            self.holders[b, i] = node
+            self.redirected[b] += 1
+            moved.setdefault(node, []).append((b, i))
+        out = []
+        for node, pairs in moved.items():
+            blocks = np.array([b for b, _ in pairs], np.int64)
+            indices = np.array([i for _, i in pairs], np.int64)
+            new = _send(node, blocks, indices)
+            self.sends[new.ticket] = new
+            self.pending.add(new.ticket)
+            self.respilled += len(pairs)
+            out.append(new)
+        return out
 
     def tick(self, now: float) -> None:
         """Time passed."""
