@@ -22,6 +22,22 @@ def register(sub: Any) -> None:
     )
     up.add_argument("--nodes", type=int, default=12, help="daemons to start (default 12)")
     up.add_argument("--capacity", default="2GiB", help="capacity per daemon (default 2GiB)")
+    up.add_argument(
+        "--etcd",
+        action="store_true",
+        help="keep membership in an etcd of the cluster's own (needs the etcd binary: "
+        "apt-get install etcd-server); daemons register under leases",
+    )
+    up.add_argument(
+        "--lease-ttl", type=int, default=10, help="daemons' etcd lease seconds (default 10)"
+    )
+    up.add_argument(
+        "--domains",
+        type=int,
+        default=0,
+        metavar="N",
+        help="spread the daemons over N failure domains host-0..host-N-1 (default: one each)",
+    )
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="show the nodes of a local cluster")
@@ -69,8 +85,20 @@ def register(sub: Any) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    cluster = LocalCluster(args.dir).start(nodes=args.nodes, capacity=args.capacity)
-    print(f"{len(cluster.nodes)} nodes up; cluster file: {cluster.cluster_file}")
+    domains = [f"host-{i % args.domains}" for i in range(args.nodes)] if args.domains else None
+    cluster = LocalCluster(args.dir).start(
+        nodes=args.nodes,
+        capacity=args.capacity,
+        etcd=args.etcd,
+        lease_ttl_s=args.lease_ttl,
+        domains=domains,
+    )
+    where = (
+        f" (membership in etcd {cluster.etcd_settings.endpoints[0]})"
+        if cluster.etcd_settings
+        else ""
+    )
+    print(f"{len(cluster.nodes)} nodes up{where}; cluster file: {cluster.cluster_file}")
     return 0
 
 
