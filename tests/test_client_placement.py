@@ -276,7 +276,5 @@ def test_has_reply_lists_every_index_a_node_holds(nodes: Nodes) -> None:
         client.store(NS, tokens, payloads(tokens))
     items = make_items(Op.HAS, 1, reply=False)
     items["key"] = np.frombuffer(key, "V16")
-    held = [
-        nodes.stores[i].has(T, items)["index"].tolist() for i in range(2, 12)
-    ]
+    held = [nodes.stores[i].has(T, items)["index"].tolist() for i in range(2, 12)]
     assert sorted(len(h) for h in held) == [1] * 8 + [2] * 2

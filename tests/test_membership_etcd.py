@@ -30,7 +30,7 @@ TTL_S = 2
 try:
     etcd_binary()
     HAVE_ETCD = True
-except Exception:  # noqa: BLE001 - reported as the skip reason below
+except Exception:
     HAVE_ETCD = False
 
 pytestmark = pytest.mark.skipif(
