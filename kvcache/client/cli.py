@@ -68,8 +68,12 @@ def register(sub: Any) -> None:
         help="time compression (e.g. 60 = 60x real time; 0 = no pacing)",
     )
     demo.add_argument(
-        "--fault", help="inject a fault a third of the way in: kill:N or pause:N daemons"
+        "--fault",
+        help="a third of the way in: kill:N or pause:N daemons (paused ones resume at two "
+        "thirds), or join:N new daemons",
     )
+    demo.add_argument("--etcd", action="store_true", help="membership in an etcd of the demo's own")
+    demo.add_argument("--lease-ttl", type=int, default=10, help="etcd lease seconds (default 10)")
     demo.add_argument("--nodes", type=int, default=12, help="daemons (default 12)")
     demo.add_argument("--seed", type=int, default=7, help="seed of the generated workload")
     demo.add_argument("--capacity", default="4GiB", help="capacity per daemon")
