@@ -59,6 +59,8 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 #: Default spill depth: positions past the stripe width a placement computes.
 DEFAULT_SPILL = 4
+#: Keys whose placement rows one Placement remembers (about 100 bytes each).
+_CACHE_KEYS = 1 << 17
 IntArray = npt.NDArray[np.int64]
 
 
@@ -117,6 +119,8 @@ class Placement:
         domains = [n.domain for n in nodes]
         self.domain_names = sorted(set(domains))
         self.domain_of = np.array([self.domain_names.index(d) for d in domains], np.int64)
+        self._distinct_domains = len(self.domain_names) == len(nodes)
+        self._cache: dict[BlockKey, IntArray] = {}
         self._salts = np.array(
             [
                 xxhash.xxh3_64_intdigest(POSITION_TAG + p.to_bytes(2, "little"))
@@ -151,28 +155,59 @@ class Placement:
         the shard holders, the rest spill positions (see the module docstring).
 
         With fewer nodes than positions, nodes hold several positions, as evenly
-        as the rules allow.
+        as the rules allow. Rows are remembered per key (a bounded cache: a
+        prompt's keys are placed by its match, its load and its store, and shared
+        prefixes by every request that has them).
         """
         depth = self.depth if depth is None else depth
         if not 0 < depth <= self.depth:
             raise ConfigError(f"placement depth must lie in 1..{self.depth}, got {depth}")
-        count, nodes = len(keys), len(self.nodes)
-        out = np.zeros((count, depth), np.int64)
+        count = len(keys)
         if count == 0:
-            return out
+            return np.zeros((0, depth), np.int64)
+        cache = self._cache
+        rows = [cache.get(k) for k in keys]
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            computed = self._compute([keys[i] for i in missing])
+            if len(cache) + len(missing) > _CACHE_KEYS:
+                cache.clear()
+            for j, i in enumerate(missing):
+                rows[i] = computed[j]
+                cache[keys[i]] = computed[j]
+        out = np.stack(rows)  # type: ignore[arg-type]  # every row filled above
+        return out[:, :depth] if depth < self.depth else out
+
+    def _compute(self, keys: Sequence[BlockKey], *, general: bool = False) -> IntArray:
+        """Rows for ``keys`` (``general``: never the one-domain-per-node shortcut; tests
+        hold the two equal)."""
+        count, nodes, depth = len(keys), len(self.nodes), self.depth
         key_word = self._key_words(keys)
+        # Every position's scores at once: (depth, keys, nodes).
+        mixed = _mix64((key_word[None, :] ^ self._salts[:depth, None])[:, :, None] ^ self._seeds)
+        unit = ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+        scores = -self._weights / np.log(unit)
+        out = np.zeros((count, depth), np.int64)
+        rows = np.arange(count)
+        if self._distinct_domains and not general:
+            # One node per domain: the rule is "the best node not taken in this round"
+            # (a round: until every node holds one more position).
+            taken = np.zeros((count, nodes), bool)
+            for p in range(depth):
+                pick = np.argmax(np.where(taken, -np.inf, scores[p]), axis=1)
+                out[:, p] = pick
+                taken[rows, pick] = True
+                if (p + 1) % nodes == 0:
+                    taken[:] = False
+            return out
         node_load = np.zeros((count, nodes), np.int64)
         domain_load = np.zeros((count, len(self.domain_names)), np.int64)
-        rows = np.arange(count)
         big = nodes + 1
         for p in range(depth):
-            mixed = _mix64((key_word ^ self._salts[p])[:, None] ^ self._seeds[None, :])
-            unit = ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
-            scores = -self._weights[None, :] / np.log(unit)
             # Eligible: fewest positions on the node, then fewest in its domain.
             rank = node_load * big + domain_load[:, self.domain_of]
             eligible = rank == rank.min(axis=1, keepdims=True)
-            pick = np.argmax(np.where(eligible, scores, -np.inf), axis=1)
+            pick = np.argmax(np.where(eligible, scores[p], -np.inf), axis=1)
             out[:, p] = pick
             node_load[rows, pick] += 1
             domain_load[rows, self.domain_of[pick]] += 1

@@ -17,7 +17,7 @@ from kvcache.client.transport import Exchange
 from kvcache.cluster import ClusterMap, NodeInfo, NodeState
 from kvcache.credentials import tenant_id
 from kvcache.errors import NodeError
-from kvcache.keys import Namespace, block_keys
+from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.membership.model import Membership
 from kvcache.server.handler import RequestHandler
@@ -278,3 +278,60 @@ def test_has_reply_lists_every_index_a_node_holds(nodes: Nodes) -> None:
     items["key"] = np.frombuffer(key, "V16")
     held = [nodes.stores[i].has(T, items)["index"].tolist() for i in range(2, 12)]
     assert sorted(len(h) for h in held) == [1] * 8 + [2] * 2
+
+
+def _reference_read_rows(view, keys, targets):  # type: ignore[no-untyped-def]
+    """The rule of ClusterView.read_rows, one row at a time."""
+    extra = [view.order(keys)]
+    for placement, u in zip(view._others, view._u_others, strict=True):
+        extra.append(u[placement.holders(keys)])
+    both = np.concatenate(extra, axis=1)
+    rows = []
+    for b in range(len(keys)):
+        row = targets[b].tolist()
+        for x in both[b].tolist():
+            if x >= 0 and x not in row:
+                row.append(x)
+        rows.append(row)
+    out = np.full((len(keys), max(len(r) for r in rows)), -1, np.int64)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = row
+    return out
+
+
+@pytest.mark.parametrize("count", [5, 12, 16])
+def test_read_rows_vectorised_equals_the_rule(count: int) -> None:
+    from kvcache.client.view import Topology
+
+    rng = np.random.default_rng(count)
+    nodes = tuple(
+        NodeInfo(id=f"n{i:02d}", data=f"tcp://127.0.0.1:{7000 + i}") for i in range(count)
+    )
+    known: list[NodeInfo] = []
+
+    def add(node: NodeInfo) -> int:
+        known.append(node)
+        return len(known) - 1
+
+    topo = Topology(
+        Membership(ClusterMap(epoch=1, nodes=nodes)),
+        width=12,
+        min_write=11,
+        nodes=lambda: tuple(known),
+        add_node=add,
+        clock=lambda: 0.0,
+    )
+    # A join and a drain: kept maps and drained nodes add columns.
+    joined = (*nodes, NodeInfo(id="n99", data="tcp://127.0.0.1:7999"))
+    topo.update(Membership(ClusterMap(epoch=2, nodes=joined)))
+    drained = tuple(
+        NodeInfo(id=n.id, data=n.data, state=NodeState.DRAIN) if n.id == "n01" else n
+        for n in joined
+    )
+    topo.update(Membership(ClusterMap(epoch=3, nodes=drained)))
+    view = topo.view()
+    keys = [BlockKey(rng.bytes(16)) for _ in range(200)]
+    up = np.ones(len(view.nodes), bool)
+    up[rng.choice(len(view.nodes), 2, replace=False)] = False
+    targets = view.targets(keys, up)[0]
+    assert np.array_equal(view.read_rows(keys, targets), _reference_read_rows(view, keys, targets))

@@ -276,3 +276,25 @@ def test_bad_cluster_files(tmp_path: Path, text: str) -> None:
 def test_missing_cluster_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         ClusterMap.load(tmp_path / os.urandom(4).hex())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 20),
+    st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=40),
+    st.integers(0, 6),
+)
+def test_one_domain_per_node_shortcut_matches_the_general_rule(
+    count: int, keys: list[bytes], spill: int
+) -> None:
+    nodes = tuple(
+        NodeInfo(id=f"n{i}", data=f"tcp://127.0.0.1:{7000 + i}", weight=1.0 + (i % 3))
+        for i in range(count)
+    )
+    placement = Placement(ClusterMap(epoch=1, nodes=nodes), width=12, spill=spill)
+    block_keys = [BlockKey(k) for k in keys]
+    fast = placement._compute(block_keys)
+    assert np.array_equal(fast, placement._compute(block_keys, general=True))
+    # The cached rows are the computed ones.
+    assert np.array_equal(placement.order(block_keys), fast)
+    assert np.array_equal(placement.order(block_keys), fast)

@@ -175,19 +175,21 @@ class ClusterView:
         parts = [targets, self.order(keys)]
         for placement, u in zip(self._others, self._u_others, strict=True):
             parts.append(u[placement.holders(keys)])
-        extra = np.concatenate(parts[1:], axis=1)
-        rows = [targets[b].tolist() for b in range(len(keys))]
-        width = 0
-        for b, row in enumerate(rows):
-            seen = set(row)
-            for x in extra[b].tolist():
-                if x >= 0 and x not in seen:
-                    seen.add(x)
-                    row.append(x)
-            width = max(width, len(row))
-        out = np.full((len(keys), width), -1, np.int64)
-        for b, row in enumerate(rows):
-            out[b, : len(row)] = row
+        width = targets.shape[1]
+        both = np.concatenate(parts, axis=1)
+        # An extra column is dropped when it is -1 or names a node already listed
+        # before it in its row (the write targets themselves are all kept).
+        same = both[:, width:, None] == both[:, None, :]
+        earlier = np.tri(both.shape[1], k=-1, dtype=bool)[width:]
+        drop = (same & earlier).any(axis=2) | (both[:, width:] < 0)
+        keep = np.concatenate([np.ones(targets.shape, bool), ~drop], axis=1)
+        # Kept entries first, in order (a stable sort of "dropped" flags).
+        order = np.argsort(~keep, axis=1, kind="stable")
+        packed = np.take_along_axis(both, order, axis=1)
+        kept = keep.sum(axis=1)
+        columns = int(kept.max()) if len(kept) else width
+        out = packed[:, :columns]
+        out[np.arange(columns)[None, :] >= kept[:, None]] = -1
         return out
 
 
