@@ -84,8 +84,16 @@ def held_shards(
         rows = view.read_rows(keys, view.targets(keys, core.up_mask(view))[0])
     up = core.node_up_mask(rows, settle, view)
     nodes = [int(node) for node in np.unique(rows) if node >= 0]
+    cap = view.node_cap
     held = _has_round(
-        core, keys, rows, [nd for nd in nodes if up[nd]], settle, record=True, directory=directory
+        core,
+        keys,
+        rows,
+        [nd for nd in nodes if up[nd]],
+        settle,
+        record=True,
+        directory=directory,
+        node_cap=cap,
     )
     skipped = [nd for nd in nodes if not up[nd] and view.live[nd]]
     if skipped:
@@ -94,9 +102,12 @@ def held_shards(
         best = best_counts(held, len(keys), n=core.config.n)
         could = np.zeros(len(keys), np.int64)
         for node in skipped:
-            could += (rows == node).sum(axis=1)
+            listed = (rows == node).sum(axis=1)
+            could += np.where(listed > 0, np.maximum(listed, cap), 0)
         if ((best < settle) & (best + could >= settle)).any():
-            held += _has_round(core, keys, rows, skipped, settle, record=False, directory=directory)
+            held += _has_round(
+                core, keys, rows, skipped, settle, record=False, directory=directory, node_cap=cap
+            )
     return held
 
 
@@ -109,6 +120,7 @@ def _has_round(
     *,
     record: bool,
     directory: list[DirectoryAnswer] | None = None,
+    node_cap: int = 1,
 ) -> list[HeldShards]:
     config = core.config
     op = Op.HAS if directory is None else Op.HAS_DIR
@@ -120,6 +132,7 @@ def _has_round(
         settle=settle,
         hedge_s=core.hedge_s(core.meta_latency),
         timeout_s=config.timeout_s,
+        node_cap=node_cap,
     )
     pump = Pump(core.transport, core.health, core.clock)
     key_words = np.frombuffer(b"".join(keys), dtype="V16")

@@ -68,7 +68,11 @@ class HasRound:
 
     ``rows`` are the placement holders of each block; ``settle`` is how many
     shards of one stripe a block needs before its answer cannot improve
-    (k for a match, ``min_write_shards`` for a store's check).
+    (k for a match, ``min_write_shards`` for a store's check). ``node_cap`` is
+    the most shards of one block a node listed once may hold (more than one
+    where writers had to double up on live nodes while holders were down), so
+    a block is given up on only when the nodes yet to answer cannot hold
+    enough.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class HasRound:
         settle: int,
         hedge_s: float,
         timeout_s: float,
+        node_cap: int = 1,
     ) -> None:
         self.rows = rows
         self.k, self.n, self.settle = k, n, settle
@@ -93,13 +98,17 @@ class HasRound:
         self.pending = set(self.sends)
         #: Per block: shards that nodes yet to answer may hold.
         self.unanswered = np.zeros(len(rows), np.int64)
-        for send in self.sends.values():
-            self.unanswered += (rows == send.node).sum(axis=1)
+        self._may_hold: dict[int, IntArray] = {}
+        for ticket, send in self.sends.items():
+            listed = (rows == send.node).sum(axis=1)
+            self._may_hold[ticket] = np.where(listed > 0, np.maximum(listed, node_cap), 0)
+            self.unanswered += self._may_hold[ticket]
         self.answered = 0
         self.held: list[tuple[int, IntArray, IntArray, npt.NDArray[np.uint64]]] = []
         # Per block: shards seen, the first stripe seen, and whether another one was:
         # while a block's answers agree on one stripe, its best count is its shard count.
         self._count = np.zeros(len(rows), np.int64)
+        self._seen = np.zeros((len(rows), n), bool)
         self._stripe = np.zeros(len(rows), np.uint64)
         self._mixed = np.zeros(len(rows), bool)
         self.started = 0.0
@@ -127,10 +136,16 @@ class HasRound:
         valid = (ordinal >= 0) & (ordinal < len(send.blocks))
         blocks, stripes = send.blocks[ordinal[valid]], stripe[valid]
         self.held.append((send.node, blocks, index[valid], stripes))
-        np.add.at(self._count, blocks, 1)
+        indices = index[valid]
         unseen = self._stripe[blocks] == 0
         self._stripe[blocks[unseen]] = stripes[unseen]
-        np.logical_or.at(self._mixed, blocks, self._stripe[blocks] != stripes)
+        same = (self._stripe[blocks] == stripes) & (indices >= 0) & (indices < self.n)
+        np.logical_or.at(self._mixed, blocks, ~same)
+        # Distinct indices: a shard can sit on two nodes (sent on after a node failed
+        # that stored it anyway, or put back by a read repair), and counts once.
+        self._seen[blocks[same], indices[same]] = True
+        touched = np.unique(blocks)
+        self._count[touched] = self._seen[touched].sum(axis=1)
         self._check(now)
 
     def on_failure(self, ticket: int, now: float) -> None:
@@ -154,7 +169,7 @@ class HasRound:
             return None
         self.pending.discard(ticket)
         send = self.sends[ticket]
-        self.unanswered -= (self.rows == send.node).sum(axis=1)
+        self.unanswered -= self._may_hold[ticket]
         return send
 
     def _check(self, now: float) -> None:

@@ -102,6 +102,18 @@ class ClusterView:
                 self._domain[u] = int(placement.domain_of[local])
                 self.placeable[u] = True
 
+    @property
+    def node_cap(self) -> int:
+        """The most shards of one block a node may hold beyond how often placement lists
+        it: 1 while writers can redirect to distinct spill nodes; more when a map (the
+        current one or a kept one) has fewer than ``width + redirect_limit`` nodes, so a
+        writer with holders down doubled up on live ones."""
+        smallest = min(len(p.nodes) for p in (self._placement, *self._others))
+        if smallest >= self.width + self.redirect_limit:
+            return 1
+        live_at_least = max(1, min(smallest, self.width) - self.redirect_limit)
+        return -(-self.width // live_at_least)
+
     @staticmethod
     def _universe(placement: Placement, index_of: Callable[[NodeInfo], int]) -> IntArray:
         return np.array([index_of(n) for n in placement.nodes], np.int64)
