@@ -24,6 +24,7 @@ _AREAS = (
     "kvcache.retention.cli",
     "kvcache.dashboard.cli",
     "kvcache.swa_local.cli",
+    "kvcache.repair.cli",
 )
 
 
