@@ -186,3 +186,35 @@ def test_repair_reports_user_mistakes_without_a_traceback(
     assert code == 1
     err = capsys.readouterr().err
     assert "kvcache: error:" in err and "Traceback" not in err
+
+
+def test_scrub_deletes_a_flipped_shard_in_a_live_daemon(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    from kvcache.chaos import ShardFault, plant
+    from tests.server_fixtures import http, wait_until
+
+    cluster = cluster_factory(12)
+    tokens, keys = store_blocks(cluster, 8, seed=3)
+    fault = plant(cluster, keys[2], 4, ShardFault.CORRUPT_BODY)  # type: ignore[arg-type]
+    node = fault.node
+    admin = cluster.nodes[node].admin
+    token = cluster.credentials().admin_token
+
+    def scrub_stats() -> dict:
+        _status, raw = http("GET", f"{admin}/stats")
+        return json.loads(raw)["scrub"]
+
+    passes = scrub_stats()["passes"]
+    status, _body = http("POST", f"{admin}/scrub", {}, token=token)
+    assert status == 200
+    wait_until(lambda: scrub_stats()["passes"] > passes, timeout_s=30, what="a scrub pass")
+    assert scrub_stats()["shards_bad"] == 1
+    _status, metrics = http("GET", f"{admin}/metrics")
+    assert b"kvcache_server_scrub_shards_bad_total 1" in metrics
+    assert 4 not in held(cluster, node).get(keys[2], set())
+    loads_intact(cluster, tokens, keys)
+    # The repairer puts the deleted shard back.
+    assert misplaced(cluster, keys) == 1
+    assert repair(cluster) == 0
+    assert misplaced(cluster, keys) == 0
