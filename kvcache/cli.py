@@ -25,6 +25,7 @@ _AREAS = (
     "kvcache.dashboard.cli",
     "kvcache.swa_local.cli",
     "kvcache.membership.cli",
+    "kvcache.repair.cli",
 )
 
 

@@ -67,6 +67,17 @@ def register(subparsers: Any) -> None:
         "--advertise", help="data endpoint registered in etcd (default: the bound one)"
     )
     parser.add_argument(
+        "--scrub-rate",
+        dest="scrub_rate_bytes",
+        help="bytes of stored shards re-verified per second, e.g. 32MiB (0: no scrub)",
+    )
+    parser.add_argument(
+        "--scrub-interval",
+        dest="scrub_interval_s",
+        type=float,
+        help="seconds from one scrub pass's start to the next (default 7 days)",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         help="write {node_id, data, admin} as JSON here once serving (for scripts and tests)",
@@ -91,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         "weight": args.weight,
         "lease_ttl_s": args.lease_ttl_s,
         "advertise": args.advertise,
+        "scrub_rate_bytes": args.scrub_rate_bytes,
+        "scrub_interval_s": args.scrub_interval_s,
     }
     config, policy = load_server_config(args.config, flags=flags)
     log.info("effective config: %s", json.dumps(config.redacted(), sort_keys=True))

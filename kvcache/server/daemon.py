@@ -29,6 +29,7 @@ from kvcache.server.eviction import Quota
 from kvcache.server.handler import RequestHandler
 from kvcache.server.loop import DataServer
 from kvcache.server.metrics import Metrics
+from kvcache.server.scrub import Scrubber
 from kvcache.server.store import Clock, ShardStore
 from kvcache.server.swa_directory import SwaDirectory
 
@@ -143,6 +144,9 @@ def run_daemon(
                 max_records=config.swa_directory_records,
                 max_per_key=config.swa_directory_per_key,
             ),
+        )
+        handler.scrubber = Scrubber(
+            store, rate_bytes=config.scrub_rate_bytes, interval_s=config.scrub_interval_s
         )
         server = DataServer(
             handler,
