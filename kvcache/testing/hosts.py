@@ -169,7 +169,7 @@ class HostNet:
             self.close()
             if mode is HostNetMode.NETNS:
                 raise
-            self._loopback(f"namespaces unavailable: {exc}")
+            self._loopback(str(exc))
             return HostNetMode.LOOPBACK
         self.note = (
             f"network namespaces {self.namespaces[0]}..h{self.hosts - 1} on bridge "
