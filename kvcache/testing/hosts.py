@@ -24,12 +24,14 @@ removes everything a run made and is safe to call twice.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import itertools
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,6 +50,7 @@ _NS_RE = re.compile(rf"{PREFIX}-(\d+)-\d+-h\d+\Z")
 _LINK_RE = re.compile(rf"{PREFIX}([0-9a-z]{{5}})[0-9a-z][bv]\d*\Z")
 _IP_TIMEOUT_S = 10.0
 _seq = itertools.count()
+_PR_SET_PDEATHSIG = 1
 
 
 class HostNetMode(enum.Enum):
@@ -89,6 +92,13 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL me when my parent dies (Linux only; else nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def cleanup_stale() -> list[str]:
@@ -262,8 +272,13 @@ class HostNet:
         *,
         log_path: Path,
         env: Mapping[str, str] | None = None,
+        die_with_parent: bool = True,
     ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` inside host ``host`` in a session of its own, output to ``log_path``."""
+        """Start ``argv`` inside host ``host`` in a session of its own, output to ``log_path``.
+
+        With ``die_with_parent`` the child gets SIGKILL when this process dies (Linux
+        ``PR_SET_PDEATHSIG``), so a killed test run leaves no daemons behind.
+        """
         with open(log_path, "ab") as out:
             return subprocess.Popen(
                 self.command(host, argv),
@@ -271,6 +286,7 @@ class HostNet:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
+                preexec_fn=_die_with_parent if die_with_parent else None,
             )
 
     def partition(self, host: int) -> bool:
