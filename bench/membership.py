@@ -116,7 +116,10 @@ def hit_ratios(root: Path, limit: int | None) -> tuple[dict[str, Any], list[list
 
 def repair(root: Path, prompts: int, blocks: int, rate: str) -> dict[str, Any]:
     """Wipe one daemon, repair, and load in the foreground meanwhile."""
-    from kvcache.repair.run import RepairOptions, run_repair  # the repairer's own entry point
+    from kvcache.client.core import ClientCore
+    from kvcache.config import parse_size
+    from kvcache.repair.run import Repairer, RepairOptions
+    from kvcache.repair.state import TenantState
 
     space = Namespace(model="bench/repair", revision="1", layout=REFERENCE_LAYOUT)
     rng = np.random.default_rng(5)
@@ -152,13 +155,16 @@ def repair(root: Path, prompts: int, blocks: int, rate: str) -> dict[str, Any]:
         fg = threading.Thread(target=lambda: during.extend(loads(0, stop)))
         fg.start()
         t0 = time.monotonic()
-        result = run_repair(
-            RepairOptions(
-                cluster_file=cluster.cluster_file,
-                credentials_file=cluster.credentials_file,
-                rate=rate,
+        core = ClientCore(cluster.client_config())
+        try:
+            repairer = Repairer(
+                core,
+                tenant="default",
+                options=RepairOptions(rate_bytes=parse_size(rate, what="rate")),
             )
-        )
+            result = repairer.run_pass(TenantState())
+        finally:
+            core.close()
         took = time.monotonic() - t0
         stop.set()
         fg.join()
@@ -179,7 +185,10 @@ def repair(root: Path, prompts: int, blocks: int, rate: str) -> dict[str, Any]:
         "repair_complete": full / max(1, total),
         "repair_blocks": total,
         "repair_seconds": took,
-        "repair_gbps": result.bytes_written / max(1e-9, took) / 1e9,
+        "repair_gbps": (result.bytes_read + result.bytes_written) / max(1e-9, took) / 1e9,
+        "repair_rebuilt_gbps": result.bytes_written / max(1e-9, took) / 1e9,
+        "repair_blocks_repaired": result.blocks_repaired,
+        "repair_unrecoverable": result.blocks_unrecoverable + result.blocks_failed,
         "repair_wrong_bytes": wrong,
         "load_p99_before_ms": float(np.percentile(before, 99) * 1000),
         "load_p99_during_repair_ms": float(np.percentile(during or [0.0], 99) * 1000),

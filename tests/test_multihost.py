@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvcache.cli import build_parser, main
+from kvcache.cli import main
 from kvcache.client import Client
 from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.layout import DType, KVLayout
@@ -59,17 +59,6 @@ SPACE = Namespace(model="multihost", revision="1", layout=LAYOUT)
 #: little, and down nodes skipped for the whole test once found.
 CLIENT = {"k": K, "m": M, "min_write_shards": 11, "timeout_s": 1.0, "down_retry_s": 120.0}
 
-
-def _repair_available() -> bool:
-    parser = build_parser()
-    for action in parser._actions:
-        choices = getattr(action, "choices", None)
-        if isinstance(choices, dict) and "repair" in choices:
-            return True
-    return False
-
-
-repair_available = _repair_available()
 
 
 def prompt(seed: int, blocks: int = BLOCKS) -> np.ndarray:
@@ -264,13 +253,6 @@ def test_partitioned_host_reads(stored: Stored) -> None:
         assert (hits, wrong) == (expected, 0)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="client bug: a write round does not mark a silent node down "
-    "(storing._drive_put starts the PutRound clock before submitting, then "
-    "Pump.abandon(timeout_s) finds each exchange out for slightly less than timeout_s), "
-    "so stores to a partitioned host can keep failing until a read or the watchdog notices",
-)
 def test_partitioned_host_writes(stored: Stored) -> None:
     """Host 2 silent + one more daemon down: writes go on once the client has found the
     silent nodes, and what was written loads byte-identical.
@@ -295,10 +277,6 @@ def test_partitioned_host_writes(stored: Stored) -> None:
         assert failed in ([], [0])
 
 
-@pytest.mark.skipif(
-    not repair_available,
-    reason="`kvcache repair` is not on this branch yet (issue 10, branch issue-10-repair)",
-)
 def test_host_back_with_empty_disks_is_repaired(stored: Stored) -> None:
     """Host 2 back with empty disks: reads still whole; `kvcache repair` restores full
     stripes, every shard on its current holder."""
@@ -318,6 +296,9 @@ def test_host_back_with_empty_disks_is_repaired(stored: Stored) -> None:
             str(cluster.cluster_file),
             "--credentials",
             str(cluster.credentials_file),
+            # The workers' settings: 8 + 4 stripes.
+            "--config",
+            str(cluster.client_file),
         ]
     )
     assert rc == 0

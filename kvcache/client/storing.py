@@ -284,7 +284,9 @@ def _drive_put(
             core.count("write_conflicts", int(np.count_nonzero(statuses == 7)))
             round_.on_reply(event.ticket, statuses == 0, now)
         round_.tick(core.clock())
-    pump.abandon(core.config.timeout_s)
+    # Counted from the round's start: a round that ran to its deadline marks the nodes that
+    # never answered down, so the next store sends their shards elsewhere at once.
+    pump.abandon(core.config.timeout_s, since=round_.started)
     core.count("node_errors", pump.node_errors)
     core.count("shards_redirected", round_.respilled)
 

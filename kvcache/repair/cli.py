@@ -43,6 +43,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--cluster-file", type=Path, required=True, help="the cluster map")
     parser.add_argument(
+        "--config",
+        type=Path,
+        help="client config whose settings the repairer uses (k, m, timeouts, TLS): the "
+        "workers' client.toml when their stripes are not the default 10 + 2",
+    )
+    parser.add_argument(
         "--credentials",
         type=Path,
         required=True,
@@ -100,8 +106,14 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, on_signal)
     cores = {
         name: ClientCore(
-            ClientConfig(
-                cluster_file=args.cluster_file, tenant=name, credentials_file=args.credentials
+            ClientConfig.load(
+                args.config,
+                overrides={
+                    "cluster_file": args.cluster_file,
+                    "tenant": name,
+                    "credentials_file": args.credentials,
+                    "secret": "",
+                },
             )
         )
         for name in names
