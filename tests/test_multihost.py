@@ -60,7 +60,6 @@ SPACE = Namespace(model="multihost", revision="1", layout=LAYOUT)
 CLIENT = {"k": K, "m": M, "min_write_shards": 11, "timeout_s": 1.0, "down_retry_s": 120.0}
 
 
-
 def prompt(seed: int, blocks: int = BLOCKS) -> np.ndarray:
     rng = np.random.default_rng([7, seed])
     return rng.integers(0, 50_000, blocks * 64 + 5).astype(np.uint32)

@@ -171,8 +171,7 @@ class Pump:
             late = {
                 ex.node
                 for ex in left
-                if now - (ex.submitted if since is None else min(since, ex.submitted))
-                >= timeout_s
+                if now - (ex.submitted if since is None else min(since, ex.submitted)) >= timeout_s
             }
             for node in late:
                 self.node_errors += 1

@@ -176,8 +176,12 @@ class LocalCluster:
         self._nodes = []
         if etcd:
             self._start_etcd(timeout_s)
+        # All ports at once: free_ports holds them open together, so they are distinct.
+        ports = free_ports(2 * nodes)
         for i in range(nodes):
-            self._nodes.append(self._new_node(i, domains[i] if domains else ""))
+            self._nodes.append(
+                self._new_node(i, domains[i] if domains else "", ports[2 * i : 2 * i + 2])
+            )
         cmap = ClusterMap(epoch=1, nodes=tuple(n.info for n in self._nodes))
         # Written before the daemons start: they find etcd (and the status page its map) in it.
         self.cluster_file.write_text(cmap.to_toml(self.etcd_settings))
@@ -194,9 +198,9 @@ class LocalCluster:
         log.info("local cluster of %d nodes up under %s", nodes, self.root)
         return self
 
-    def _new_node(self, i: int, domain: str) -> _Node:
+    def _new_node(self, i: int, domain: str, ports: list[int]) -> _Node:
         node_id = f"node-{i:02d}"
-        data_port, admin_port = free_ports(2)
+        data_port, admin_port = ports
         info = NodeInfo(
             id=node_id,
             data=f"tcp://127.0.0.1:{data_port}",
@@ -227,7 +231,13 @@ class LocalCluster:
         with a static file, the file gets the node and a new epoch. Returns the node."""
         if not self._nodes:
             raise ClusterError("start the cluster before adding nodes")
-        node = self._new_node(max(int(n.info.id.split("-")[1]) for n in self._nodes) + 1, domain)
+        used = {int(u.rsplit(":", 1)[1]) for n in self._nodes for u in (n.info.data, n.info.admin)}
+        ports = free_ports(2)
+        while used & set(ports):  # a port a stopped node of ours had: ask again
+            ports = free_ports(2)
+        node = self._new_node(
+            max(int(n.info.id.split("-")[1]) for n in self._nodes) + 1, domain, ports
+        )
         self._spawn(node)
         self._nodes.append(node)
         self._write_records()
