@@ -282,8 +282,8 @@ class LocalCluster:
         )
 
     def wait_registered(self, *, timeout_s: float = 60.0) -> None:
-        """Wait until every node is live in etcd, or raise ClusterError."""
-        from kvcache.membership.etcd import fetch_map
+        """Wait until every node is a live member in etcd, or raise ClusterError."""
+        from kvcache.membership.localetcd import registered_ids
 
         settings = self.etcd_settings
         if settings is None:
@@ -293,7 +293,7 @@ class LocalCluster:
         missing = want
         while True:
             try:
-                missing = want - fetch_map(settings).live_ids
+                missing = want - registered_ids(settings.endpoints[0], settings.prefix)
             except ClusterError:
                 missing = want
             if not missing:

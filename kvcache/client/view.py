@@ -281,6 +281,12 @@ class Topology:
         for listener in self._listeners:
             listener(membership)
 
+    def index_of(self, node: NodeInfo) -> int:
+        """The transport index of ``node`` (its id and data address), added if new; -1 when
+        the transport cannot take nodes and does not have it."""
+        with self._lock:
+            return self._index_of(node)
+
     def _index_of(self, node: NodeInfo) -> int:
         key = (node.id, node.data)
         found = self._index.get(key)

@@ -20,7 +20,7 @@ import threading
 
 from kvcache.cluster import EtcdSettings
 from kvcache.errors import ClusterError
-from kvcache.membership.etcd import EtcdStore
+from kvcache.membership.etcd import EtcdStore, close_loop
 from kvcache.membership.model import Registration, join_record
 
 __all__ = ["Registrar"]
@@ -75,8 +75,7 @@ class Registrar:
         try:
             self._loop.run_until_complete(self._main())
         finally:
-            self._loop.run_until_complete(self._store.close())
-            self._loop.close()
+            close_loop(self._loop, self._store)
 
     async def _register(self) -> None:
         store = self._store

@@ -216,6 +216,19 @@ class EtcdStore:
         await self.call("delete", lambda c: c.delete(key))
 
 
+def close_loop(loop: asyncio.AbstractEventLoop, store: EtcdStore) -> None:
+    """Close ``store``'s channel, let every task left on ``loop`` finish its cancellation,
+    then close the loop (gRPC complains of tasks destroyed while pending otherwise)."""
+    loop.run_until_complete(store.close())
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
 def run_sync(fn: Callable[[], Coroutine[Any, Any, T]], *, timeout_s: float = 60.0) -> T:
     """Run the coroutine ``fn()`` on a fresh event loop in its own thread; its result."""
     box: dict[str, Any] = {}

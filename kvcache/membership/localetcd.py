@@ -8,6 +8,7 @@ directory of ours; it is ready in about a second.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -110,6 +111,11 @@ class LocalEtcd:
         log.info("etcd %s up (pid %d, data %s)", self.url, self.proc.pid, self.data_dir)
         return self
 
+    def registered_ids(self) -> set[str]:
+        """Ids of the nodes registered (live) under :attr:`prefix`, read over etcd's JSON
+        gateway (no gRPC event loop in the calling process)."""
+        return registered_ids(self.url, self.prefix)
+
     def healthy(self) -> bool:
         """Whether ``/health`` answers ``{"health": "true"}``."""
         try:
@@ -136,3 +142,30 @@ class LocalEtcd:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def registered_ids(url: str, prefix: str, *, timeout_s: float = 2.0) -> set[str]:
+    """Ids of nodes that are both members and live under ``prefix`` in the etcd at
+    ``url`` (read over its v3 JSON gateway). ClusterError when etcd does not answer."""
+    return _ids(url, prefix, "live/", timeout_s) & _ids(url, prefix, "members/", timeout_s)
+
+
+def _ids(url: str, prefix: str, sub: str, timeout_s: float) -> set[str]:
+    key = (prefix.rstrip("/") + "/" + sub).encode()
+    end = key[:-1] + bytes([key[-1] + 1])
+    body = json.dumps(
+        {
+            "key": base64.b64encode(key).decode(),
+            "range_end": base64.b64encode(end).decode(),
+            "keys_only": True,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{url}/v3/kv/range", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            doc = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ClusterError(f"etcd {url}: {exc}") from None
+    return {base64.b64decode(kv["key"])[len(key) :].decode() for kv in doc.get("kvs", [])}

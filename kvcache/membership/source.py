@@ -180,8 +180,9 @@ class EtcdSource:
         try:
             self._loop.run_until_complete(self._main())
         finally:
-            self._loop.run_until_complete(self._store.close())
-            self._loop.close()
+            from kvcache.membership.etcd import close_loop
+
+            close_loop(self._loop, self._store)
 
     async def _snapshot(self) -> int:
         snap = await self._store.snapshot()
