@@ -24,6 +24,8 @@ _AREAS = (
     "kvcache.retention.cli",
     "kvcache.dashboard.cli",
     "kvcache.swa_local.cli",
+    "kvcache.membership.cli",
+    "kvcache.repair.cli",
 )
 
 

@@ -9,7 +9,19 @@ The map is a static TOML file in the embedded setup (written by ``kvcache up``):
     admin = "http://127.0.0.1:7200"
     domain = "rack-a"      # optional, defaults to the node id
     weight = 1.0           # optional
-    state = "up"           # "up" or "out" (out: no new placements)
+    state = "up"           # "up", "drain" or "out" (see NodeState)
+
+At scale the map lives in etcd (``kvcache.membership``): the cluster file then
+names the etcd cluster instead of (or as well as) listing nodes::
+
+    [etcd]
+    endpoints = ["http://10.0.0.5:2379"]
+    prefix = "/kvcache/prod"   # optional
+
+:meth:`ClusterMap.load` reads such a file's map from etcd, so every tool that
+takes a cluster file works with either; clients watch etcd instead
+(:mod:`kvcache.membership.source`). Nodes listed next to ``[etcd]`` are a
+fallback for when etcd cannot be reached.
 
 Placement (``kvcache.placement``) is a pure function of (map, key).
 """
@@ -17,6 +29,7 @@ Placement (``kvcache.placement``) is a pure function of (map, key).
 from __future__ import annotations
 
 import enum
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,17 +37,30 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.config import load_toml
-from kvcache.errors import ConfigError
+from kvcache.errors import ClusterError, ConfigError, KVCacheError
 
-__all__ = ["ClusterMap", "NodeInfo", "NodeState"]
+__all__ = ["ClusterMap", "EtcdSettings", "NodeInfo", "NodeState", "read_cluster_file"]
+
+log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+_ETCD_URL_RE = re.compile(r"https?://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})/?\Z")
+_PREFIX_RE = re.compile(r"/[A-Za-z0-9_.\-/]{0,200}\Z")
 
 
 class NodeState(enum.Enum):
-    """Whether a node takes new placements."""
+    """What a node is used for (``kvcache node drain|out|in``).
+
+    * ``up``: it holds new shards and is read.
+    * ``drain``: no new shards; it is still read, and the repairer copies its
+      shards to their current holders so it can be taken out without losing
+      redundancy.
+    * ``out``: no new shards and not read; the repairer rebuilds its shards
+      elsewhere from the other shards of each stripe.
+    """
 
     UP = "up"
+    DRAIN = "drain"
     OUT = "out"
 
 
@@ -75,7 +101,9 @@ class NodeInfo:
         try:
             state = NodeState(raw.get("state", "up"))
         except ValueError:
-            raise ConfigError(f"node {raw['id']}: state must be 'up' or 'out'") from None
+            raise ConfigError(
+                f"node {raw['id']}: state must be one of {[s.value for s in NodeState]}"
+            ) from None
         return cls(
             id=raw["id"],
             data=raw["data"],
@@ -84,6 +112,64 @@ class NodeInfo:
             weight=float(raw.get("weight", 1.0)),
             state=state,
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EtcdSettings:
+    """Where a cluster's membership lives in etcd (the ``[etcd]`` table of a cluster file)."""
+
+    #: Client URLs of the etcd cluster (``http://host:port``).
+    endpoints: tuple[str, ...]
+    #: Key prefix of this kvcache cluster (several clusters can share one etcd).
+    prefix: str = "/kvcache/default"
+    #: Seconds one etcd call may take before it counts as failed.
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ConfigError("[etcd] needs at least one endpoint")
+        for url in self.endpoints:
+            if not isinstance(url, str) or not _ETCD_URL_RE.match(url):
+                raise ConfigError(f"etcd endpoint {url!r} must look like http://host:port")
+        if not isinstance(self.prefix, str) or not _PREFIX_RE.match(self.prefix):
+            raise ConfigError(
+                f"etcd prefix {self.prefix!r} must start with / and use A-Z a-z 0-9 _ . - /"
+            )
+        if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
+            raise ConfigError(f"etcd timeout_s must be > 0, got {self.timeout_s!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> EtcdSettings:
+        """Build from the ``[etcd]`` table, naming the bad field on error."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError("[etcd] must be a table")
+        unknown = set(raw) - {"endpoints", "prefix", "timeout_s"}
+        if unknown:
+            raise ConfigError(f"[etcd] has unknown fields {sorted(unknown)}")
+        endpoints = raw.get("endpoints", ())
+        if isinstance(endpoints, str):
+            endpoints = [e for e in endpoints.split(",") if e]
+        if not isinstance(endpoints, list | tuple):
+            raise ConfigError("[etcd] endpoints must be a list of http://host:port")
+        return cls(
+            endpoints=tuple(endpoints),
+            prefix=raw.get("prefix", "/kvcache/default"),
+            timeout_s=raw.get("timeout_s", 5.0),
+        )
+
+    def host_ports(self) -> list[tuple[str, int]]:
+        """(host, port) of every endpoint."""
+        out = []
+        for url in self.endpoints:
+            match = _ETCD_URL_RE.match(url)
+            assert match is not None  # checked in __post_init__
+            out.append((match.group(1).strip("[]"), int(match.group(2))))
+        return out
+
+    def to_toml(self) -> str:
+        """The ``[etcd]`` table."""
+        urls = ", ".join(f'"{u}"' for u in self.endpoints)
+        return f'[etcd]\nendpoints = [{urls}]\nprefix = "{self.prefix}"\n'
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,15 +213,29 @@ class ClusterMap:
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterMap:
-        """Read a cluster file."""
-        try:
-            return cls.from_mapping(load_toml(path))
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        """Read a cluster file; a file naming ``[etcd]`` is read from etcd (its nodes, if
+        it lists any, are the fallback when etcd cannot be reached)."""
+        static, etcd = read_cluster_file(path)
+        if etcd is None:
+            assert static is not None  # read_cluster_file returns one of them at least
+            return static
+        from kvcache.membership.etcd import fetch_map  # etcd I/O only when a file names it
 
-    def to_toml(self) -> str:
-        """The map as TOML text (what ``load`` reads back)."""
+        try:
+            return fetch_map(etcd).cluster
+        except KVCacheError as exc:
+            if static is None:
+                raise ClusterError(
+                    f"{path}: cannot read the cluster map from etcd {list(etcd.endpoints)}: {exc}"
+                ) from None
+            log.warning("%s: etcd unreachable (%s); using the nodes listed in the file", path, exc)
+            return static
+
+    def to_toml(self, etcd: EtcdSettings | None = None) -> str:
+        """The map as TOML text (what ``load`` reads back), with an ``[etcd]`` table if given."""
         lines = [f"epoch = {self.epoch}", ""]
+        if etcd is not None:
+            lines += [etcd.to_toml()]
         for n in self.nodes:
             lines += [
                 "[[nodes]]",
@@ -148,6 +248,21 @@ class ClusterMap:
                 "",
             ]
         return "\n".join(lines)
+
+
+def read_cluster_file(path: str | Path) -> tuple[ClusterMap | None, EtcdSettings | None]:
+    """A cluster file's static map (None if it lists no nodes) and its ``[etcd]`` table
+    (None if it has none); at least one of them, or ConfigError naming the file."""
+    try:
+        raw = load_toml(path)
+        unknown = set(raw) - {"epoch", "nodes", "etcd"}
+        if unknown:
+            raise ConfigError(f"unknown top-level keys {sorted(unknown)}")
+        etcd = EtcdSettings.from_mapping(raw["etcd"]) if "etcd" in raw else None
+        static = ClusterMap.from_mapping(raw) if raw.get("nodes") or etcd is None else None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return static, etcd
 
 
 def node_ids(nodes: Sequence[NodeInfo]) -> list[str]:

@@ -1,14 +1,35 @@
 """Placement: which nodes hold a block's shards — a pure function of (cluster map, key).
 
-Weighted rendezvous (highest-random-weight) hashing: every (key, node) pair gets
-a pseudo-random score ``-weight / ln(u)`` with ``u`` uniform in (0, 1) derived
-from the key and the node id; a key's holders are the nodes in descending score
-order, taking one node per failure domain first and filling up from the rest.
-Shard ``i`` goes to the ``i``-th holder. Adding a node only moves keys for which
-the new node now ranks among the holders; nothing else changes.
+**Sequential per-position rendezvous.** Position ``p`` of a key (shard index
+``p`` for ``p < width``, spill positions after that) goes to the node with the
+highest weighted rendezvous score ``-weight / ln(u)``, where ``u`` is uniform in
+(0, 1) and derived from (key, node, p), among the nodes still *eligible* for it:
 
-Scores are computed for whole batches of keys at once with numpy (a 77K-token
-prompt's 150 keys over 12 nodes take microseconds, not a Python loop per pair).
+1. nodes holding the fewest positions of this key so far (no node holds two
+   while another holds none);
+2. among those, nodes whose failure domain holds the fewest positions so far
+   (a host with three daemons in a cluster of four hosts gets 3 of 12 shards,
+   never 5).
+
+With every node in its own domain (the default) this is: position 0 to the
+best node for position 0, position 1 to the best remaining node for position
+1, and so on. Why per position and not "shard i to the i-th best node": a
+join then moves only the shards whose position the new node wins, plus rarely
+one more it displaces, instead of shifting every shard ranked below it. Over
+12 → 13 nodes the per-position rule remapped 2.2 shards per key against 6.0
+for rank order (the set of holders changes by one node either way); over 16
+→ 17, 1.2 against 4.6 (a 3,000-key simulation; ``tests/test_placement.py``
+holds the bound). Fewer remapped shards means fewer shards for the repairer
+to move and fewer (key, index) slots on which two writers that placed under
+different map epochs disagree (``docs/spec/shard-layout.md``, section 6).
+
+**Spill positions.** Positions ``width .. width + spill - 1`` continue the same
+sequence: they are the key's next nodes in rendezvous order. A writer that
+finds a holder down sends that holder's shard to the next live spill node
+(:func:`write_targets`); readers ask the same nodes.
+
+Scores are computed for whole batches of keys at once with numpy (one pass
+per position over a (keys, nodes) array).
 """
 
 from __future__ import annotations
@@ -19,15 +40,28 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvcache.cluster import ClusterMap, NodeInfo
+from kvcache.cluster import ClusterMap, NodeInfo, NodeState
 from kvcache.errors import ConfigError
 from kvcache.keys import KEY_BYTES, BlockKey
 
-__all__ = ["NODE_TAG", "Placement", "holders_for"]
+__all__ = [
+    "NODE_TAG",
+    "POSITION_TAG",
+    "Placement",
+    "holders_for",
+    "max_redirect",
+    "write_targets",
+]
 
 NODE_TAG = b"kvcache:node:v1\x00"
+POSITION_TAG = b"kvcache:position:v1\x00"
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+#: Default spill depth: positions past the stripe width a placement computes.
+DEFAULT_SPILL = 4
+#: Keys whose placement rows one Placement remembers (about 100 bytes each).
+_CACHE_KEYS = 1 << 17
+IntArray = npt.NDArray[np.int64]
 
 
 def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -37,64 +71,232 @@ def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return x ^ (x >> np.uint64(31))
 
 
-class Placement:
-    """Precomputed placement over one cluster map's placeable nodes."""
+def max_redirect(*, n: int, min_write: int) -> int:
+    """Most shards of one block a writer may place off their holders (down holders,
+    failed sends): ``floor((2 q - n - 1) / 2)`` with q = ``min_write``.
 
-    def __init__(self, cluster: ClusterMap, *, width: int) -> None:
+    Two writers of one block can both reach q shards only if q_A + q_B <= n + d,
+    where d counts the shard indices they send to different nodes. Each writer
+    redirects at most this many, so d <= 2 * max_redirect < 2 q - n and at most one
+    of them is acknowledged (``docs/spec/shard-layout.md``, section 6). 4 for 10+2
+    with q = 11; 3 with q = 10.
+    """
+    return max(0, (2 * min_write - n - 1) // 2)
+
+
+class Placement:
+    """Precomputed placement over one cluster map's placeable nodes.
+
+    ``states`` are the node states that take placements (default: up only; a
+    reader also asks nodes being drained, through a second placement with
+    ``states=(UP, DRAIN)``). Node indices returned are into :attr:`nodes`.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterMap,
+        *,
+        width: int,
+        spill: int = DEFAULT_SPILL,
+        states: tuple[NodeState, ...] = (NodeState.UP,),
+    ) -> None:
         if width < 1:
             raise ConfigError(f"placement width must be >= 1, got {width}")
-        nodes = cluster.placeable
+        if spill < 0:
+            raise ConfigError(f"placement spill must be >= 0, got {spill}")
+        nodes = tuple(n for n in cluster.nodes if n.state in states)
         if not nodes:
             raise ConfigError("no node in the cluster map is up for placement")
         self.cluster = cluster
         self.width = width
+        self.spill = spill
         self.nodes: tuple[NodeInfo, ...] = nodes
+        self.ids = tuple(n.id for n in nodes)
         self._seeds = np.array(
             [xxhash.xxh3_64_intdigest(NODE_TAG + n.id.encode()) for n in nodes], dtype=np.uint64
         )
         self._weights = np.array([float(n.weight) for n in nodes], dtype=np.float64)
         domains = [n.domain for n in nodes]
-        self._domain_ids = np.array([domains.index(d) for d in domains], dtype=np.int64)
-        self._distinct_domains = len(set(domains)) == len(domains)
+        self.domain_names = sorted(set(domains))
+        self.domain_of = np.array([self.domain_names.index(d) for d in domains], np.int64)
+        self._distinct_domains = len(self.domain_names) == len(nodes)
+        self._cache: dict[BlockKey, IntArray] = {}
+        self._salts = np.array(
+            [
+                xxhash.xxh3_64_intdigest(POSITION_TAG + p.to_bytes(2, "little"))
+                for p in range(width + spill)
+            ],
+            dtype=np.uint64,
+        )
 
-    def scores(self, keys: Sequence[BlockKey]) -> npt.NDArray[np.float64]:
-        """Rendezvous scores, shape (len(keys), nodes)."""
+    @property
+    def depth(self) -> int:
+        """Positions per key that :meth:`order` returns (width + spill)."""
+        return self.width + self.spill
+
+    def _key_words(self, keys: Sequence[BlockKey]) -> npt.NDArray[np.uint64]:
         if any(len(k) != KEY_BYTES for k in keys):
             raise ConfigError(f"block keys must be {KEY_BYTES} bytes")
-        words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2) if keys else None
-        if words is None:
+        words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+        return _mix64(words[:, 0] ^ _mix64(words[:, 1]))
+
+    def scores(self, keys: Sequence[BlockKey], position: int = 0) -> npt.NDArray[np.float64]:
+        """Rendezvous scores of every node for ``position`` of each key, shape (keys, nodes)."""
+        if not keys:
             return np.zeros((0, len(self.nodes)))
-        key_word = _mix64(words[:, 0] ^ _mix64(words[:, 1]))
-        mixed = _mix64(key_word[:, None] ^ self._seeds[None, :])
+        key_word = self._key_words(keys)
+        mixed = _mix64((key_word ^ self._salts[position])[:, None] ^ self._seeds[None, :])
         unit = ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
         scores: npt.NDArray[np.float64] = -self._weights[None, :] / np.log(unit)
         return scores
 
-    def holders(self, keys: Sequence[BlockKey]) -> npt.NDArray[np.int64]:
-        """Node indices (into ``self.nodes``) per key and shard, shape (len(keys), width).
+    def order(self, keys: Sequence[BlockKey], depth: int | None = None) -> IntArray:
+        """Node per key and position, shape (len(keys), depth): positions 0..width-1 are
+        the shard holders, the rest spill positions (see the module docstring).
 
-        With fewer nodes than ``width`` the holder list wraps around, so one node
-        holds several shards of a block.
+        With fewer nodes than positions, nodes hold several positions, as evenly
+        as the rules allow. Rows are remembered per key (a bounded cache: a
+        prompt's keys are placed by its match, its load and its store, and shared
+        prefixes by every request that has them).
         """
-        scores = self.scores(keys)
-        order = np.argsort(-scores, axis=1, kind="stable")
-        count = len(self.nodes)
-        if not self._distinct_domains:
-            order = np.stack([self._domains_first(row) for row in order]) if len(order) else order
-        if count >= self.width:
-            return order[:, : self.width].astype(np.int64)
-        reps = -(-self.width // count)
-        return np.tile(order, (1, reps))[:, : self.width].astype(np.int64)
+        depth = self.depth if depth is None else depth
+        if not 0 < depth <= self.depth:
+            raise ConfigError(f"placement depth must lie in 1..{self.depth}, got {depth}")
+        count = len(keys)
+        if count == 0:
+            return np.zeros((0, depth), np.int64)
+        cache = self._cache
+        rows = [cache.get(k) for k in keys]
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            computed = self._compute([keys[i] for i in missing])
+            if len(cache) + len(missing) > _CACHE_KEYS:
+                cache.clear()
+            for j, i in enumerate(missing):
+                rows[i] = computed[j]
+                cache[keys[i]] = computed[j]
+        out = np.stack(rows)  # type: ignore[arg-type]  # every row filled above
+        return out[:, :depth] if depth < self.depth else out
 
-    def _domains_first(self, row: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
-        seen: set[int] = set()
-        first: list[int] = []
-        rest: list[int] = []
-        for idx in row.tolist():
-            dom = int(self._domain_ids[idx])
-            (rest if dom in seen else first).append(idx)
-            seen.add(dom)
-        return np.array(first + rest, dtype=np.intp)
+    def _compute(self, keys: Sequence[BlockKey], *, general: bool = False) -> IntArray:
+        """Rows for ``keys`` (``general``: never the one-domain-per-node shortcut; tests
+        hold the two equal)."""
+        count, nodes, depth = len(keys), len(self.nodes), self.depth
+        key_word = self._key_words(keys)
+        # Every position's scores at once: (depth, keys, nodes).
+        mixed = _mix64((key_word[None, :] ^ self._salts[:depth, None])[:, :, None] ^ self._seeds)
+        unit = ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+        scores = -self._weights / np.log(unit)
+        out = np.zeros((count, depth), np.int64)
+        rows = np.arange(count)
+        if self._distinct_domains and not general:
+            # One node per domain: the rule is "the best node not taken in this round"
+            # (a round: until every node holds one more position).
+            taken = np.zeros((count, nodes), bool)
+            for p in range(depth):
+                pick = np.argmax(np.where(taken, -np.inf, scores[p]), axis=1)
+                out[:, p] = pick
+                taken[rows, pick] = True
+                if (p + 1) % nodes == 0:
+                    taken[:] = False
+            return out
+        node_load = np.zeros((count, nodes), np.int64)
+        domain_load = np.zeros((count, len(self.domain_names)), np.int64)
+        big = nodes + 1
+        for p in range(depth):
+            # Eligible: fewest positions on the node, then fewest in its domain.
+            rank = node_load * big + domain_load[:, self.domain_of]
+            eligible = rank == rank.min(axis=1, keepdims=True)
+            pick = np.argmax(np.where(eligible, scores[p], -np.inf), axis=1)
+            out[:, p] = pick
+            node_load[rows, pick] += 1
+            domain_load[rows, self.domain_of[pick]] += 1
+        return out
+
+    def holders(self, keys: Sequence[BlockKey]) -> IntArray:
+        """Node indices (into :attr:`nodes`) per key and shard, shape (len(keys), width).
+
+        With fewer nodes than ``width``, one node holds several shards of a block.
+        """
+        return self.order(keys, self.width)
+
+
+def write_targets(
+    order: Sequence[int],
+    live: Sequence[bool] | npt.NDArray[np.bool_],
+    domain_of: Sequence[int] | npt.NDArray[np.int64],
+    *,
+    width: int,
+    limit: int,
+) -> tuple[list[int], int]:
+    """Where a writer sends each shard of one key, given which nodes are live.
+
+    ``order`` is the key's row of :meth:`Placement.order` (holders, then spill
+    positions), ``live[x]`` / ``domain_of[x]`` per node index. Shard ``i`` goes to
+    its holder ``order[i]`` when that is live; the shards of down holders go, in
+    index order, to the next live spill nodes not used yet ("the next node in
+    the key's rendezvous order"); when those run out (a cluster of ``width`` nodes
+    or fewer live ones), to the live node that holds the fewest shards of this
+    key, then whose domain holds the fewest, then earliest in ``order``.
+
+    Returns (targets, redirected): ``targets[i]`` is a node index, or -1 when
+    no node is live; ``redirected`` counts shards not on their holder. A writer
+    refuses a block with more than ``limit`` redirected shards (see
+    :func:`max_redirect`): every target is then -1.
+    """
+    holders = list(order[:width])
+    targets = [h if live[h] else -1 for h in holders]
+    missing = [i for i, t in enumerate(targets) if t < 0]
+    if not missing:
+        return targets, 0
+    if len(missing) > limit:
+        return [-1] * width, len(missing)
+    used = set(targets)
+    spills = [x for x in order[width:] if live[x] and x not in used]
+    for i in missing:
+        if spills:
+            node = spills.pop(0)
+        else:
+            node = least_loaded(targets, live, domain_of, order)
+            if node < 0:
+                return [-1] * width, len(missing)
+        targets[i] = node
+        used.add(node)
+    return targets, len(missing)
+
+
+def least_loaded(
+    targets: Sequence[int],
+    live: Sequence[bool] | npt.NDArray[np.bool_],
+    domain_of: Sequence[int] | npt.NDArray[np.int64],
+    order: Sequence[int],
+    *,
+    exclude: frozenset[int] = frozenset(),
+) -> int:
+    """The live node (not in ``exclude``) holding the fewest of ``targets``, then whose
+    domain holds the fewest, then earliest in ``order`` (then lowest index); -1: none."""
+    node_load: dict[int, int] = {}
+    domain_load: dict[int, int] = {}
+    for t in targets:
+        if t >= 0:
+            node_load[t] = node_load.get(t, 0) + 1
+            domain_load[int(domain_of[t])] = domain_load.get(int(domain_of[t]), 0) + 1
+    first_seen: dict[int, int] = {}
+    for pos, x in enumerate(order):
+        first_seen.setdefault(int(x), pos)
+    best, best_key = -1, (0, 0, 0, 0)
+    for x in range(len(live)):
+        if not live[x] or x in exclude:
+            continue
+        key = (
+            node_load.get(x, 0),
+            domain_load.get(int(domain_of[x]), 0),
+            first_seen.get(x, len(order)),
+            x,
+        )
+        if best < 0 or key < best_key:
+            best, best_key = x, key
+    return best
 
 
 def holders_for(cluster: ClusterMap, key: BlockKey, *, width: int) -> list[NodeInfo]:

@@ -35,6 +35,8 @@ from kvcache.shard import MAX_CLASS_NAME, check_class_name
 __all__ = [
     "FLAG_REPLY",
     "HEADER_BYTES",
+    "LIST_INCLUSIVE",
+    "LIST_MAX_PAGE",
     "DIR_ANSWER_DTYPE",
     "DIR_RECORD_DTYPE",
     "ITEM_DTYPES",
@@ -66,6 +68,10 @@ FLAG_REPLY = 0x1
 _KNOWN_FLAGS = FLAG_REPLY
 #: ``index`` value in DELETE items meaning "every shard of the key on this node".
 NO_INDEX = 0xFFFF
+#: Most shards one LIST reply carries; a request asking for more is refused.
+LIST_MAX_PAGE = 4096
+#: LIST request flag: start AT (key, index) instead of after it (the first page).
+LIST_INCLUSIVE = 0x1
 
 # magic, version, op, flags, status, request id, count, reserved, data length, class
 _HEADER = struct.Struct("<2sBBHHQIIQ16s")
@@ -89,6 +95,8 @@ class Op(enum.IntEnum):
     HAS_DIR = 8
     #: Fetch SWA states (an inference worker from the worker that holds them).
     SWA_GET = 9
+    #: A page of the caller tenant's stored shards, in storage-key order (repair's scan).
+    LIST = 10
 
 
 class Status(enum.IntEnum):
@@ -165,6 +173,24 @@ ITEM_DTYPES: dict[tuple[Op, bool], np.dtype[np.void]] = {
     ),
     (Op.SWA_GET, True): np.dtype(
         [("status", "u1"), ("pad", "V3"), ("length", "<u4"), ("digest", "V16")]
+    ),
+    # One item: list from (key, index) on, exclusive unless flags has LIST_INCLUSIVE.
+    (Op.LIST, False): np.dtype(
+        [_KEY, ("index", "<u2"), ("flags", "<u2"), ("limit", "<u4"), ("pad", "V8")]
+    ),
+    # One record per live shard: where it is (key, index), its stripe, its stored record's
+    # length (header + body), the payload length its header claims, its expiry and class.
+    (Op.LIST, True): np.dtype(
+        [
+            _KEY,
+            ("index", "<u2"),
+            ("pad", "V2"),
+            ("length", "<u4"),
+            ("stripe", "<u8"),
+            ("payload_len", "<u8"),
+            ("expiry_ms", "<u8"),
+            ("traffic_class", "S16"),
+        ]
     ),
 }
 

@@ -6,8 +6,10 @@ cd "$(dirname "$0")/.."
 
 need=()
 # chromium + chromium-driver: the status page's browser test (tests/test_dashboard_browser.py);
-# systemd: systemd-analyze verifies deploy/kvcache-server.service (tests/test_deploy.py).
-for pkg in libisal2 redis-server chromium chromium-driver systemd; do
+# systemd: systemd-analyze verifies deploy/kvcache-server.service (tests/test_deploy.py);
+# etcd-server: membership (`kvcache up --etcd`, tests/test_membership_*.py start their own etcd);
+# iproute2: the multi-host test's network namespaces (tests/test_multihost.py).
+for pkg in libisal2 redis-server chromium chromium-driver systemd etcd-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
@@ -17,7 +19,11 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 # The redis-server package may start a system-wide server; the project starts its own.
-if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+# etcd-server likewise: kvcache starts its own etcd processes.
+if command -v systemctl >/dev/null 2>&1; then
+  systemctl disable --now redis-server >/dev/null 2>&1 || true
+  systemctl disable --now etcd >/dev/null 2>&1 || true
+fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null

@@ -342,3 +342,52 @@ def test_has_round_after_the_hedge_still_waits_for_a_block_that_can_reach_k() ->
     assert r.done
     (block_count,) = best_counts(r.held_shards(), 1, n=N)
     assert block_count == K
+
+
+@pytest.mark.parametrize("node_cap, waits", [(1, False), (2, True)])
+def test_has_round_counts_nodes_that_may_hold_two_shards(node_cap: int, waits: bool) -> None:
+    """12 nodes; 2 were down when the block was written, so nodes 0 and 1 hold two shards
+    each, and one shard has since been lost: 2..8 hold one, 9..11 none. Nodes 2..11
+    answered (7 shards); 0 and 1 have not. Listed once each they could bring 2 more, short
+    of k; with ``node_cap`` 2 they could bring 4, and the round waits for them instead of
+    turning a readable block (11 shards) into a miss."""
+    rows = holders(1)
+    r = HasRound(
+        rows, list(range(N)), k=K, n=N, settle=K, hedge_s=0.01, timeout_s=1.0, node_cap=node_cap
+    )
+    sends = {s.node: s for s in r.start(0.0)}
+    for node in range(2, N):
+        held = np.zeros(1 if node < 9 else 0, np.int64)
+        r.on_reply(sends[node].ticket, held, held + node, np.full(len(held), 7, np.uint64), 0.02)
+    assert r.done is not waits
+    if waits:
+        for node in (0, 1):
+            r.on_reply(
+                sends[node].ticket,
+                np.zeros(2, np.int64),
+                np.array([node, node + 9]),
+                np.full(2, 7, np.uint64),
+                0.03,
+            )
+        assert r.done
+        assert best_counts(r.held_shards(), 1, n=N).tolist() == [11]
+
+
+def test_has_round_counts_a_shard_on_two_nodes_once() -> None:
+    """Nine distinct shards, one of them reported by two nodes: ten answers but only nine
+    shards, so the round keeps waiting for the nodes that may hold the tenth."""
+    rows = holders(1)
+    r = HasRound(rows, list(range(N)), k=K, n=N, settle=K, hedge_s=0.5, timeout_s=1.0)
+    sends = {s.node: s for s in r.start(0.0)}
+    for node in range(K):
+        index = node if node < K - 1 else 0  # node 9 holds a second copy of shard 0
+        r.on_reply(
+            sends[node].ticket,
+            np.zeros(1, np.int64),
+            np.array([index]),
+            np.array([7], np.uint64),
+            0.0,
+        )
+    assert not r.done
+    r.on_reply(sends[K].ticket, np.zeros(1, np.int64), np.array([K]), np.array([7], np.uint64), 0.0)
+    assert r.done and best_counts(r.held_shards(), 1, n=N).tolist() == [K]

@@ -241,7 +241,7 @@ def test_view_of_a_cluster_with_a_dead_node() -> None:
         get["window"]["p50_ms"] is not None and get["window"]["p50_ms"] <= get["window"]["p99_ms"]
     )
     assert view["gc"]["evicted_shards"]["total"] == 14
-    assert view["repair"] == {"running": False, "text": REPAIR_NOTE}
+    assert view["repair"]["running"] is False and REPAIR_NOTE in view["repair"]["text"]
 
 
 def test_view_without_per_class_misses_says_so() -> None:

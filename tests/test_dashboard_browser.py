@@ -232,7 +232,11 @@ def test_page_shows_the_cluster_and_a_killed_daemon(
     get_row = _row(browser, '#latencies tr[data-op="get"][data-window="total"]')
     assert int(get_row[2].replace(",", "")) > 0 and get_row[5].endswith("ms")
     assert browser.find_elements(By.CSS_SELECTOR, '#latencies tr[data-op="put"]')
-    assert "none running" in browser.find_element(By.ID, "repair-text").text
+    assert "kvcache repair" in browser.find_element(By.ID, "repair-text").text
+    # Every daemon reports its scrub (idle: no pass is due on a fresh cluster).
+    scrub_rows = browser.find_elements(By.CSS_SELECTOR, "#scrub-nodes tbody tr")
+    assert len(scrub_rows) == 12
+    assert {r.find_elements(By.TAG_NAME, "td")[1].text for r in scrub_rows} <= {"idle", "running"}
     _save(browser, tmp_path, "dashboard-healthy.png")
 
     # A daemon dies: the page turns its row unhealthy by itself (no reload).

@@ -13,6 +13,7 @@ PUBLIC = {
     "kvcache.retention": ["DAY_S", "DEFAULT_CLASSES", "DEFAULT_CLASS_NAME", "RetentionPolicy", "merged_expiry", "parse_duration"],
     "kvcache.server": ["Clock", "DaemonInfo", "DaemonThread", "DataServer", "RequestHandler", "ServerConfig", "ShardStore", "SyncMode", "load_server_config", "run_daemon"],
     "kvcache.erasure": ["Backend", "Codec", "ErasureParams", "alloc_stripes", "encode_payloads", "get_codec", "isal_available", "payload_view"],
+    "kvcache.testing": ["HostCluster", "HostDaemon", "HostNet", "HostNetMode", "cleanup_stale"],
     "kvcache.swa_local": ["DEFAULT_TTL_S", "HolderRecord", "PeerTransport", "StateKey", "StoredState", "SwaConfig", "SwaStore", "SwaTier", "TcpPeerTransport", "Wanted", "state_digest", "state_namespace_id", "window_blocks"],
 }  # fmt: skip
 

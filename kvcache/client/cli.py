@@ -22,6 +22,22 @@ def register(sub: Any) -> None:
     )
     up.add_argument("--nodes", type=int, default=12, help="daemons to start (default 12)")
     up.add_argument("--capacity", default="2GiB", help="capacity per daemon (default 2GiB)")
+    up.add_argument(
+        "--etcd",
+        action="store_true",
+        help="keep membership in an etcd of the cluster's own (needs the etcd binary: "
+        "apt-get install etcd-server); daemons register under leases",
+    )
+    up.add_argument(
+        "--lease-ttl", type=int, default=10, help="daemons' etcd lease seconds (default 10)"
+    )
+    up.add_argument(
+        "--domains",
+        type=int,
+        default=0,
+        metavar="N",
+        help="spread the daemons over N failure domains host-0..host-N-1 (default: one each)",
+    )
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="show the nodes of a local cluster")
@@ -52,8 +68,12 @@ def register(sub: Any) -> None:
         help="time compression (e.g. 60 = 60x real time; 0 = no pacing)",
     )
     demo.add_argument(
-        "--fault", help="inject a fault a third of the way in: kill:N or pause:N daemons"
+        "--fault",
+        help="a third of the way in: kill:N or pause:N daemons (paused ones resume at two "
+        "thirds), or join:N new daemons",
     )
+    demo.add_argument("--etcd", action="store_true", help="membership in an etcd of the demo's own")
+    demo.add_argument("--lease-ttl", type=int, default=10, help="etcd lease seconds (default 10)")
     demo.add_argument("--nodes", type=int, default=12, help="daemons (default 12)")
     demo.add_argument("--seed", type=int, default=7, help="seed of the generated workload")
     demo.add_argument("--capacity", default="4GiB", help="capacity per daemon")
@@ -69,8 +89,20 @@ def register(sub: Any) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    cluster = LocalCluster(args.dir).start(nodes=args.nodes, capacity=args.capacity)
-    print(f"{len(cluster.nodes)} nodes up; cluster file: {cluster.cluster_file}")
+    domains = [f"host-{i % args.domains}" for i in range(args.nodes)] if args.domains else None
+    cluster = LocalCluster(args.dir).start(
+        nodes=args.nodes,
+        capacity=args.capacity,
+        etcd=args.etcd,
+        lease_ttl_s=args.lease_ttl,
+        domains=domains,
+    )
+    where = (
+        f" (membership in etcd {cluster.etcd_settings.endpoints[0]})"
+        if cluster.etcd_settings
+        else ""
+    )
+    print(f"{len(cluster.nodes)} nodes up{where}; cluster file: {cluster.cluster_file}")
     return 0
 
 

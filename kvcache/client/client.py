@@ -227,6 +227,7 @@ class Client:
             traffic_class=self._core.traffic_class(traffic_class),
             chunk_blocks=self.config.chunk_blocks(payload_len),
             on_ready=on_ready,
+            nodes=tuple((n.id, n.data) for n in self._core.transport.nodes),
         )
         return LoadResult(
             blocks=good,

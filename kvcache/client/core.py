@@ -4,6 +4,13 @@
 functions in :mod:`.matching`, :mod:`.loading` and :mod:`.storing` that take
 it, and :class:`kvcache.client.Client` is the public façade over them.
 Composition, not inheritance: each operation's module reads top to bottom.
+
+The cluster map comes from a membership source (:mod:`kvcache.membership.source`:
+the static cluster file, re-read when it changes, or etcd, watched). Every
+operation takes one :class:`~kvcache.client.view.ClusterView` when it starts
+and uses it to the end; a change of the map only affects operations that
+start after it. Node indices are into ``transport.nodes``, which only grows
+(:class:`~kvcache.client.routing.RoutingTransport`).
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ import numpy.typing as npt
 
 from kvcache.client.config import ClientConfig
 from kvcache.client.health import LatencyTracker, NodeHealth
-from kvcache.client.transport import Credentials, TcpTransport, Transport
+from kvcache.client.routing import RoutingTransport
+from kvcache.client.transport import Credentials, Transport
+from kvcache.client.view import ClusterView, Topology
 from kvcache.cluster import ClusterMap
 from kvcache.erasure import ErasureParams, get_codec
 from kvcache.errors import ArgumentError
 from kvcache.keys import BlockKey
+from kvcache.membership.source import MapSource, StaticSource, open_source
 from kvcache.memtune import tune_malloc
 from kvcache.net import client_tls_context
-from kvcache.placement import Placement
 from kvcache.shard import check_class_name
 
 __all__ = ["COUNTERS", "ClientCore"]
@@ -51,6 +60,8 @@ COUNTERS = (
     "shards_repaired",
     "stripes_dropped",
     "escalations",
+    "shards_redirected",
+    "map_changes",
 )
 
 
@@ -64,32 +75,57 @@ class ClientCore:
         cluster: ClusterMap | None = None,
         transport: Transport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        source: MapSource | None = None,
     ) -> None:
         self.config = config
         if config.tune_malloc:
             tune_malloc()
-        self.cluster = cluster if cluster is not None else ClusterMap.load(config.cluster_file)
-        self.placement = Placement(self.cluster, width=config.n)
+        credentials = None
+        if transport is None:
+            tls = client_tls_context(config.tls_ca) if config.tls_ca is not None else None
+            credentials = Credentials(config.tenant, config.secret_bytes(), tls)
+        if source is None:
+            source = (
+                StaticSource(cluster) if cluster is not None else open_source(config.cluster_file)
+            )
+        self.source = source
+        try:
+            initial = source.initial()
+        except BaseException:
+            source.close()
+            raise
         self.params = ErasureParams(k=config.k, m=config.m)
         self.codec = get_codec(self.params)
         self.clock = clock
         self.health = NodeHealth(retry_s=config.down_retry_s, clock=clock)
         self.read_latency = LatencyTracker()
         self.meta_latency = LatencyTracker()
+        add_node: Callable[..., int] | None = None
         if transport is None:
-            tls = client_tls_context(config.tls_ca) if config.tls_ca is not None else None
-            transport = TcpTransport(
-                self.placement.nodes,
-                Credentials(config.tenant, config.secret_bytes(), tls),
+            assert credentials is not None  # made above
+            routing = RoutingTransport(
+                (),
+                credentials,
                 connections_per_node=config.connections_per_node,
                 connect_timeout_s=config.timeout_s,
             )
+            transport, add_node = routing, routing.add
         self.transport = transport
+        self.topology = Topology(
+            initial,
+            width=config.n,
+            min_write=config.min_write_shards,
+            nodes=lambda: self.transport.nodes,
+            add_node=add_node,
+            clock=clock,
+        )
         self._lock = threading.Lock()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         # Keys whose stored stripe failed verification and could not be dropped everywhere:
         # a store rewrites them instead of trusting their shard count.
         self._suspect: collections.OrderedDict[BlockKey, int] = collections.OrderedDict()
+        self.topology.subscribe(lambda _m: self.count("map_changes"))
+        source.start(self.topology.update)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to counter ``name`` (thread-safe)."""
@@ -117,18 +153,46 @@ class ClientCore:
         with self._lock:
             self._suspect.pop(key, None)
 
+    @property
+    def cluster(self) -> ClusterMap:
+        """The current cluster map."""
+        return self.topology.membership.cluster
+
+    @property
+    def placement(self) -> ClusterView:
+        """The current view (``.nodes`` are the transport's nodes, ``.holders(keys)``)."""
+        return self.topology.view()
+
+    def view(self) -> ClusterView:
+        """The view one operation uses from start to end."""
+        return self.topology.view()
+
+    def up_mask(self, view: ClusterView) -> npt.NDArray[np.bool_]:
+        """Per node of ``view``: live by the membership source and not marked down here."""
+        up = np.array([self.health.is_up(node.id) for node in view.nodes], bool)
+        return up & view.live[: len(up)]
+
     def node_up_mask(
-        self, holders: npt.NDArray[np.int64] | None = None, need: int = 0
+        self,
+        holders: npt.NDArray[np.int64] | None = None,
+        need: int = 0,
+        view: ClusterView | None = None,
     ) -> npt.NDArray[np.bool_]:
-        """Nodes to use: those not marked down; all of them when, for some block of
-        ``holders``, skipping the down ones would leave fewer than ``need`` holders
-        (then the call doubles as the down nodes' probe instead of failing for sure)."""
-        up = np.array([self.health.is_up(node.id) for node in self.placement.nodes], bool)
-        short = holders is not None and len(holders) and not up.all()
-        if short and int(up[holders].sum(axis=1).min()) < need:
-            for i, node in enumerate(self.placement.nodes):
-                if not up[i] and self.health.may_probe(node.id):
-                    up[i] = True
+        """Nodes to use: those live and not marked down; also the ones marked down here
+        when, for some block of ``holders``, skipping them would leave fewer than
+        ``need`` holders (then the call doubles as their probe instead of failing for
+        sure). A node the membership source reports dead is never probed: it comes back
+        by registering again."""
+        view = view or self.view()
+        nodes = view.nodes
+        up = self.up_mask(view)
+        if holders is not None and len(holders) and not up.all():
+            safe = np.where(holders >= 0, holders, 0)
+            present = (holders >= 0) & up[safe]
+            if int(present.sum(axis=1).min()) < need:
+                for i, node in enumerate(nodes):
+                    if not up[i] and view.live[i] and self.health.may_probe(node.id):
+                        up[i] = True
         return up
 
     def hedge_s(self, tracker: LatencyTracker) -> float:
@@ -145,7 +209,8 @@ class ClientCore:
             raise ArgumentError(str(exc)) from None
 
     def close(self) -> None:
-        """Close the transport."""
+        """Stop the membership source and close the transport."""
+        self.source.close()
         self.transport.close()
 
     def snapshot(self) -> dict[str, Any]:

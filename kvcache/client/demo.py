@@ -24,7 +24,7 @@ import numpy as np
 
 from kvcache.client.client import Client
 from kvcache.client.localcluster import LocalCluster
-from kvcache.errors import ConfigError
+from kvcache.errors import ClusterError, ConfigError
 from kvcache.keys import Namespace
 from kvcache.layout import REFERENCE_LAYOUT
 from kvcache.plots import DemoPoint
@@ -56,6 +56,10 @@ class DemoOptions:
     capacity: str = "4GiB"
     #: Write a PNG of hit rate and load throughput over the replay here.
     plot: Path | None = None
+    #: Keep membership in an etcd of the cluster's own (``kvcache up --etcd``).
+    etcd: bool = False
+    #: The daemons' etcd lease, seconds.
+    lease_ttl_s: int = 10
 
 
 @dataclass(slots=True)
@@ -79,6 +83,14 @@ class DemoSummary:
     #: Index of the request before which the fault was injected.
     fault_at: int | None = None
 
+    @property
+    def hit_rate_after_fault(self) -> float:
+        """Hit rate over the requests from the fault on (a third of the way in, also
+        without a fault, so runs with and without one compare like for like)."""
+        start = self.fault_at if self.fault_at is not None else len(self.points) // 3
+        rest = self.points[start:]
+        return sum(p.hit_tokens for p in rest) / max(1, sum(p.input_tokens for p in rest))
+
     def as_dict(self) -> dict[str, Any]:
         """The flat summary written by ``--json``."""
         lat = np.array(self.load_latencies_ms or [0.0])
@@ -98,6 +110,7 @@ class DemoSummary:
             "store_failures": self.store_failures,
             "wall_seconds": self.wall_seconds,
             "fault": self.fault,
+            "hit_rate_after_fault": self.hit_rate_after_fault,
         }
 
 
@@ -105,8 +118,12 @@ def _parse_fault(spec: str | None, nodes: int) -> tuple[str, int] | None:
     if not spec:
         return None
     kind, _, count = spec.partition(":")
-    if kind not in ("kill", "pause") or not count.isdigit() or not 1 <= int(count) < nodes:
-        raise ConfigError(f"--fault must be kill:N or pause:N with 1 <= N < {nodes}, got {spec!r}")
+    limit = 64 if kind == "join" else nodes - 1
+    if kind not in ("kill", "pause", "join") or not count.isdigit() or not 1 <= int(count) <= limit:
+        raise ConfigError(
+            f"--fault must be kill:N or pause:N with 1 <= N < {nodes}, or join:N (N <= 64), "
+            f"got {spec!r}"
+        )
     return kind, int(count)
 
 
@@ -128,7 +145,12 @@ def run_demo(options: DemoOptions, *, out: TextIO = sys.stderr) -> DemoSummary:
     with tempfile.TemporaryDirectory(prefix="kvcache-demo-") as tmp:
         root = options.root or Path(tmp)
         print(f"starting {options.nodes} storage daemons under {root} ...", file=out)
-        with LocalCluster(root).start(nodes=options.nodes, capacity=options.capacity) as cluster:
+        with LocalCluster(root).start(
+            nodes=options.nodes,
+            capacity=options.capacity,
+            etcd=options.etcd,
+            lease_ttl_s=options.lease_ttl_s,
+        ) as cluster:
             config = cluster.client_config()
             with Client(config) as client:
                 summary = _replay(client, cluster, requests, options, fault, out)
@@ -160,8 +182,11 @@ def _replay(
     for n, req in enumerate(requests):
         if n == fault_at and fault:
             kind, count = fault
-            for i in range(count):
-                (cluster.kill if kind == "kill" else cluster.pause)(i)
+            if kind == "join":
+                _join(client, cluster, count)
+            else:
+                for i in range(count):
+                    (cluster.kill if kind == "kill" else cluster.pause)(i)
             print(f"\nfault: {kind} {count} daemon(s)", file=out)
         if n == resume_at and fault and fault[0] == "pause":
             for i in range(fault[1]):
@@ -208,6 +233,16 @@ def _replay(
     bar.close()
     summary.wall_seconds = time.perf_counter() - started
     return summary
+
+
+def _join(client: Client, cluster: LocalCluster, count: int, timeout_s: float = 60.0) -> None:
+    """Start ``count`` more daemons and wait until the client places on them."""
+    want = {cluster.add_node().id for _ in range(count)}
+    deadline = time.monotonic() + timeout_s
+    while not want <= {n.id for n in client.core.cluster.nodes}:
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the client did not see {sorted(want)} join in {timeout_s} s")
+        time.sleep(0.02)
 
 
 class _Progress:
@@ -288,6 +323,8 @@ def run_cli(args: argparse.Namespace) -> int:
         root=args.dir,
         capacity=args.capacity,
         plot=getattr(args, "plot", None),
+        etcd=getattr(args, "etcd", False),
+        lease_ttl_s=getattr(args, "lease_ttl", 10),
     )
     summary = run_demo(options)
     print_summary(summary)

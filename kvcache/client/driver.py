@@ -153,18 +153,26 @@ class Pump:
             self.node_errors += 1
             self.health.mark_down(node_id, str(event.error))
 
-    def abandon(self, timeout_s: float | None = None) -> list[PumpedExchange]:
+    def abandon(
+        self, timeout_s: float | None = None, *, since: float | None = None
+    ) -> list[PumpedExchange]:
         """Forget exchanges still out (their outcomes are dropped); returns them.
 
         With ``timeout_s``, a node whose exchange has been out that long is marked
         down and its connections reset (it did not answer in time), so nothing more
-        queues behind it.
+        queues behind it. ``since``: count from then instead of from each
+        exchange's submission (a round that ran to its deadline, which started
+        counting just before it sent its requests).
         """
         left = list(self.outstanding.values())
         self.outstanding.clear()
         if timeout_s is not None:
             now = self.clock()
-            late = {ex.node for ex in left if now - ex.submitted >= timeout_s}
+            late = {
+                ex.node
+                for ex in left
+                if now - (ex.submitted if since is None else min(since, ex.submitted)) >= timeout_s
+            }
             for node in late:
                 self.node_errors += 1
                 self.health.mark_down(

@@ -107,14 +107,16 @@ def load_keys(
         payload_len=payload_len,
         codec=core.codec,
     )
-    placement_rows = core.placement.holders(keys)
+    view = core.view()
+    up = core.up_mask(view)
+    placement_rows = view.targets(keys, up)[0]
     # A match stops listening once every block has k shards, so it may not know every
-    # holder; where it does not, ask the node placement put the shard on (the GET names
-    # the stripe, so a node without it just answers NOT_FOUND).
+    # holder; where it does not, ask the node a writer with this view would have put the
+    # shard on (the GET names the stripe, so a node without it just answers NOT_FOUND).
     holders = np.where(match.holders[:total] >= 0, match.holders[:total], placement_rows)
     round_ = LoadRound(
         holders,
-        core.node_up_mask(),
+        core.node_up_mask(view=view),
         k=config.k,
         chunk_blocks=config.chunk_blocks(payload_len),
         window=config.window,
@@ -205,7 +207,8 @@ def load_keys(
     )
     if core.config.read_repair:
         if end < total and end in verdicts:
-            _drop_broken(core, assembly, match, placement_rows, end)
+            rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
+            _drop_broken(core, assembly, match, rows, end)
         _repair(core, assembly, match, placement_rows, verdicts, good)
     return LoadResult(
         blocks=good,
@@ -275,6 +278,8 @@ def _repair(
             continue
         for shard in assembly.repair_shards(b, tuple(sorted(wanted))):
             node = _holder(match, placement_rows, b, shard.index)
+            if node < 0:
+                continue
             per_node.setdefault(node, []).append((b, shard.index, shard.header, shard.body))
     for node, shards in per_node.items():
         items = make_items(Op.PUT, len(shards), reply=False)
@@ -292,7 +297,8 @@ def _drop_broken(
     placement_rows: npt.NDArray[np.int64],
     b: int,
 ) -> None:
-    """Block ``b`` had k shards or more and no k of them rebuild it: its stripe is garbage."""
+    """Block ``b`` had k shards or more and no k of them rebuild it: its stripe is garbage.
+    ``placement_rows`` is one row: every node that may hold a shard of it."""
     if int(assembly.got[b].sum()) < assembly.k:
         return  # short of shards, not damaged: the next store rewrites it anyway
     core.count("blocks_corrupt")
@@ -305,7 +311,7 @@ def _drop_broken(
         assembly.k,
     )
     core.suspect(key, stripe)
-    nodes = {int(x) for x in np.concatenate([match.holders[b], placement_rows[b]]) if x >= 0}
+    nodes = {int(x) for x in np.concatenate([match.holders[b], placement_rows[0]]) if x >= 0}
     for node in nodes:
         items = make_items(Op.DELETE, 1, reply=False)
         items["key"] = assembly.key_words[b]

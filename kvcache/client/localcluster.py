@@ -23,12 +23,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcache.client.config import ClientConfig
-from kvcache.cluster import ClusterMap, NodeInfo
+from kvcache.cluster import ClusterMap, EtcdSettings, NodeInfo, read_cluster_file
 from kvcache.credentials import Credentials
 from kvcache.errors import ClusterError, ConfigError
 
@@ -49,6 +50,8 @@ CLUSTER_FILE = "cluster.toml"
 CREDENTIALS_FILE = "credentials.toml"
 CLIENT_FILE = "client.toml"
 PIDS_FILE = "nodes.json"
+#: The entry of ``nodes.json`` that records the cluster's own etcd process.
+ETCD_RECORD = "_etcd"
 
 
 def free_ports(count: int) -> list[int]:
@@ -84,6 +87,11 @@ class LocalCluster:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self._nodes: list[_Node] = []
+        self._etcd: _Node | None = None
+        self._capacity = "2GiB"
+        self._extra_args: tuple[str, ...] = ()
+        self._lease_ttl_s = 10
+        self._etcd_settings: EtcdSettings | None = None
 
     @property
     def cluster_file(self) -> Path:
@@ -132,11 +140,23 @@ class LocalCluster:
         credentials: Credentials | None = None,
         extra_args: tuple[str, ...] = (),
         timeout_s: float = 60.0,
+        etcd: bool = False,
+        lease_ttl_s: int = 10,
+        domains: Sequence[str] | None = None,
     ) -> LocalCluster:
         """Start ``nodes`` daemons, write the cluster, credential and client files, wait
-        until all are healthy. Credentials are generated for ``tenants`` unless given."""
+        until all are healthy. Credentials are generated for ``tenants`` unless given.
+
+        With ``etcd``, an etcd of the cluster's own is started first (data under
+        ``etcd/``), the cluster file names it (the nodes listed there too, as the
+        fallback), and the daemons register in it under ``lease_ttl_s`` leases;
+        start returns once every node is live in etcd. ``domains[i]`` is node
+        ``i``'s failure domain (default: its own id).
+        """
         if nodes < 1:
             raise ConfigError("a cluster needs at least one node")
+        if domains is not None and len(domains) != nodes:
+            raise ConfigError(f"{len(domains)} domains for {nodes} nodes")
         if (self.root / PIDS_FILE).exists() and self._alive_pids():
             raise ClusterError(
                 f"a cluster is already running under {self.root}; run `kvcache down` first"
@@ -151,43 +171,136 @@ class LocalCluster:
         self.client_file.write_text(
             f'cluster_file = "{CLUSTER_FILE}"\ncredentials_file = "{CREDENTIALS_FILE}"\n'
         )
-        ports = free_ports(2 * nodes)
+        self._capacity, self._extra_args = capacity, tuple(extra_args)
+        self._lease_ttl_s = lease_ttl_s
         self._nodes = []
+        if etcd:
+            self._start_etcd(timeout_s)
+        # All ports at once: free_ports holds them open together, so they are distinct.
+        ports = free_ports(2 * nodes)
         for i in range(nodes):
-            node_id = f"node-{i:02d}"
-            data_port, admin_port = ports[2 * i], ports[2 * i + 1]
-            info = NodeInfo(
-                id=node_id,
-                data=f"tcp://127.0.0.1:{data_port}",
-                admin=f"http://127.0.0.1:{admin_port}",
+            self._nodes.append(
+                self._new_node(i, domains[i] if domains else "", ports[2 * i : 2 * i + 2])
             )
-            data_dir = self.root / node_id
-            data_dir.mkdir(exist_ok=True)
-            cmd = [
-                sys.executable, "-m", "kvcache.cli", "server",
-                "--node-id", node_id,
-                "--data-dir", str(data_dir.resolve()),
-                "--listen", info.data,
-                "--admin-listen", f"127.0.0.1:{admin_port}",
-                "--capacity", capacity,
-                "--credentials", str(self.credentials_file.resolve()),
-                # The status page of every daemon shows the whole cluster (read lazily).
-                "--cluster-file", str(self.cluster_file.resolve()),
-                *extra_args,
-            ]  # fmt: skip
-            node = _Node(info, data_dir, 0, cmd=cmd)
-            self._spawn(node)
-            self._nodes.append(node)
         cmap = ClusterMap(epoch=1, nodes=tuple(n.info for n in self._nodes))
-        self.cluster_file.write_text(cmap.to_toml())
+        # Written before the daemons start: they find etcd (and the status page its map) in it.
+        self.cluster_file.write_text(cmap.to_toml(self.etcd_settings))
+        for node in self._nodes:
+            self._spawn(node)
         self._write_records()
         try:
             self.wait_healthy(timeout_s=timeout_s)
+            if etcd:
+                self.wait_registered(timeout_s=timeout_s)
         except ClusterError:
             self.stop()
             raise
         log.info("local cluster of %d nodes up under %s", nodes, self.root)
         return self
+
+    def _new_node(self, i: int, domain: str, ports: list[int]) -> _Node:
+        node_id = f"node-{i:02d}"
+        data_port, admin_port = ports
+        info = NodeInfo(
+            id=node_id,
+            data=f"tcp://127.0.0.1:{data_port}",
+            admin=f"http://127.0.0.1:{admin_port}",
+            domain=domain or node_id,
+        )
+        data_dir = self.root / node_id
+        data_dir.mkdir(exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "kvcache.cli", "server",
+            "--node-id", node_id,
+            "--data-dir", str(data_dir.resolve()),
+            "--listen", info.data,
+            "--admin-listen", f"127.0.0.1:{admin_port}",
+            "--capacity", self._capacity,
+            "--credentials", str(self.credentials_file.resolve()),
+            # The status page of every daemon shows the whole cluster (read lazily); with
+            # an [etcd] table the daemon registers there.
+            "--cluster-file", str(self.cluster_file.resolve()),
+            *(("--domain", domain) if domain else ()),
+            *(("--lease-ttl", str(self._lease_ttl_s)) if self._etcd is not None else ()),
+            *self._extra_args,
+        ]  # fmt: skip
+        return _Node(info, data_dir, 0, cmd=cmd)
+
+    def add_node(self, *, domain: str = "", timeout_s: float = 60.0) -> NodeInfo:
+        """Start one more daemon and make it a member: in etcd it joins by registering;
+        with a static file, the file gets the node and a new epoch. Returns the node."""
+        if not self._nodes:
+            raise ClusterError("start the cluster before adding nodes")
+        used = {int(u.rsplit(":", 1)[1]) for n in self._nodes for u in (n.info.data, n.info.admin)}
+        ports = free_ports(2)
+        while used & set(ports):  # a port a stopped node of ours had: ask again
+            ports = free_ports(2)
+        node = self._new_node(
+            max(int(n.info.id.split("-")[1]) for n in self._nodes) + 1, domain, ports
+        )
+        self._spawn(node)
+        self._nodes.append(node)
+        self._write_records()
+        self.wait_healthy(timeout_s=timeout_s, indices=[len(self._nodes) - 1])
+        if self._etcd is not None:
+            self.wait_registered(timeout_s=timeout_s)
+        else:
+            cmap = ClusterMap.load(self.cluster_file)
+            updated = ClusterMap(epoch=cmap.epoch + 1, nodes=(*cmap.nodes, node.info))
+            tmp = self.cluster_file.with_name(CLUSTER_FILE + ".tmp")
+            tmp.write_text(updated.to_toml())
+            os.replace(tmp, self.cluster_file)
+        return node.info
+
+    # -------------------------------------------------------------- etcd
+
+    @property
+    def etcd_settings(self) -> EtcdSettings | None:
+        """The ``[etcd]`` table of this cluster (None without etcd)."""
+        return self._etcd_settings if self._etcd is not None else None
+
+    def _start_etcd(self, timeout_s: float) -> None:
+        from kvcache.membership.localetcd import LocalEtcd
+
+        client_port, peer_port = free_ports(2)
+        etcd = LocalEtcd(
+            (self.root / "etcd").resolve(),
+            client_port=client_port,
+            peer_port=peer_port,
+            log_file=self.root / "etcd.log",
+        )
+        etcd.start(timeout_s=timeout_s)
+        assert etcd.proc is not None
+        self._etcd_settings = etcd.settings
+        self._etcd = _Node(
+            NodeInfo(id=ETCD_RECORD.strip("_"), data=f"tcp://127.0.0.1:{client_port}"),
+            etcd.data_dir,
+            etcd.pid,
+            proc=etcd.proc,
+            cmd=etcd.command(),
+            started=_start_time(etcd.pid),
+        )
+
+    def wait_registered(self, *, timeout_s: float = 60.0) -> None:
+        """Wait until every node is a live member in etcd, or raise ClusterError."""
+        from kvcache.membership.localetcd import registered_ids
+
+        settings = self.etcd_settings
+        if settings is None:
+            return
+        want = {n.info.id for n in self._nodes}
+        deadline = time.monotonic() + timeout_s
+        missing = want
+        while True:
+            try:
+                missing = want - registered_ids(settings.endpoints[0], settings.prefix)
+            except ClusterError:
+                missing = want
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"not registered in etcd after {timeout_s}s: {sorted(missing)}")
+            time.sleep(0.05)
 
     def _spawn(self, node: _Node) -> None:
         assert node.cmd is not None
@@ -204,7 +317,10 @@ class LocalCluster:
 
     def _write_records(self) -> None:
         tmp = self.root / (PIDS_FILE + ".tmp")
-        tmp.write_text(json.dumps({n.info.id: n.record() for n in self._nodes}, indent=1))
+        records = {n.info.id: n.record() for n in self._nodes}
+        if self._etcd is not None:
+            records[ETCD_RECORD] = self._etcd.record()
+        tmp.write_text(json.dumps(records, indent=1))
         os.replace(tmp, self.root / PIDS_FILE)
 
     @classmethod
@@ -233,6 +349,17 @@ class LocalCluster:
                     started=int(rec.get("started", 0) or 0),
                 )
             )
+        rec = records.get(ETCD_RECORD)
+        if isinstance(rec, dict) and isinstance(rec.get("cmd"), list):
+            _static, etcd = read_cluster_file(self.cluster_file)
+            self._etcd = _Node(
+                NodeInfo(id=ETCD_RECORD.strip("_"), data="tcp://127.0.0.1:1"),
+                self.root / "etcd",
+                int(rec.get("pid", 0) or 0),
+                cmd=rec["cmd"],
+                started=int(rec.get("started", 0) or 0),
+            )
+            self._etcd_settings = etcd
         return self
 
     def wait_healthy(self, *, timeout_s: float = 60.0, indices: list[int] | None = None) -> None:
@@ -263,7 +390,8 @@ class LocalCluster:
             attached = LocalCluster.attach(self.root)
         except ClusterError:
             return []
-        return [n.pid for n in attached._nodes if _ours(n)]
+        nodes = [*attached._nodes, *([attached._etcd] if attached._etcd else [])]
+        return [n.pid for n in nodes if _ours(n)]
 
     def stop(self, *, timeout_s: float = 15.0) -> None:
         """SIGTERM every daemon (SIGCONT first, in case one is paused), then SIGKILL stragglers.
@@ -294,6 +422,15 @@ class LocalCluster:
                 log.warning("%s did not stop on SIGTERM; killing it", node.info.id)
                 _signal(node.pid, signal.SIGKILL)
                 _reap(node)
+        etcd, self._etcd = self._etcd, None
+        if etcd is not None and (etcd.proc is not None or _ours(etcd)):
+            _signal(etcd.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while _alive(etcd.pid, etcd.proc) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _alive(etcd.pid, etcd.proc):
+                _signal(etcd.pid, signal.SIGKILL)
+            _reap(etcd)
         (self.root / PIDS_FILE).unlink(missing_ok=True)
 
     # -------------------------------------------------------------- faults

@@ -1,5 +1,10 @@
 """Prefix match: which leading blocks of a prompt are stored, and where (one HAS per node).
 
+The nodes asked per key are :meth:`~kvcache.client.view.ClusterView.read_rows`:
+where a writer with this client's view would have put each shard, the
+holders that are down, and holders under recently replaced maps, so a shard
+is found wherever it was written while the map or a node was changing.
+
 :func:`match_with_directory` asks the same question with ``HAS_DIR`` instead
 of ``HAS``: each node also answers the SWA holder records it keeps for the
 asked keys (``kvcache.server.swa_directory``), so an engine learns which
@@ -16,8 +21,9 @@ import numpy.typing as npt
 
 from kvcache.client.core import ClientCore
 from kvcache.client.driver import Pump, PumpedExchange
-from kvcache.client.plan import HeldShards, MatchResult, match_from_held
+from kvcache.client.plan import HeldShards, MatchResult, best_counts, match_from_held
 from kvcache.client.rounds import HasRound
+from kvcache.client.view import ClusterView
 from kvcache.keys import BlockKey
 from kvcache.wire import Op, make_items
 
@@ -61,33 +67,47 @@ def held_shards(
     *,
     settle: int,
     directory: list[DirectoryAnswer] | None = None,
+    view: ClusterView | None = None,
+    rows: npt.NDArray[np.int64] | None = None,
 ) -> list[HeldShards]:
     """Every node's HAS answer for ``keys`` (nodes marked down are asked only when needed).
 
+    ``rows`` are the nodes to ask per key (default: the view's read rows).
     Stragglers are not waited for once every block has ``settle`` shards of one
     stripe or cannot reach that many. With ``directory``, the nodes are asked
     ``HAS_DIR`` and their SWA holder records are appended to it.
     """
     if not keys:
         return []
-    rows = core.placement.holders(keys)
-    up = core.node_up_mask(rows, settle)
-    nodes = [int(node) for node in np.unique(rows)]
+    view = view or core.view()
+    if rows is None:
+        rows = view.read_rows(keys, view.targets(keys, core.up_mask(view))[0])
+    up = core.node_up_mask(rows, settle, view)
+    nodes = [int(node) for node in np.unique(rows) if node >= 0]
+    cap = view.node_cap
     held = _has_round(
-        core, keys, rows, [nd for nd in nodes if up[nd]], settle, record=True, directory=directory
+        core,
+        keys,
+        rows,
+        [nd for nd in nodes if up[nd]],
+        settle,
+        record=True,
+        directory=directory,
+        node_cap=cap,
     )
-    skipped = [nd for nd in nodes if not up[nd]]
+    skipped = [nd for nd in nodes if not up[nd] and view.live[nd]]
     if skipped:
         # Nodes marked down were skipped; if some block fell short of ``settle`` and
         # they could make up the difference, ask them now (their probe).
-        from kvcache.client.plan import best_counts
-
         best = best_counts(held, len(keys), n=core.config.n)
         could = np.zeros(len(keys), np.int64)
         for node in skipped:
-            could += (rows == node).sum(axis=1)
+            listed = (rows == node).sum(axis=1)
+            could += np.where(listed > 0, np.maximum(listed, cap), 0)
         if ((best < settle) & (best + could >= settle)).any():
-            held += _has_round(core, keys, rows, skipped, settle, record=False, directory=directory)
+            held += _has_round(
+                core, keys, rows, skipped, settle, record=False, directory=directory, node_cap=cap
+            )
     return held
 
 
@@ -100,6 +120,7 @@ def _has_round(
     *,
     record: bool,
     directory: list[DirectoryAnswer] | None = None,
+    node_cap: int = 1,
 ) -> list[HeldShards]:
     config = core.config
     op = Op.HAS if directory is None else Op.HAS_DIR
@@ -111,6 +132,7 @@ def _has_round(
         settle=settle,
         hedge_s=core.hedge_s(core.meta_latency),
         timeout_s=config.timeout_s,
+        node_cap=node_cap,
     )
     pump = Pump(core.transport, core.health, core.clock)
     key_words = np.frombuffer(b"".join(keys), dtype="V16")

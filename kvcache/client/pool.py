@@ -164,8 +164,13 @@ class ClientPool:
         traffic_class: str,
         chunk_blocks: int,
         on_ready: OnReady | None,
+        nodes: tuple[tuple[str, str], ...] = (),
     ) -> int:
-        """Load ``match``'s hit blocks into the shared rows at ``region``; the verified prefix."""
+        """Load ``match``'s hit blocks into the shared rows at ``region``; the verified prefix.
+
+        ``nodes`` are (id, data address) of the nodes ``match.holders`` indexes (this
+        process's transport): a worker maps them onto its own transport's indices,
+        which can differ after map changes."""
         total = match.hit_blocks
         ranges = self._ranges(total, chunk_blocks)
         requests: dict[int, tuple[int, int]] = {}
@@ -187,6 +192,7 @@ class ClientPool:
                     traffic_class,
                     region.name,
                     region.offset + start * payload_len,
+                    nodes,
                 ),
             )
         good: dict[int, int] = {}
@@ -364,6 +370,21 @@ def _release(buffers: dict[str, shared_memory.SharedMemory], name: str) -> None:
         shm.unlink()
 
 
+def _own_indices(
+    client: Any, nodes: tuple[tuple[str, str], ...], holders: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """``holders`` (indices into the parent's ``nodes``) as indices into this worker's
+    transport (-1 stays -1)."""
+    from kvcache.cluster import NodeInfo
+
+    topology = client.core.topology
+    mine = np.array(
+        [topology.index_of(NodeInfo(id=node_id, data=data)) for node_id, data in nodes] + [-1],
+        np.int64,
+    )
+    return mine[np.where(holders >= 0, holders, len(nodes))]
+
+
 def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfig) -> None:
     """One I/O worker: a full client serving the pool's requests, one at a time."""
     from kvcache.client.client import Client
@@ -402,8 +423,12 @@ def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfi
             request_id = message[1]
             try:
                 if kind == "load":
-                    _, _, raw_keys, stripes, holders, tpb, payload_len, cls, name, offset = message
+                    _, _, raw_keys, stripes, holders, tpb, payload_len, cls, name, offset, nodes = (
+                        message
+                    )
                     keys = [BlockKey(raw_keys[i : i + 16]) for i in range(0, len(raw_keys), 16)]
+                    if nodes:
+                        holders = _own_indices(client, nodes, holders)
                     match = MatchResult(
                         keys, len(keys), tpb, stripes, holders, np.full(len(keys), -1, np.int64)
                     )

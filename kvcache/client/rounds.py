@@ -21,13 +21,15 @@ a socket, so tests drive them through any schedule of replies and delays.
   not asked yet is asked.
 * :class:`PutRound` — one batch of blocks, all shards sent at once; over when
   every node answered, or a hedge time after every block reached the write
-  quorum, or at the deadline.
+  quorum, or at the deadline. A node that fails (no answer, refused
+  connection) has its shards sent on to the next node of each block's
+  rendezvous order, within the block's redirect budget.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +68,11 @@ class HasRound:
 
     ``rows`` are the placement holders of each block; ``settle`` is how many
     shards of one stripe a block needs before its answer cannot improve
-    (k for a match, ``min_write_shards`` for a store's check).
+    (k for a match, ``min_write_shards`` for a store's check). ``node_cap`` is
+    the most shards of one block a node listed once may hold (more than one
+    where writers had to double up on live nodes while holders were down), so
+    a block is given up on only when the nodes yet to answer cannot hold
+    enough.
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class HasRound:
         settle: int,
         hedge_s: float,
         timeout_s: float,
+        node_cap: int = 1,
     ) -> None:
         self.rows = rows
         self.k, self.n, self.settle = k, n, settle
@@ -91,13 +98,17 @@ class HasRound:
         self.pending = set(self.sends)
         #: Per block: shards that nodes yet to answer may hold.
         self.unanswered = np.zeros(len(rows), np.int64)
-        for send in self.sends.values():
-            self.unanswered += (rows == send.node).sum(axis=1)
+        self._may_hold: dict[int, IntArray] = {}
+        for ticket, send in self.sends.items():
+            listed = (rows == send.node).sum(axis=1)
+            self._may_hold[ticket] = np.where(listed > 0, np.maximum(listed, node_cap), 0)
+            self.unanswered += self._may_hold[ticket]
         self.answered = 0
         self.held: list[tuple[int, IntArray, IntArray, npt.NDArray[np.uint64]]] = []
         # Per block: shards seen, the first stripe seen, and whether another one was:
         # while a block's answers agree on one stripe, its best count is its shard count.
         self._count = np.zeros(len(rows), np.int64)
+        self._seen = np.zeros((len(rows), n), bool)
         self._stripe = np.zeros(len(rows), np.uint64)
         self._mixed = np.zeros(len(rows), bool)
         self.started = 0.0
@@ -125,10 +136,16 @@ class HasRound:
         valid = (ordinal >= 0) & (ordinal < len(send.blocks))
         blocks, stripes = send.blocks[ordinal[valid]], stripe[valid]
         self.held.append((send.node, blocks, index[valid], stripes))
-        np.add.at(self._count, blocks, 1)
+        indices = index[valid]
         unseen = self._stripe[blocks] == 0
         self._stripe[blocks[unseen]] = stripes[unseen]
-        np.logical_or.at(self._mixed, blocks, self._stripe[blocks] != stripes)
+        same = (self._stripe[blocks] == stripes) & (indices >= 0) & (indices < self.n)
+        np.logical_or.at(self._mixed, blocks, ~same)
+        # Distinct indices: a shard can sit on two nodes (sent on after a node failed
+        # that stored it anyway, or put back by a read repair), and counts once.
+        self._seen[blocks[same], indices[same]] = True
+        touched = np.unique(blocks)
+        self._count[touched] = self._seen[touched].sum(axis=1)
         self._check(now)
 
     def on_failure(self, ticket: int, now: float) -> None:
@@ -152,7 +169,7 @@ class HasRound:
             return None
         self.pending.discard(ticket)
         send = self.sends[ticket]
-        self.unanswered -= (self.rows == send.node).sum(axis=1)
+        self.unanswered -= self._may_hold[ticket]
         return send
 
     def _check(self, now: float) -> None:
@@ -448,11 +465,20 @@ class LoadRound:
 # ---------------------------------------------------------------------- stores
 
 
+#: Picks a new node for a shard of block ``b`` whose node failed: (b, the block's current
+#: targets, the nodes failed in this round) -> node, or -1 for none.
+Respill = Callable[[int, IntArray, frozenset[int]], int]
+
+
 class PutRound:
     """One batch of blocks written to their holders (see the module docstring).
 
-    ``holders[b, i]`` is the node shard ``i`` of block ``b`` goes to; nodes
-    not in ``node_up`` are skipped (their shards count as not stored).
+    ``holders[b, i]`` is the node shard ``i`` of block ``b`` goes to (-1: not
+    sent); nodes not in ``node_up`` are skipped (their shards count as not
+    stored). With ``respill``, the shards of a node whose request fails are
+    sent to ``respill(b, holders[b], failed_nodes)`` instead, as long as
+    ``redirected[b]`` (shards of the block already off their holders) stays
+    within ``redirect_limit``; :attr:`holders` always says where each shard went.
     """
 
     def __init__(
@@ -463,13 +489,25 @@ class PutRound:
         min_write: int,
         hedge_s: float,
         timeout_s: float,
+        respill: Respill | None = None,
+        redirected: IntArray | None = None,
+        redirect_limit: int = 0,
     ) -> None:
-        self.holders = holders
+        self.holders = holders.copy()
         self.min_write = min_write
         self._hedge_s, self._timeout_s = hedge_s, timeout_s
         blocks, n = holders.shape
         self.acks = np.zeros((blocks, n), bool)
         self.sends: dict[int, Send] = {}
+        self._respill = respill
+        self.redirected = (
+            redirected.copy() if redirected is not None else np.zeros(blocks, np.int64)
+        )
+        self.redirect_limit = redirect_limit
+        #: Nodes whose request failed in this round.
+        self.failed: set[int] = set()
+        #: Shards sent on to another node after their node failed.
+        self.respilled = 0
         for node in np.unique(holders).tolist():
             if node < 0 or not node_up[node]:
                 continue
@@ -496,11 +534,44 @@ class PutRound:
         self.acks[send.blocks[stored], send.indices[stored]] = True
         self._check(now)
 
-    def on_failure(self, ticket: int, now: float) -> None:
-        """``ticket`` failed: none of its shards count as stored."""
-        if ticket in self.pending:
-            self.pending.discard(ticket)
-            self._check(now)
+    def on_failure(self, ticket: int, now: float) -> list[Send]:
+        """``ticket`` failed: none of its shards count as stored; returns the sends that
+        carry them to other nodes (see the class docstring)."""
+        if ticket not in self.pending:
+            return []
+        self.pending.discard(ticket)
+        send = self.sends[ticket]
+        self.failed.add(send.node)
+        out = self._redirect(send, now)
+        self._check(now)
+        return out
+
+    def _redirect(self, send: Send, now: float) -> list[Send]:
+        if self._respill is None or now >= self.started + self._timeout_s:
+            return []
+        failed = frozenset(self.failed)
+        moved: dict[int, list[tuple[int, int]]] = {}
+        for b, i in zip(send.blocks.tolist(), send.indices.tolist(), strict=True):
+            if self.acks[b, i] or self.holders[b, i] != send.node:
+                continue
+            if self.redirected[b] >= self.redirect_limit:
+                continue
+            node = self._respill(b, self.holders[b], failed)
+            if node < 0 or node in failed:
+                continue
+            self.holders[b, i] = node
+            self.redirected[b] += 1
+            moved.setdefault(node, []).append((b, i))
+        out = []
+        for node, pairs in moved.items():
+            blocks = np.array([b for b, _ in pairs], np.int64)
+            indices = np.array([i for _, i in pairs], np.int64)
+            new = _send(node, blocks, indices)
+            self.sends[new.ticket] = new
+            self.pending.add(new.ticket)
+            self.respilled += len(pairs)
+            out.append(new)
+        return out
 
     def tick(self, now: float) -> None:
         """Time passed."""

@@ -15,6 +15,13 @@ concurrent stores of one block cannot both be acknowledged: each node keeps
 the first, at most one writer reaches the quorum, the other rolls back. A
 long store decides again, per chunk, what it may replace once its first
 decision is older than ``EXPECT_FRESH_S``.
+
+Down holders: a shard whose holder is down (by the membership source or
+this client's own health tracking) goes to the key's next live node in
+rendezvous order, and when a node fails during the PUT its shards are sent
+on the same way (:class:`~kvcache.client.rounds.PutRound`). A block is
+written only with at most ``max_redirect`` shards off their holders, which
+keeps the racing-writer guarantee (``docs/spec/shard-layout.md``, section 6).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from kvcache.client.encoding import EncodedBatch, as_payload_rows, encode_batch
 from kvcache.client.matching import held_shards
 from kvcache.client.plan import HeldShards, best_counts
 from kvcache.client.rounds import PutRound
+from kvcache.client.view import ClusterView
 from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import BlockKey
 from kvcache.wire import NO_INDEX, Op, make_items
@@ -88,15 +96,20 @@ def store_keys(
         return StoreResult(0, 0, 0)
     config = core.config
     k, n = config.k, config.n
-    held = held_shards(core, keys, settle=config.min_write_shards)
+    view = core.view()
+    up = core.up_mask(view)
+    placement_rows, redirected, order = view.targets(keys, up)
+    read_rows = view.read_rows(keys, placement_rows)
+    held = held_shards(core, keys, settle=config.min_write_shards, view=view, rows=read_rows)
     best = best_counts(held, len(keys), n=n)
     suspects = core.suspects(keys)
     present = best >= k
     for i in suspects:
         present[i] = False
-    touched = touch_or_delete(core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls)
+    touched = touch_or_delete(
+        core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls, view=view
+    )
     todo = np.flatnonzero(~present)
-    placement_rows = core.placement.holders(keys)
     expect = _replaceable(held, placement_rows, best, suspects, k=k)
     checked_at = core.clock()
     chunk = config.chunk_blocks(payload_len)
@@ -133,14 +146,23 @@ def store_keys(
                     # this chunk, so it never replaces a stripe another writer finished since.
                     group = groups[g_index]
                     expect[group] = _fresh_expect(
-                        core, [keys[i] for i in group], placement_rows[group]
+                        core,
+                        [keys[i] for i in group],
+                        placement_rows[group],
+                        view,
+                        read_rows[group],
                     )
-                flights.append(_start_put(core, groups[g_index], batch, placement_rows, expect))
+                flights.append(
+                    _start_put(
+                        core, view, up, groups[g_index], batch, placement_rows, expect,
+                        redirected=redirected, order=order,
+                    )
+                )  # fmt: skip
                 if next_group < len(groups):
                     pending.append(pool.submit(encode, groups[next_group]))
                     next_group += 1
             group, batch, round_, pump = flights[0]
-            _drive_put(core, round_, pump)
+            _drive_put(core, round_, pump, batch, expect[group])
             flights.pop(0)
             done_groups += 1
             ok = round_.written
@@ -164,11 +186,15 @@ def store_keys(
 
 
 def _fresh_expect(
-    core: ClientCore, keys: list[BlockKey], placement_rows: npt.NDArray[np.int64]
+    core: ClientCore,
+    keys: list[BlockKey],
+    placement_rows: npt.NDArray[np.int64],
+    view: ClusterView,
+    read_rows: npt.NDArray[np.int64],
 ) -> npt.NDArray[np.uint64]:
     """:func:`_replaceable` for ``keys`` from a new HAS round."""
     config = core.config
-    held = held_shards(core, keys, settle=config.min_write_shards)
+    held = held_shards(core, keys, settle=config.min_write_shards, view=view, rows=read_rows)
     best = best_counts(held, len(keys), n=config.n)
     return _replaceable(held, placement_rows, best, core.suspects(keys), k=config.k)
 
@@ -204,20 +230,34 @@ def _replaceable(
 
 def _start_put(
     core: ClientCore,
+    view: ClusterView,
+    up: npt.NDArray[np.bool_],
     group: npt.NDArray[np.int64],
     batch: EncodedBatch,
     placement_rows: npt.NDArray[np.int64],
     expect: npt.NDArray[np.uint64],
+    *,
+    redirected: npt.NDArray[np.int64],
+    order: npt.NDArray[np.int64],
 ) -> tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]:
     config = core.config
     holders = placement_rows[group]
+    orders = order[group]
+
+    def respill(b: int, row: npt.NDArray[np.int64], failed: frozenset[int]) -> int:
+        return view.respill(orders[b].tolist(), row.tolist(), up, failed)
+
     round_ = PutRound(
         holders,
-        core.node_up_mask(holders, config.min_write_shards),
+        up,
         min_write=config.min_write_shards,
         hedge_s=core.hedge_s(core.read_latency),
         timeout_s=config.timeout_s,
+        respill=respill,
+        redirected=redirected[group],
+        redirect_limit=view.redirect_limit,
     )
+    core.count("shards_redirected", int(redirected[group].sum()))
     pump = Pump(core.transport, core.health, core.clock)
     for send in round_.start(core.clock()):
         items, data = batch.node_sections(
@@ -227,19 +267,28 @@ def _start_put(
     return group, batch, round_, pump
 
 
-def _drive_put(core: ClientCore, round_: PutRound, pump: Pump) -> None:
+def _drive_put(
+    core: ClientCore, round_: PutRound, pump: Pump, batch: EncodedBatch, group_expect: Any
+) -> None:
     while not round_.done:
         for event in pump.wait(round_.next_wakeup()):
             now = core.clock()
             if event.reply is None:
-                round_.on_failure(event.ticket, now)
+                for send in round_.on_failure(event.ticket, now):
+                    items, data = batch.node_sections(
+                        send.blocks, send.indices, group_expect[send.blocks, send.indices]
+                    )
+                    pump.submit(PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data))
                 continue
             statuses = event.reply.items["status"]
             core.count("write_conflicts", int(np.count_nonzero(statuses == 7)))
             round_.on_reply(event.ticket, statuses == 0, now)
         round_.tick(core.clock())
-    pump.abandon(core.config.timeout_s)
+    # Counted from the round's start: a round that ran to its deadline marks the nodes that
+    # never answered down, so the next store sends their shards elsewhere at once.
+    pump.abandon(core.config.timeout_s, since=round_.started)
     core.count("node_errors", pump.node_errors)
+    core.count("shards_redirected", round_.respilled)
 
 
 def _rollback(
@@ -266,18 +315,22 @@ def _rollback(
     pump.abandon(core.config.timeout_s)
 
 
-def touch_or_delete(core: ClientCore, op: Op, keys: list[BlockKey], cls: str) -> int:
-    """Send TOUCH (or DELETE of every shard) for ``keys`` to their holders; keys any node knew."""
+def touch_or_delete(
+    core: ClientCore, op: Op, keys: list[BlockKey], cls: str, *, view: ClusterView | None = None
+) -> int:
+    """Send TOUCH (or DELETE of every shard) for ``keys`` to every node that may hold some
+    (the view's read rows); keys any node knew."""
     if not keys:
         return 0
-    rows = core.placement.holders(keys)
+    view = view or core.view()
+    rows = view.read_rows(keys, view.targets(keys, core.up_mask(view))[0])
     key_words = np.frombuffer(b"".join(keys), dtype="V16")
-    up = core.node_up_mask()
+    up = core.node_up_mask(view=view)
     found = np.zeros(len(keys), bool)
     pump = Pump(core.transport, core.health, core.clock)
     blocks_of: dict[int, npt.NDArray[np.int64]] = {}
     for node in np.unique(rows).tolist():
-        if not up[node]:
+        if node < 0 or not up[node]:
             continue
         blocks = np.nonzero((rows == node).any(axis=1))[0]
         items = make_items(op, len(blocks), reply=False)

@@ -27,9 +27,9 @@ __all__ = ["REPAIR_NOTE", "VIEW_VERSION", "ViewContext", "build_view"]
 #: Version of the document's layout (the page checks it).
 VIEW_VERSION = 1
 REPAIR_NOTE = (
-    "none running: the daemons have no background repair or scrub in this version. "
-    "Clients put back shards a load found missing or corrupt (read repair); that is "
-    "counted in the client's counters, not here."
+    "Repair runs as `kvcache repair` (a pass, or --follow to keep running): its progress "
+    "is in its own output. Clients also put back shards a load found missing or corrupt "
+    "(read repair), counted in the client's counters."
 )
 #: What each op's latency means, in the page's words.
 OP_LABELS = {
@@ -97,7 +97,42 @@ def build_view(
             }
             for name in _GC
         },
-        "repair": {"running": False, "text": REPAIR_NOTE},
+        "repair": _repair(polls),
+    }
+
+
+def _repair(polls: Sequence[NodePoll]) -> dict[str, Any]:
+    """Scrub state per answering node (from its ``/stats``), and a one-line summary."""
+    nodes: list[dict[str, Any]] = []
+    for p in polls:
+        scrub = (p.stats or {}).get("scrub")
+        if not isinstance(scrub, Mapping):
+            continue
+        nodes.append(
+            {
+                "node": p.node.id,
+                "enabled": bool(scrub.get("enabled")),
+                "running": bool(scrub.get("running")),
+                "progress": float(scrub.get("pass_progress", 1.0)),
+                "passes": int(scrub.get("passes", 0)),
+                "checked": int(scrub.get("shards_checked", 0)),
+                "bad": int(scrub.get("shards_bad", 0)),
+            }
+        )
+    running = [n for n in nodes if n["running"]]
+    checked = sum(n["checked"] for n in nodes)
+    bad = sum(n["bad"] for n in nodes)
+    if not nodes:
+        scrub_text = "scrub: no node reports it."
+    else:
+        scrub_text = (
+            f"scrub: {len(running)} of {len(nodes)} nodes scrubbing; {checked:,} shards "
+            f"re-verified and {bad:,} bad ones deleted since the daemons started."
+        )
+    return {
+        "running": bool(running),
+        "text": f"{scrub_text} {REPAIR_NOTE}",
+        "nodes": nodes,
     }
 
 

@@ -6,7 +6,8 @@ Reads: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /stats``
 shows the nodes of ``cluster_file``, or this node alone). Writes always need the admin token from the
 cluster credentials (``Authorization: Bearer <token>``); without one
 configured they are refused: ``PUT /retention`` (a policy as JSON),
-``DELETE /retention`` (back to the configured policy) and, only with
+``DELETE /retention`` (back to the configured policy), ``POST /scrub`` (start a
+scrub pass now: :mod:`kvcache.server.scrub`) and, only with
 ``allow_clock_override``, ``POST /debug/clock``.
 
 The admin thread never touches LMDB: reads use the store's thread-safe
@@ -91,6 +92,7 @@ def build_app(
             usage=store.usage(service.handler.tenant_names),
             store_counters=dict(store.counters),
             swa_directory=service.handler.swa_directory.stats(),
+            scrub=None if service.handler.scrubber is None else service.handler.scrubber.stats(),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -133,6 +135,14 @@ def build_app(
         log.warning("clock offset set to %.3f s (test override)", clock.offset_s)
         return _json({"offset_s": clock.offset_s, "now": clock()})
 
+    async def start_scrub(request: web.Request) -> web.Response:
+        scrubber = service.handler.scrubber
+        if scrubber is None or not scrubber.enabled:
+            return _json(
+                {"error": "scrubbing is off on this daemon (scrub_rate_bytes = 0)"}, status=409
+            )
+        return _json(await asyncio.wrap_future(service.submit(scrubber.start_now)))
+
     app = web.Application(client_max_size=_JSON_LIMIT)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
@@ -140,6 +150,7 @@ def build_app(
     app.router.add_get("/retention", get_retention)
     app.router.add_put("/retention", guarded(put_retention))
     app.router.add_delete("/retention", guarded(delete_retention))
+    app.router.add_post("/scrub", guarded(start_scrub))
     if clock is not None and config.allow_clock_override:
         app.router.add_post("/debug/clock", guarded(set_clock))
     collector = Collector(

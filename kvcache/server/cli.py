@@ -55,7 +55,27 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--cluster-file",
         type=Path,
-        help="cluster map the admin status page (/dashboard) polls (default: this node only)",
+        help="cluster map the admin status page (/dashboard) polls (default: this node only); "
+        "when it has an [etcd] table, the daemon registers there under a lease",
+    )
+    parser.add_argument("--domain", help="failure domain (host, rack) registered in etcd")
+    parser.add_argument("--weight", type=float, help="placement weight registered in etcd")
+    parser.add_argument(
+        "--lease-ttl", dest="lease_ttl_s", type=int, help="etcd lease seconds (default 10)"
+    )
+    parser.add_argument(
+        "--advertise", help="data endpoint registered in etcd (default: the bound one)"
+    )
+    parser.add_argument(
+        "--scrub-rate",
+        dest="scrub_rate_bytes",
+        help="bytes of stored shards re-verified per second, e.g. 32MiB (0: no scrub)",
+    )
+    parser.add_argument(
+        "--scrub-interval",
+        dest="scrub_interval_s",
+        type=float,
+        help="seconds from one scrub pass's start to the next (default 7 days)",
     )
     parser.add_argument(
         "--ready-file",
@@ -78,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "cluster_file": args.cluster_file,
+        "domain": args.domain,
+        "weight": args.weight,
+        "lease_ttl_s": args.lease_ttl_s,
+        "advertise": args.advertise,
+        "scrub_rate_bytes": args.scrub_rate_bytes,
+        "scrub_interval_s": args.scrub_interval_s,
     }
     config, policy = load_server_config(args.config, flags=flags)
     log.info("effective config: %s", json.dumps(config.redacted(), sort_keys=True))

@@ -31,7 +31,13 @@ __all__ = [
 
 ENV_PREFIX = "KVCACHE_SERVER"
 RETENTION_ENV_PREFIX = "KVCACHE_RETENTION"
-_SIZE_FIELDS = ("capacity_bytes", "map_size_bytes", "max_data_bytes", "max_inflight_bytes")
+_SIZE_FIELDS = (
+    "capacity_bytes",
+    "map_size_bytes",
+    "max_data_bytes",
+    "max_inflight_bytes",
+    "scrub_rate_bytes",
+)
 
 
 class SyncMode(enum.Enum):
@@ -119,6 +125,22 @@ class ServerConfig:
     #: The cluster map the status page (``/dashboard``) shows, read again at every poll so an
     #: edited file shows without a restart. Unset: the page shows this node alone.
     cluster_file: Path | None = None
+    #: Failure domain (host, rack) this node registers with when the cluster file names etcd;
+    #: empty: the node id. Placement puts no more of a block's shards in one domain than needed.
+    domain: str = ""
+    #: Placement weight this node registers with (relative share of shards).
+    weight: float = 1.0
+    #: Seconds of this node's etcd lease: clients stop using a node that stopped renewing it
+    #: (crashed, cut off) within this time. etcd's minimum is 2.
+    lease_ttl_s: int = 10
+    #: Data endpoint clients should use, registered in etcd (when ``listen`` binds a wildcard
+    #: address such as tcp://0.0.0.0:7400). Empty: the bound endpoint.
+    advertise: str = ""
+    #: Scrub (kvcache.server.scrub): stored shards re-verified per second at most, in
+    #: bytes ("32MiB" in TOML or flags); 0 turns scrubbing off.
+    scrub_rate_bytes: int = 32 << 20
+    #: Seconds from the start of one scrub pass to the next (the first: after start-up).
+    scrub_interval_s: float = 7 * 24 * 3600.0
     #: Test only: allow ``POST /debug/clock`` to shift the daemon's clock (admin-token-guarded).
     allow_clock_override: bool = False
 
@@ -162,8 +184,21 @@ class ServerConfig:
                 "swa_directory_records and swa_directory_per_key must be >= 1, got "
                 f"{self.swa_directory_records} and {self.swa_directory_per_key}"
             )
+        if self.scrub_rate_bytes < 0:
+            raise ConfigError(f"scrub_rate_bytes must be >= 0, got {self.scrub_rate_bytes}")
+        if not self.scrub_interval_s > 0:
+            raise ConfigError(f"scrub_interval_s must be > 0, got {self.scrub_interval_s}")
         if self.touch_resolution_s < 0:
             raise ConfigError(f"touch_resolution_s must be >= 0, got {self.touch_resolution_s}")
+        if not isinstance(self.lease_ttl_s, int) or self.lease_ttl_s < 2:
+            raise ConfigError(f"lease_ttl_s must be an integer >= 2 (etcd), got {self.lease_ttl_s}")
+        if not self.weight > 0:
+            raise ConfigError(f"weight must be > 0, got {self.weight}")
+        if self.advertise:
+            try:
+                parse_endpoint(self.advertise)
+            except ValueError as exc:
+                raise ConfigError(f"advertise: {exc}") from None
 
     @property
     def limits(self) -> Limits:

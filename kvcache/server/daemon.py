@@ -10,12 +10,15 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from kvcache.cluster import read_cluster_file
 from kvcache.credentials import Credentials
 from kvcache.errors import ConfigError
 from kvcache.memtune import tune_malloc
@@ -26,8 +29,12 @@ from kvcache.server.eviction import Quota
 from kvcache.server.handler import RequestHandler
 from kvcache.server.loop import DataServer
 from kvcache.server.metrics import Metrics
+from kvcache.server.scrub import Scrubber
 from kvcache.server.store import Clock, ShardStore
 from kvcache.server.swa_directory import SwaDirectory
+
+if TYPE_CHECKING:
+    from kvcache.membership.agent import Registrar
 
 __all__ = ["DaemonInfo", "DaemonThread", "load_credentials", "run_daemon"]
 
@@ -122,6 +129,7 @@ def run_daemon(
     )
     admin: AdminServer | None = None
     server: DataServer | None = None
+    registrar: Registrar | None = None
     try:
         creds = credentials if credentials is not None else load_credentials(config)
         store.quotas = {
@@ -136,6 +144,9 @@ def run_daemon(
                 max_records=config.swa_directory_records,
                 max_per_key=config.swa_directory_per_key,
             ),
+        )
+        handler.scrubber = Scrubber(
+            store, rate_bytes=config.scrub_rate_bytes, interval_s=config.scrub_interval_s
         )
         server = DataServer(
             handler,
@@ -183,15 +194,48 @@ def run_daemon(
                     server=server,
                 )
             )
+        registrar = _register(config, endpoint, admin_url)
         _freeze_startup_objects()
         server.serve(stop)
     finally:
+        if registrar is not None:
+            registrar.stop()
         if admin is not None:
             admin.stop()
         if server is not None:
             server.close()
         store.close()
         log.info("kvcache server %s stopped; LMDB closed", config.node_id)
+
+
+def _register(config: ServerConfig, endpoint: str, admin_url: str) -> Registrar | None:
+    """Register in etcd under a lease when the cluster file names etcd (else None).
+
+    The daemon serves before it is registered and keeps serving while etcd is
+    unreachable (the registrar retries); clients that still have it in their
+    map keep using it meanwhile.
+    """
+    if config.cluster_file is None:
+        return None
+    _static, etcd = read_cluster_file(config.cluster_file)
+    if etcd is None:
+        return None
+    from kvcache.membership.agent import Registrar  # imports the etcd client: only when used
+    from kvcache.membership.model import Registration
+
+    registration = Registration(
+        id=config.node_id,
+        data=config.advertise or endpoint,
+        admin=admin_url,
+        domain=config.domain,
+        weight=config.weight,
+        capacity_bytes=config.capacity_bytes,
+        started_ms=int(time.time() * 1000),
+        pid=os.getpid(),
+    )
+    registrar = Registrar(etcd, registration, ttl_s=config.lease_ttl_s)
+    registrar.start(wait_s=etcd.timeout_s)
+    return registrar
 
 
 class DaemonThread:

@@ -28,10 +28,13 @@ import numpy.typing as npt
 from kvcache.credentials import TenantId
 from kvcache.errors import KVCacheError, ProtocolError, StorageError
 from kvcache.server.metrics import Metrics, store_errors
+from kvcache.server.scrub import Scrubber
 from kvcache.server.store import PutBatch, ReplyTooLargeError, ShardStore
 from kvcache.server.swa_directory import SwaDirectory
 from kvcache.wire import (
     FLAG_REPLY,
+    LIST_INCLUSIVE,
+    LIST_MAX_PAGE,
     NO_INDEX,
     Frame,
     Header,
@@ -103,6 +106,8 @@ class RequestHandler:
         self.tenant_names = tenant_names or {}
         #: SWA holder records (DIR_PUT, HAS_DIR), in RAM: see kvcache.server.swa_directory.
         self.swa_directory = swa_directory if swa_directory is not None else SwaDirectory()
+        #: Background re-verification of stored shards (set by the daemon; None: none).
+        self.scrubber: Scrubber | None = None
 
     # ------------------------------------------------------------------ entry points
 
@@ -195,6 +200,23 @@ class RequestHandler:
             reply = make_items(Op.DIR_PUT, len(items), reply=True)
             reply["status"] = statuses
             return Reply(_frames(header, reply, b"")), statuses
+        if op is Op.LIST:
+            if len(items) != 1:
+                raise ProtocolError(f"LIST takes exactly one item, got {len(items)}")
+            limit = int(items["limit"][0])
+            if not 1 <= limit <= LIST_MAX_PAGE:
+                raise ProtocolError(f"LIST limit must be 1..{LIST_MAX_PAGE}, got {limit}")
+            flags = int(items["flags"][0])
+            if flags & ~LIST_INCLUSIVE:
+                raise ProtocolError(f"unknown LIST flags 0x{flags:04x}")
+            listed = self.store.list_shards(
+                tenant,
+                bytes(items["key"][0]),
+                int(items["index"][0]),
+                inclusive=bool(flags & LIST_INCLUSIVE),
+                limit=limit,
+            )
+            return Reply(_frames(header, listed, b"")), None
         if op is Op.SWA_GET:
             raise ProtocolError("SWA_GET goes to the worker holding the state, not a daemon")
         if op is Op.TOUCH:
@@ -258,6 +280,7 @@ class RequestHandler:
             "gc": {k: v for k, v in counters.items() if not k.startswith("error_")},
             "policy": self.store.policy.to_dict(),
             "swa_directory": self.swa_directory.stats(),
+            **({"scrub": self.scrubber.stats()} if self.scrubber is not None else {}),
             **snapshot,
         }
 

@@ -490,11 +490,19 @@ class DataServer:
 
     def _maintain(self) -> bool:
         try:
-            return self.handler.store.maintain()
+            more = self.handler.store.maintain()
         except (StorageError, OSError) as exc:
             log.error("retention work failed: %s", exc)
             self.metrics.error("gc")
-            return False
+            more = False
+        scrubber = self.handler.scrubber
+        if scrubber is not None:
+            try:
+                more |= scrubber.step()
+            except (StorageError, OSError) as exc:
+                log.error("scrub step failed: %s", exc)
+                self.metrics.error("scrub")
+        return more
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):

@@ -274,6 +274,7 @@ def render_prometheus(
     usage: Mapping[str, Any],
     store_counters: Mapping[str, int],
     swa_directory: Mapping[str, int] | None = None,
+    scrub: Mapping[str, Any] | None = None,
 ) -> str:
     """The whole ``/metrics`` page: request metrics, storage usage per class, GC counters,
     and the SWA holder directory's records and counters."""
@@ -342,6 +343,21 @@ def render_prometheus(
             "SWA holder directory events, by kind.",
             ((f'kind="{_esc(k)}"', v) for k, v in sorted(swa_directory.items()) if k != "records"),
         )
+    if scrub is not None:
+        for name, kind, help_text, value in (
+            ("scrub_shards_checked_total", "counter", "Stored shards re-verified by scrub.",
+             scrub["shards_checked"]),
+            ("scrub_bytes_checked_total", "counter", "Bytes of stored shards re-verified.",
+             scrub["bytes_checked"]),
+            ("scrub_shards_bad_total", "counter", "Stored shards scrub found bad (and deleted).",
+             scrub["shards_bad"]),
+            ("scrub_passes_total", "counter", "Scrub passes finished.", scrub["passes"]),
+            ("scrub_running", "gauge", "1 while a scrub pass is in progress.",
+             int(scrub["running"])),
+            ("scrub_pass_progress", "gauge", "Fraction of the current pass done (1: idle).",
+             scrub["pass_progress"]),
+        ):  # fmt: skip
+            lines += _family(name, kind, help_text, [("", value)])
     return "\n".join(lines) + "\n"
 
 

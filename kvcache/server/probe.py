@@ -21,6 +21,7 @@ from kvcache.errors import NodeError, NodeTimeoutError, ProtocolError
 from kvcache.net import open_session
 from kvcache.shard import ShardHeader, new_stripe_id, payload_hash, shard_hash
 from kvcache.wire import (
+    LIST_INCLUSIVE,
     Frame,
     Header,
     Limits,
@@ -230,6 +231,17 @@ class Probe:
         items["index"] = [w[2] for w in wanted]
         reply = self._ok(self.request(Op.DELETE, items))
         return np.asarray(reply.items["status"])
+
+    def list(
+        self, start: bytes = bytes(16), index: int = 0, *, inclusive: bool = True, limit: int = 4096
+    ) -> npt.NDArray[np.void]:
+        """One LIST page of this tenant's live shards from (``start``, ``index``) on."""
+        items = make_items(Op.LIST, 1, reply=False)
+        items["key"] = start
+        items["index"] = index
+        items["flags"] = LIST_INCLUSIVE if inclusive else 0
+        items["limit"] = limit
+        return np.asarray(self._ok(self.request(Op.LIST, items)).items)
 
     def stats(self) -> dict[str, Any]:
         """The daemon's STATS JSON."""

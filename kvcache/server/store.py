@@ -55,6 +55,7 @@ from kvcache.server.eviction import Quota, capacity_tiers, quota_needs
 from kvcache.server.lmdb_env import LmdbEnvironment, storage_error
 from kvcache.server.records import (
     FORMAT,
+    KEY_LEN,
     PARTITION_LEN,
     RETENTION_HEAD,
     TENANT_LEN,
@@ -70,6 +71,7 @@ from kvcache.server.records import (
     split_expiry_key,
     store_keys,
 )
+from kvcache.shard import HEADER_DTYPE
 from kvcache.wire import NO_INDEX, Op, Status, make_items
 
 __all__ = ["COUNTERS", "Clock", "GetResult", "PutBatch", "ReplyTooLargeError", "ShardStore"]
@@ -80,6 +82,9 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 _U64 = struct.Struct(">Q")
+#: The payload length field of a stored shard's header (see kvcache.shard.HEADER_DTYPE).
+_PAYLOAD_LEN = struct.Struct("<I")
+_PAYLOAD_LEN_AT: int = HEADER_DTYPE.fields["payload_len"][1]  # type: ignore[index]
 _second = operator.itemgetter(1)
 #: Pending hits are written once this many have piled up, whatever their age.
 _MAX_PENDING_TOUCHES = 8192
@@ -639,6 +644,105 @@ class ShardStore:
             reply["index"] = arr[:, 1]
             reply["stripe"] = arr[:, 2]
         return reply
+
+    # ------------------------------------------------------------------ LIST / scrub
+
+    def list_shards(
+        self, tenant: TenantId, start: bytes, index: int, *, inclusive: bool, limit: int
+    ) -> npt.NDArray[np.void]:
+        """Up to ``limit`` live shards of ``tenant`` from (``start`` key, ``index``) on, in
+        storage-key order (key, then index), as LIST reply records. One read transaction
+        over the retention records; each shard's header is read for its payload length."""
+        if limit <= 0:
+            return make_items(Op.LIST, 0, reply=True)
+        now = self.now_ms()
+        pending = self._pending
+        unpack = RETENTION_HEAD.unpack_from
+        payload_len = _PAYLOAD_LEN.unpack_from
+        first = tenant + start + index.to_bytes(2, "big")
+        skeys: list[bytes] = []
+        heads: list[tuple[int, int, int]] = []
+        payloads: list[int] = []
+        classes: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            cursor = txn.cursor(db=self._retention)
+            lookup, sdb = txn.get, self._shards
+            found = cursor.set_range(first)
+            if found and not inclusive and bytes(cursor.key()) == first:
+                found = cursor.next()
+            while found:
+                skey = bytes(cursor.key())
+                if skey[:TENANT_LEN] != tenant:
+                    break
+                raw = cursor.value()
+                expiry, size, stripe, _written = unpack(raw)
+                if pending:
+                    expiry = max(expiry, pending.get(skey, (0,))[0])
+                record = lookup(skey, None, sdb) if expiry > now else None
+                if record is not None:
+                    skeys.append(skey)
+                    heads.append((size, stripe, expiry))
+                    payloads.append(
+                        payload_len(record, _PAYLOAD_LEN_AT)[0]
+                        if len(record) >= _PAYLOAD_LEN_AT + 4
+                        else 0
+                    )
+                    classes.append(bytes(raw[RETENTION_HEAD.size :]))
+                    if len(skeys) == limit:
+                        break
+                found = cursor.next()
+        n = len(skeys)
+        reply = make_items(Op.LIST, n, reply=True)
+        if n:
+            packed = np.frombuffer(b"".join(skeys), np.uint8).reshape(n, KEY_LEN)
+            reply["key"] = np.ascontiguousarray(packed[:, TENANT_LEN:-2]).view("V16").ravel()
+            reply["index"] = (packed[:, -2].astype(np.uint16) << 8) | packed[:, -1]
+            cols = np.array(heads, np.uint64)
+            reply["length"] = cols[:, 0]
+            reply["stripe"] = cols[:, 1]
+            reply["expiry_ms"] = cols[:, 2]
+            reply["payload_len"] = payloads
+            reply["traffic_class"] = classes
+        return reply
+
+    def records_after(self, after: bytes, *, max_bytes: int) -> list[tuple[bytes, bytes]]:
+        """Copies of stored (storage key, record) pairs after storage key ``after`` (every
+        tenant), in key order, about ``max_bytes`` of records at most (at least one): what
+        a scrub step re-verifies. Empty once the end is reached."""
+        out: list[tuple[bytes, bytes]] = []
+        total = 0
+        with self._env.begin(buffers=True) as txn:
+            cursor = txn.cursor(db=self._shards)
+            if not cursor.set_range(after):
+                return out
+            if bytes(cursor.key()) == after and not cursor.next():
+                return out
+            for skey, record in cursor:
+                out.append((bytes(skey), bytes(record)))
+                total += len(record)
+                if total >= max_bytes:
+                    break
+        return out
+
+    def discard(self, found: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete each shard (storage key, record) whose stored record is still exactly
+        ``record`` (a scrub found it bad; a shard rewritten since stays). Returns how many."""
+        deltas = Deltas()
+        try:
+            with self._env.begin(write=True) as txn:
+                for skey, record in found:
+                    stored = txn.get(skey, db=self._shards)
+                    raw = txn.get(skey, db=self._retention)
+                    if stored is None or raw is None or bytes(stored) != record:
+                        continue
+                    self._remove(txn, skey, Retention.unpack(raw), deltas)
+                self._write_usage(txn, deltas)
+        except lmdb.Error as exc:
+            raise storage_error(exc, "deleting bad shards") from exc
+        self.book.apply(deltas)
+        for skey in deltas.removed:
+            self._pending.pop(skey, None)
+        return len(deltas.removed)
 
     # ------------------------------------------------------------------ TOUCH / DELETE
 

@@ -282,6 +282,14 @@
     renderErrors(v);
     renderGc(v);
     $("repair-text").textContent = v.repair.text;
+    fill($("scrub-nodes").tBodies[0], (v.repair.nodes || []).map((n) => ({
+      attrs: { "data-node": n.node },
+      cells: [n.node, n.enabled ? (n.running ? "running" : "idle") : "off",
+        { text: (100 * n.progress).toFixed(0) + " %", cls: "num" },
+        { text: num(n.passes, 0), cls: "num" },
+        { text: num(n.checked, 0), cls: "num" },
+        { text: num(n.bad, 0), cls: "num" }],
+    })));
     document.body.dataset.generatedAt = String(v.generated_at);
     if (!rendered) {
       rendered = true;
