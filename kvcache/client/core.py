@@ -10,7 +10,7 @@ the static cluster file, re-read when it changes, or etcd, watched). Every
 operation takes one :class:`~kvcache.client.view.ClusterView` when it starts
 and uses it to the end; a change of the map only affects operations that
 start after it. Node indices are into ``transport.nodes``, which only grows
-(:class:`~kvcache.client.routing.RoutingTransport`).
+(:meth:`~kvcache.client.transport.TcpTransport.add`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import numpy.typing as npt
 
 from kvcache.client.config import ClientConfig
 from kvcache.client.health import LatencyTracker, NodeHealth
-from kvcache.client.routing import RoutingTransport
-from kvcache.client.transport import Credentials, Transport
+from kvcache.client.transport import Credentials, TcpTransport, Transport
 from kvcache.client.view import ClusterView, Topology
 from kvcache.cluster import ClusterMap
 from kvcache.erasure import ErasureParams, get_codec
@@ -103,13 +102,13 @@ class ClientCore:
         add_node: Callable[..., int] | None = None
         if transport is None:
             assert credentials is not None  # made above
-            routing = RoutingTransport(
+            tcp = TcpTransport(
                 (),
                 credentials,
                 connections_per_node=config.connections_per_node,
                 connect_timeout_s=config.timeout_s,
             )
-            transport, add_node = routing, routing.add
+            transport, add_node = tcp, tcp.add
         self.transport = transport
         self.topology = Topology(
             initial,

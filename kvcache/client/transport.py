@@ -156,6 +156,7 @@ class _Connection:
         while True:
             exchange = self.queue.get()
             if exchange is None:
+                self._drop()
                 return
             with self.lock:
                 self.busy = exchange
@@ -307,22 +308,39 @@ class TcpTransport:
         connect_timeout_s: float = 2.0,
         limits: Limits | None = None,
     ) -> None:
-        self.nodes = tuple(nodes)
+        self.nodes: tuple[NodeInfo, ...] = ()
         self.credentials = credentials
         self.connect_timeout_s = connect_timeout_s
+        self.connections_per_node = connections_per_node
         self.limits = limits or Limits()
-        self._bulk = [
-            [
-                _Connection(self, i, f"kvcache-{node.id}-bulk{j}")
-                for j in range(connections_per_node)
-            ]
-            for i, node in enumerate(self.nodes)
-        ]
-        self._control = [
-            _Connection(self, i, f"kvcache-{node.id}-ctl") for i, node in enumerate(self.nodes)
-        ]
-        self._next = [itertools.count() for _ in self.nodes]
+        self._bulk: list[list[_Connection]] = []
+        self._control: list[_Connection] = []
+        self._next: list[itertools.count[int]] = []
+        self._grow = threading.Lock()
         self._closed = False
+        for node in nodes:
+            self.add(node)
+
+    def add(self, node: NodeInfo) -> int:
+        """Add ``node`` (a node that joined the map, or one at a new address); its index.
+
+        Indices only grow: a node that leaves the map keeps its index, unused.
+        """
+        with self._grow:
+            if self._closed:
+                raise NodeError("client closed", node=node.id)
+            index = len(self.nodes)
+            self._bulk.append(self._connections(index, node))
+            self._control.append(_Connection(self, index, f"kvcache-{node.id}-ctl"))
+            self._next.append(itertools.count())
+            self.nodes = (*self.nodes, node)
+            return index
+
+    def _connections(self, index: int, node: NodeInfo) -> list[_Connection]:
+        return [
+            _Connection(self, index, f"kvcache-{node.id}-bulk{j}")
+            for j in range(self.connections_per_node)
+        ]
 
     def node_id(self, node: int) -> str:
         """The id of node ``node``."""
@@ -346,11 +364,25 @@ class TcpTransport:
         conn.queue.put(exchange)
 
     def reset(self, node: int) -> None:
-        """Fail queued and in-flight exchanges of ``node``; connections reopen on next use."""
+        """Fail queued and in-flight exchanges of ``node``; it gets fresh connections.
+
+        The old connections are retired, not reused: a socket that was shut down
+        stays in its connection, and the next request on it would fail with EPIPE
+        and mark a node that had come back down again (a load after a paused node
+        resumed lost 5 of 12 blocks that way).
+        """
         error = NodeError(f"node {self.node_id(node)} reset", node=self.node_id(node))
-        for conn in (*self._bulk[node], self._control[node]):
+        with self._grow:
+            if self._closed:
+                return
+            info = self.nodes[node]
+            old = (*self._bulk[node], self._control[node])
+            self._bulk[node] = self._connections(node, info)
+            self._control[node] = _Connection(self, node, f"kvcache-{info.id}-ctl")
+        for conn in old:
             conn.fail_queued(error)
             conn.abort()
+            conn.queue.put(None)  # its thread ends after the exchange in hand
 
     def busy_since(self) -> dict[int, float]:
         """Per node with an exchange in progress: since when the oldest one is (monotonic)."""
@@ -371,9 +403,10 @@ class TcpTransport:
 
     def close(self) -> None:
         """Stop every connection thread and close the sockets."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._grow:
+            if self._closed:
+                return
+            self._closed = True
         conns = [c for pool in self._bulk for c in pool] + self._control
         for conn in conns:
             conn.fail_queued(NodeError("client closed", node=self.node_id(conn.node)))

@@ -209,7 +209,7 @@ class Topology:
     """Hands out :class:`ClusterView` s and takes new memberships (thread-safe).
 
     ``add_node`` registers a node with the transport and returns its index (a
-    :class:`~kvcache.client.routing.RoutingTransport` grows); without it the
+    :meth:`~kvcache.client.transport.TcpTransport.add`); without it the
     transport's node list is fixed and a node missing from it is never used.
     """
 
