@@ -120,6 +120,7 @@ class Placement:
         self.domain_names = sorted(set(domains))
         self.domain_of = np.array([self.domain_names.index(d) for d in domains], np.int64)
         self._distinct_domains = len(self.domain_names) == len(nodes)
+        self._equal_weights = bool(np.all(self._weights == self._weights[0]))
         self._cache: dict[BlockKey, IntArray] = {}
         self._salts = np.array(
             [
@@ -185,8 +186,15 @@ class Placement:
         key_word = self._key_words(keys)
         # Every position's scores at once: (depth, keys, nodes).
         mixed = _mix64((key_word[None, :] ^ self._salts[:depth, None])[:, :, None] ^ self._seeds)
-        unit = ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
-        scores = -self._weights / np.log(unit)
+        scores: npt.NDArray[np.float64] | npt.NDArray[np.int64]
+        if self._equal_weights:
+            # -w / ln(u) grows with u: with one weight the top 53 bits order the nodes
+            # exactly as the scores would (no logarithm per pair).
+            scores = (mixed >> np.uint64(11)).astype(np.int64)
+        else:
+            unit = ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+            scores = -self._weights / np.log(unit)
+        lowest = -1 if self._equal_weights else -np.inf
         out = np.zeros((count, depth), np.int64)
         rows = np.arange(count)
         if self._distinct_domains and not general:
@@ -194,7 +202,7 @@ class Placement:
             # (a round: until every node holds one more position).
             taken = np.zeros((count, nodes), bool)
             for p in range(depth):
-                pick = np.argmax(np.where(taken, -np.inf, scores[p]), axis=1)
+                pick = np.argmax(np.where(taken, lowest, scores[p]), axis=1)
                 out[:, p] = pick
                 taken[rows, pick] = True
                 if (p + 1) % nodes == 0:
@@ -207,7 +215,7 @@ class Placement:
             # Eligible: fewest positions on the node, then fewest in its domain.
             rank = node_load * big + domain_load[:, self.domain_of]
             eligible = rank == rank.min(axis=1, keepdims=True)
-            pick = np.argmax(np.where(eligible, scores[p], -np.inf), axis=1)
+            pick = np.argmax(np.where(eligible, scores[p], lowest), axis=1)
             out[:, p] = pick
             node_load[rows, pick] += 1
             domain_load[rows, self.domain_of[pick]] += 1

@@ -298,3 +298,24 @@ def test_one_domain_per_node_shortcut_matches_the_general_rule(
     # The cached rows are the computed ones.
     assert np.array_equal(placement.order(block_keys), fast)
     assert np.array_equal(placement.order(block_keys), fast)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 20), st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=30))
+def test_equal_weights_order_by_the_rendezvous_scores(count: int, keys: list[bytes]) -> None:
+    """With one weight, placement compares hash bits instead of -w / ln(u): the same order
+    as the scores themselves (checked against :meth:`Placement.scores`, position by
+    position, each node taken once per round)."""
+    nodes = tuple(NodeInfo(id=f"n{i}", data=f"tcp://127.0.0.1:{7000 + i}") for i in range(count))
+    placement = Placement(ClusterMap(epoch=1, nodes=nodes), width=12)
+    block_keys = [BlockKey(k) for k in keys]
+    got = placement.order(block_keys)
+    for b, key in enumerate(block_keys):
+        taken: set[int] = set()
+        for p in range(placement.depth):
+            if len(taken) == count:
+                taken = set()
+            scores = placement.scores([key], p)[0]
+            best = max((x for x in range(count) if x not in taken), key=lambda x: scores[x])
+            assert got[b, p] == best
+            taken.add(best)

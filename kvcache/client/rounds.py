@@ -140,7 +140,7 @@ class HasRound:
         unseen = self._stripe[blocks] == 0
         self._stripe[blocks[unseen]] = stripes[unseen]
         same = (self._stripe[blocks] == stripes) & (indices >= 0) & (indices < self.n)
-        np.logical_or.at(self._mixed, blocks, ~same)
+        self._mixed[blocks[~same]] = True
         # Distinct indices: a shard can sit on two nodes (sent on after a node failed
         # that stored it anyway, or put back by a read repair), and counts once.
         self._seen[blocks[same], indices[same]] = True

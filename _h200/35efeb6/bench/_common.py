@@ -1,0 +1,79 @@
+"""Shared bits of the benchmark scripts: argument parsing, timing, tables, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the flags every bench script takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a short run (at most about 60 s)")
+    p.add_argument("--json", type=Path, help="write every printed figure as a flat JSON object")
+    return p
+
+
+def best_of(fn: Callable[[], Any], repeat: int) -> float:
+    """Fastest of ``repeat`` timed calls, in seconds."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine() -> str:
+    """CPU model and core count, for the record."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def commit() -> str:
+    """The git commit the benchmark ran on (with +dirty if the tree has changes).
+
+    ``KVCACHE_COMMIT`` overrides it, for machines that get a copy of the tree without .git.
+    """
+    if os.environ.get("KVCACHE_COMMIT"):
+        return os.environ["KVCACHE_COMMIT"]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True
+        ).stdout
+        return sha + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table."""
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def write_json(path: Path | None, figures: dict[str, Any]) -> None:
+    """Write the flat figures object if asked."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,154 @@
+"""What every client operation shares: the cluster, placement, codec, transport and health.
+
+:class:`ClientCore` is plain state plus a few helpers; the operations are
+functions in :mod:`.matching`, :mod:`.loading` and :mod:`.storing` that take
+it, and :class:`kvcache.client.Client` is the public façade over them.
+Composition, not inheritance: each operation's module reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.config import ClientConfig
+from kvcache.client.health import LatencyTracker, NodeHealth
+from kvcache.client.transport import Credentials, TcpTransport, Transport
+from kvcache.cluster import ClusterMap
+from kvcache.erasure import ErasureParams, get_codec
+from kvcache.errors import ArgumentError
+from kvcache.keys import BlockKey
+from kvcache.memtune import tune_malloc
+from kvcache.net import client_tls_context
+from kvcache.placement import Placement
+from kvcache.shard import check_class_name
+
+__all__ = ["COUNTERS", "ClientCore"]
+
+log = logging.getLogger(__name__)
+
+_MAX_SUSPECT = 65536
+
+#: Names in :attr:`ClientCore.counters`.
+COUNTERS = (
+    "hedges",
+    "node_errors",
+    "blocks_loaded",
+    "blocks_rebuilt",
+    "blocks_written",
+    "blocks_touched",
+    "write_failures",
+    "write_conflicts",
+    "blocks_corrupt",
+    "bad_shards_found",
+    "shards_repaired",
+    "stripes_dropped",
+    "escalations",
+)
+
+
+class ClientCore:
+    """A connection to a cluster: transport, placement, codec, node health, counters."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        cluster: ClusterMap | None = None,
+        transport: Transport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        if config.tune_malloc:
+            tune_malloc()
+        self.cluster = cluster if cluster is not None else ClusterMap.load(config.cluster_file)
+        self.placement = Placement(self.cluster, width=config.n)
+        self.params = ErasureParams(k=config.k, m=config.m)
+        self.codec = get_codec(self.params)
+        self.clock = clock
+        self.health = NodeHealth(retry_s=config.down_retry_s, clock=clock)
+        self.read_latency = LatencyTracker()
+        self.meta_latency = LatencyTracker()
+        if transport is None:
+            tls = client_tls_context(config.tls_ca) if config.tls_ca is not None else None
+            transport = TcpTransport(
+                self.placement.nodes,
+                Credentials(config.tenant, config.secret_bytes(), tls),
+                connections_per_node=config.connections_per_node,
+                connect_timeout_s=config.timeout_s,
+            )
+        self.transport = transport
+        self._lock = threading.Lock()
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        # Keys whose stored stripe failed verification and could not be dropped everywhere:
+        # a store rewrites them instead of trusting their shard count.
+        self._suspect: collections.OrderedDict[BlockKey, int] = collections.OrderedDict()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (thread-safe)."""
+        if n:
+            with self._lock:
+                self.counters[name] += n
+
+    def suspect(self, key: BlockKey, stripe: int) -> None:
+        """Remember that ``key``'s stripe ``stripe`` is broken (bounded memory)."""
+        with self._lock:
+            self._suspect[key] = stripe
+            self._suspect.move_to_end(key)
+            while len(self._suspect) > _MAX_SUSPECT:
+                self._suspect.popitem(last=False)
+
+    def suspects(self, keys: list[BlockKey]) -> dict[int, int]:
+        """{position in ``keys``: broken stripe id} for the keys remembered as broken."""
+        with self._lock:
+            if not self._suspect:
+                return {}
+            return {i: self._suspect[k] for i, k in enumerate(keys) if k in self._suspect}
+
+    def clear_suspect(self, key: BlockKey) -> None:
+        """``key`` was rewritten."""
+        with self._lock:
+            self._suspect.pop(key, None)
+
+    def node_up_mask(
+        self, holders: npt.NDArray[np.int64] | None = None, need: int = 0
+    ) -> npt.NDArray[np.bool_]:
+        """Nodes to use: those not marked down; all of them when, for some block of
+        ``holders``, skipping the down ones would leave fewer than ``need`` holders
+        (then the call doubles as the down nodes' probe instead of failing for sure)."""
+        up = np.array([self.health.is_up(node.id) for node in self.placement.nodes], bool)
+        short = holders is not None and len(holders) and not up.all()
+        if short and int(up[holders].sum(axis=1).min()) < need:
+            for i, node in enumerate(self.placement.nodes):
+                if not up[i] and self.health.may_probe(node.id):
+                    up[i] = True
+        return up
+
+    def hedge_s(self, tracker: LatencyTracker) -> float:
+        """How long to wait before hedging (configured, or from observed latency)."""
+        if self.config.hedge_ms is not None:
+            return self.config.hedge_ms / 1000.0
+        return tracker.hedge_after()
+
+    def traffic_class(self, name: str | None) -> str:
+        """The class of a call: ``name`` or the configured default, validated."""
+        try:
+            return check_class_name(name or self.config.traffic_class)
+        except Exception as exc:
+            raise ArgumentError(str(exc)) from None
+
+    def close(self) -> None:
+        """Close the transport."""
+        self.transport.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters, copied."""
+        with self._lock:
+            return dict(self.counters)

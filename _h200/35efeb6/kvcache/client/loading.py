@@ -1,0 +1,314 @@
+"""Hedged, verified loads: a match's blocks into the caller's buffer, chunk by chunk.
+
+A :class:`~kvcache.client.rounds.LoadRound` decides what to ask; GET replies
+land in a :class:`~kvcache.client.assembly.LoadAssembly` over the caller's
+``out``; each chunk is verified as soon as its asks are over, while later
+chunks are still on the wire. A block that fails gets every holder not yet
+asked (escalation) before it may end the prefix. What a load learned is put
+to use without delaying it: shards found bad or missing are written back to
+their holders (read repair), and a stripe that cannot be rebuilt from any
+k of its shards is dropped from every holder, so any client's next store
+rewrites the block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.assembly import BlockVerdict, LoadAssembly
+from kvcache.client.core import ClientCore
+from kvcache.client.driver import GetExchange, Pump, gather_abort
+from kvcache.client.plan import MatchResult
+from kvcache.client.rounds import LoadRound, Send
+from kvcache.client.transport import Exchange
+from kvcache.errors import ArgumentError
+from kvcache.shard import HEADER_BYTES
+from kvcache.wire import NO_INDEX, Message, Op, make_items
+
+__all__ = ["LoadResult", "load_keys"]
+
+log = logging.getLogger(__name__)
+
+#: Called with (first, stop) each time the verified prefix grows: blocks [first, stop) are ready.
+OnReady = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What a load brought back: ``blocks`` leading blocks, verified.
+
+    ``payloads[i]`` is a view of block ``i``'s bytes in the load's buffer
+    (``out`` when given, else one the load allocated).
+    """
+
+    blocks: int
+    tokens: int
+    payloads: list[npt.NDArray[np.uint8]]
+    bytes_loaded: int
+
+
+def check_out(out: object, blocks: int, payload_len: int) -> npt.NDArray[np.uint8]:
+    """``out`` if it can take ``blocks`` payloads, else ArgumentError (before any I/O)."""
+    if not isinstance(out, np.ndarray):
+        raise ArgumentError(f"out must be a numpy array, got {type(out).__name__}")
+    if (
+        out.dtype != np.uint8
+        or out.ndim != 2
+        or out.shape[0] < blocks
+        or out.shape[1] != payload_len
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ArgumentError(
+            f"out must be a writable, C-contiguous uint8 array of shape (>= {blocks}, "
+            f"{payload_len}); got {out.dtype} {out.shape}"
+        )
+    return out
+
+
+def load_keys(
+    core: ClientCore,
+    match: MatchResult,
+    *,
+    payload_len: int,
+    out: npt.NDArray[np.uint8] | None = None,
+    traffic_class: str | None = None,
+    on_ready: OnReady | None = None,
+) -> LoadResult:
+    """Load the hit blocks of ``match``; stops at the first block that cannot be rebuilt."""
+    if not isinstance(match, MatchResult):
+        raise ArgumentError(f"match must be a MatchResult, got {type(match).__name__}")
+    if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
+        raise ArgumentError(f"payload_len must be a positive int, got {payload_len!r}")
+    total = match.hit_blocks
+    cls = core.traffic_class(traffic_class)
+    buffer = (
+        check_out(out, total, payload_len)
+        if out is not None
+        else np.empty((total, payload_len), np.uint8)
+    )
+    if total == 0:
+        return LoadResult(0, 0, [], 0)
+    config = core.config
+    keys = match.keys[:total]
+    key_words = np.frombuffer(b"".join(keys), "V16")
+    stripes = match.stripe[:total]
+    assembly = LoadAssembly(
+        key_words=key_words,
+        stripes=stripes,
+        out=buffer,
+        k=config.k,
+        n=config.n,
+        payload_len=payload_len,
+        codec=core.codec,
+    )
+    placement_rows = core.placement.holders(keys)
+    # A match stops listening once every block has k shards, so it may not know every
+    # holder; where it does not, ask the node placement put the shard on (the GET names
+    # the stripe, so a node without it just answers NOT_FOUND).
+    holders = np.where(match.holders[:total] >= 0, match.holders[:total], placement_rows)
+    round_ = LoadRound(
+        holders,
+        core.node_up_mask(),
+        k=config.k,
+        chunk_blocks=config.chunk_blocks(payload_len),
+        window=config.window,
+        hedge_s=core.hedge_s(core.read_latency),
+        timeout_s=config.timeout_s,
+    )
+    pump = Pump(core.transport, core.health, core.clock)
+    sent: list[Exchange] = []
+
+    def submit(sends: list[Send]) -> None:
+        for send in sends:
+            items = make_items(Op.GET, len(send.blocks), reply=False)
+            items["key"] = key_words[send.blocks]
+            items["index"] = send.indices
+            items["stripe"] = stripes[send.blocks]
+            exchange = GetExchange(pump, send, items, assembly, cls)
+            sent.append(exchange)
+            pump.submit(exchange)
+
+    verdicts: dict[int, BlockVerdict] = {}
+    escalated: set[int] = set()
+    sealing: list[int] = []  # chunks over whose blocks a late reply is still landing
+    end = total  # the first block known to fail ends the prefix
+    good = 0
+    try:
+        submit(round_.start(core.clock()))
+        while good < end:
+            for event in pump.wait(round_.next_wakeup()):
+                now = core.clock()
+                if event.reply is None or not isinstance(event.exchange, GetExchange):
+                    submit(round_.on_failure(event.ticket, now))
+                    continue
+                submit(round_.on_reply(event.ticket, _accept(assembly, event), now))
+            now = core.clock()
+            submit(round_.tick(now))
+            for chunk in [*sealing, *round_.ready_chunks()]:
+                start, stop = round_.chunk_range(chunk)
+                if start >= end:
+                    round_.finish_chunk(chunk)
+                    continue
+                # Late answers to abandoned asks must not write over what is checked: a
+                # chunk with one still landing is verified when that one is in.
+                if not assembly.seal(np.arange(start, stop)):
+                    if chunk not in sealing:
+                        sealing.append(chunk)
+                    continue
+                if chunk in sealing:
+                    sealing.remove(chunk)
+                latency = round_.latency(chunk)
+                if chunk not in escalated and latency is not None:
+                    core.read_latency.record(latency)
+                todo = [b for b in range(start, min(stop, end)) if not _good(verdicts, b)]
+                for b, verdict in zip(todo, assembly.verify(todo), strict=True):
+                    verdicts[b] = verdict
+                failing = [b for b in todo if not verdicts[b].good]
+                if failing and chunk not in escalated:
+                    escalated.add(chunk)
+                    sends = round_.escalate(chunk, np.array(failing, np.int64), now)
+                    if sends:
+                        assembly.unseal(np.array(failing, np.int64))
+                        core.count("escalations")
+                        submit(sends)
+                        continue
+                round_.finish_chunk(chunk)
+                if failing:
+                    end = min(end, failing[0])
+                    round_.stop_before(end)
+                submit(round_.open_more(now))
+            before = good
+            while good < end and _good(verdicts, good):
+                good += 1
+            if on_ready is not None and good > before:
+                on_ready(before, good)
+            if round_.done and good < end:  # pragma: no cover - every chunk ends with verdicts
+                log.error("load round ended with blocks %d..%d unverified", good, end)
+                break
+    finally:
+        assembly.close(gather_abort(core.transport, [*pump.abandon(core.config.timeout_s), *sent]))
+    core.count("node_errors", pump.node_errors)
+    core.count("hedges", round_.hedges)
+    core.count("blocks_loaded", good)
+    core.count("blocks_rebuilt", sum(1 for b in range(good) if verdicts[b].rebuilt))
+    # Rejected shards never count as received, so they are never among a verdict's bad ones.
+    core.count(
+        "bad_shards_found",
+        int(assembly.rejected[:good].sum())
+        + sum(len(verdicts[b].bad_indices) for b in range(good) if verdicts[b].bad_indices),
+    )
+    if core.config.read_repair:
+        if end < total and end in verdicts:
+            _drop_broken(core, assembly, match, placement_rows, end)
+        _repair(core, assembly, match, placement_rows, verdicts, good)
+    return LoadResult(
+        blocks=good,
+        tokens=good * match.tokens_per_block,
+        payloads=[buffer[b] for b in range(good)],
+        bytes_loaded=good * payload_len,
+    )
+
+
+def _good(verdicts: dict[int, BlockVerdict], b: int) -> bool:
+    verdict = verdicts.get(b)
+    return verdict is not None and verdict.good
+
+
+def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
+    exchange = event.exchange  # type: ignore[attr-defined]
+    reply: Message = event.reply  # type: ignore[attr-defined]
+    send = exchange.send
+    items = reply.items
+    if len(items) != len(send.blocks):
+        return np.zeros(len(send.blocks), bool)
+    if reply.header.data_len and not exchange.landed_in_assembly:
+        # Its shards went to scratch (the load was closing): only its NOT_FOUNDs count.
+        statuses = np.where(items["status"] == 0, 255, items["status"]).astype(np.uint8)
+        return assembly.accept(
+            send.blocks, send.indices, statuses, items["length"].astype(np.int64)
+        )
+    return assembly.accept(
+        send.blocks, send.indices, items["status"], items["length"].astype(np.int64)
+    )
+
+
+class _Background(Exchange):
+    """A repair or drop sent without waiting; only its success is counted."""
+
+    def __init__(self, core: ClientCore, counter: str, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._core = core
+        self._counter = counter
+
+    def finish(self, reply: Message | None, error: BaseException | None) -> None:
+        if reply is not None:
+            self._core.count(self._counter, int(np.count_nonzero(reply.items["status"] == 0)))
+
+
+def _holder(match: MatchResult, placement_rows: npt.NDArray[np.int64], b: int, i: int) -> int:
+    node = int(match.holders[b, i])
+    return node if node >= 0 else int(placement_rows[b, i])
+
+
+def _repair(
+    core: ClientCore,
+    assembly: LoadAssembly,
+    match: MatchResult,
+    placement_rows: npt.NDArray[np.int64],
+    verdicts: dict[int, BlockVerdict],
+    good: int,
+) -> None:
+    """Write back shards of verified blocks that a holder had bad or did not have."""
+    per_node: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
+    for b in range(good):
+        verdict = verdicts[b]
+        wanted = assembly.bad_shards(b, verdict) | set(
+            np.flatnonzero(assembly.not_found[b]).tolist()
+        )
+        if not wanted:
+            continue
+        for shard in assembly.repair_shards(b, tuple(sorted(wanted))):
+            node = _holder(match, placement_rows, b, shard.index)
+            per_node.setdefault(node, []).append((b, shard.index, shard.header, shard.body))
+    for node, shards in per_node.items():
+        items = make_items(Op.PUT, len(shards), reply=False)
+        items["key"] = [assembly.key_words[b] for b, _i, _h, _d in shards]
+        items["index"] = [i for _b, i, _h, _d in shards]
+        items["length"] = [HEADER_BYTES + len(body) for *_rest, body in shards]
+        data = [part for _b, _i, header, body in shards for part in (header, body)]
+        core.transport.submit(_Background(core, "shards_repaired", node, Op.PUT, items, data))
+
+
+def _drop_broken(
+    core: ClientCore,
+    assembly: LoadAssembly,
+    match: MatchResult,
+    placement_rows: npt.NDArray[np.int64],
+    b: int,
+) -> None:
+    """Block ``b`` had k shards or more and no k of them rebuild it: its stripe is garbage."""
+    if int(assembly.got[b].sum()) < assembly.k:
+        return  # short of shards, not damaged: the next store rewrites it anyway
+    core.count("blocks_corrupt")
+    key = match.keys[b]
+    stripe = int(match.stripe[b])
+    log.warning(
+        "block %s: stripe %016x fails verification from every set of %d shards; dropping it",
+        key.hex(),
+        stripe,
+        assembly.k,
+    )
+    core.suspect(key, stripe)
+    nodes = {int(x) for x in np.concatenate([match.holders[b], placement_rows[b]]) if x >= 0}
+    for node in nodes:
+        items = make_items(Op.DELETE, 1, reply=False)
+        items["key"] = assembly.key_words[b]
+        items["stripe"] = stripe
+        items["index"] = NO_INDEX
+        core.transport.submit(_Background(core, "stripes_dropped", node, Op.DELETE, items))

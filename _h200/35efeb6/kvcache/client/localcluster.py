@@ -1,0 +1,405 @@
+"""A whole cluster on one machine: N storage daemons on loopback under one directory.
+
+``kvcache up`` / ``status`` / ``down`` use this, and so do the demo, the
+benchmarks and the integration tests. Each daemon is a real ``kvcache server``
+process with its own LMDB directory and log. Next to them go the cluster file,
+the credentials (generated, mode 0600: the cluster is closed by default), a
+``client.toml`` that points a client at both, and ``nodes.json``: each
+daemon's pid, process start time and full command line, so a later ``down``
+signals only processes that are still those daemons, and ``restart`` starts a
+daemon again with every setting it had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcache.client.config import ClientConfig
+from kvcache.cluster import ClusterMap, NodeInfo
+from kvcache.credentials import Credentials
+from kvcache.errors import ClusterError, ConfigError
+
+__all__ = ["LocalCluster", "free_ports"]
+
+log = logging.getLogger(__name__)
+
+#: Environment for the daemons: no spinning BLAS threads, and glibc's malloc settings from
+#: process start (kvcache.memtune explains why; the daemon also applies them itself).
+DAEMON_ENV = {
+    "OPENBLAS_NUM_THREADS": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(64 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(512 << 20),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
+
+CLUSTER_FILE = "cluster.toml"
+CREDENTIALS_FILE = "credentials.toml"
+CLIENT_FILE = "client.toml"
+PIDS_FILE = "nodes.json"
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class _Node:
+    info: NodeInfo
+    data_dir: Path
+    pid: int
+    proc: subprocess.Popen[bytes] | None = None
+    cmd: list[str] | None = None
+    started: int = 0
+
+    def record(self) -> dict[str, Any]:
+        return {"pid": self.pid, "started": self.started, "cmd": self.cmd}
+
+
+class LocalCluster:
+    """Starts, inspects and stops daemons of a local cluster under ``root``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._nodes: list[_Node] = []
+
+    @property
+    def cluster_file(self) -> Path:
+        """The cluster map clients load."""
+        return self.root / CLUSTER_FILE
+
+    @property
+    def credentials_file(self) -> Path:
+        """The cluster's credentials (every tenant's secret and the admin token)."""
+        return self.root / CREDENTIALS_FILE
+
+    @property
+    def client_file(self) -> Path:
+        """A client config pointing at the cluster file and the credentials."""
+        return self.root / CLIENT_FILE
+
+    def credentials(self) -> Credentials:
+        """The cluster's credentials."""
+        return Credentials.load(self.credentials_file)
+
+    def client_config(self, **overrides: Any) -> ClientConfig:
+        """A client config for this cluster (tenant ``default`` unless overridden)."""
+        return ClientConfig.load(self.client_file, overrides=overrides)
+
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        """The nodes, in id order."""
+        return [n.info for n in self._nodes]
+
+    def pid(self, index: int) -> int:
+        """Process id of node ``index``."""
+        return self._nodes[index].pid
+
+    def data_dir(self, index: int) -> Path:
+        """Data directory (the LMDB environment) of node ``index``."""
+        return self._nodes[index].data_dir
+
+    # -------------------------------------------------------------- start / stop
+
+    def start(
+        self,
+        *,
+        nodes: int = 12,
+        capacity: str = "2GiB",
+        tenants: tuple[str, ...] = ("default",),
+        credentials: Credentials | None = None,
+        extra_args: tuple[str, ...] = (),
+        timeout_s: float = 60.0,
+    ) -> LocalCluster:
+        """Start ``nodes`` daemons, write the cluster, credential and client files, wait
+        until all are healthy. Credentials are generated for ``tenants`` unless given."""
+        if nodes < 1:
+            raise ConfigError("a cluster needs at least one node")
+        if (self.root / PIDS_FILE).exists() and self._alive_pids():
+            raise ClusterError(
+                f"a cluster is already running under {self.root}; run `kvcache down` first"
+            )
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(f"{self.root} exists and is not a directory") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot create {self.root}: {exc.strerror or exc}") from None
+        (credentials or Credentials.generate(tenants)).write(self.credentials_file)
+        self.client_file.write_text(
+            f'cluster_file = "{CLUSTER_FILE}"\ncredentials_file = "{CREDENTIALS_FILE}"\n'
+        )
+        ports = free_ports(2 * nodes)
+        self._nodes = []
+        for i in range(nodes):
+            node_id = f"node-{i:02d}"
+            data_port, admin_port = ports[2 * i], ports[2 * i + 1]
+            info = NodeInfo(
+                id=node_id,
+                data=f"tcp://127.0.0.1:{data_port}",
+                admin=f"http://127.0.0.1:{admin_port}",
+            )
+            data_dir = self.root / node_id
+            data_dir.mkdir(exist_ok=True)
+            cmd = [
+                sys.executable, "-m", "kvcache.cli", "server",
+                "--node-id", node_id,
+                "--data-dir", str(data_dir.resolve()),
+                "--listen", info.data,
+                "--admin-listen", f"127.0.0.1:{admin_port}",
+                "--capacity", capacity,
+                "--credentials", str(self.credentials_file.resolve()),
+                # The status page of every daemon shows the whole cluster (read lazily).
+                "--cluster-file", str(self.cluster_file.resolve()),
+                *extra_args,
+            ]  # fmt: skip
+            node = _Node(info, data_dir, 0, cmd=cmd)
+            self._spawn(node)
+            self._nodes.append(node)
+        cmap = ClusterMap(epoch=1, nodes=tuple(n.info for n in self._nodes))
+        self.cluster_file.write_text(cmap.to_toml())
+        self._write_records()
+        try:
+            self.wait_healthy(timeout_s=timeout_s)
+        except ClusterError:
+            self.stop()
+            raise
+        log.info("local cluster of %d nodes up under %s", nodes, self.root)
+        return self
+
+    def _spawn(self, node: _Node) -> None:
+        assert node.cmd is not None
+        log_file = open(self.root / f"{node.info.id}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            node.cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **DAEMON_ENV},
+            start_new_session=True,
+        )
+        log_file.close()
+        node.pid, node.proc, node.started = proc.pid, proc, _start_time(proc.pid)
+
+    def _write_records(self) -> None:
+        tmp = self.root / (PIDS_FILE + ".tmp")
+        tmp.write_text(json.dumps({n.info.id: n.record() for n in self._nodes}, indent=1))
+        os.replace(tmp, self.root / PIDS_FILE)
+
+    @classmethod
+    def attach(cls, root: str | Path) -> LocalCluster:
+        """A handle on a cluster started earlier (by another process) under ``root``."""
+        self = cls(root)
+        try:
+            cmap = ClusterMap.load(self.cluster_file)
+            records = json.loads((self.root / PIDS_FILE).read_text())
+            if not isinstance(records, dict):
+                raise ValueError("not a JSON object")
+        except (ConfigError, OSError, ValueError) as exc:
+            raise ClusterError(f"no local cluster under {self.root}: {exc}") from None
+        self._nodes = []
+        for n in cmap.nodes:
+            rec = records.get(n.id, {})
+            if not isinstance(rec, dict):
+                rec = {}
+            cmd = rec.get("cmd")
+            self._nodes.append(
+                _Node(
+                    n,
+                    self.root / n.id,
+                    int(rec.get("pid", 0) or 0),
+                    cmd=cmd if isinstance(cmd, list) else None,
+                    started=int(rec.get("started", 0) or 0),
+                )
+            )
+        return self
+
+    def wait_healthy(self, *, timeout_s: float = 60.0, indices: list[int] | None = None) -> None:
+        """Poll each node's /healthz until it answers 200, or raise ClusterError."""
+        deadline = time.monotonic() + timeout_s
+        for i in indices if indices is not None else range(len(self._nodes)):
+            node = self._nodes[i]
+            while not self._healthy(node.info):
+                if node.proc is not None and node.proc.poll() is not None:
+                    raise ClusterError(
+                        f"{node.info.id} exited with {node.proc.returncode}; "
+                        f"see {self.root / (node.info.id + '.log')}"
+                    )
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{node.info.id} not healthy after {timeout_s}s")
+                time.sleep(0.05)
+
+    @staticmethod
+    def _healthy(info: NodeInfo) -> bool:
+        try:
+            with urllib.request.urlopen(f"{info.admin}/healthz", timeout=1) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _alive_pids(self) -> list[int]:
+        try:
+            attached = LocalCluster.attach(self.root)
+        except ClusterError:
+            return []
+        return [n.pid for n in attached._nodes if _ours(n)]
+
+    def stop(self, *, timeout_s: float = 15.0) -> None:
+        """SIGTERM every daemon (SIGCONT first, in case one is paused), then SIGKILL stragglers.
+
+        Only processes that are still the daemons this cluster started are
+        signalled: same pid, same start time, same command line. A pid that
+        was reused by another program is left alone (and reported).
+        """
+        mine = []
+        for node in self._nodes:
+            if node.proc is None and not _ours(node):
+                if node.pid > 0 and _alive(node.pid):
+                    log.warning(
+                        "%s: pid %d is no longer our daemon (reused); not signalling it",
+                        node.info.id,
+                        node.pid,
+                    )
+                continue
+            mine.append(node)
+        for node in mine:
+            _signal(node.pid, signal.SIGCONT)
+            _signal(node.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for node in mine:
+            while _alive(node.pid, node.proc) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _alive(node.pid, node.proc):
+                log.warning("%s did not stop on SIGTERM; killing it", node.info.id)
+                _signal(node.pid, signal.SIGKILL)
+                _reap(node)
+        (self.root / PIDS_FILE).unlink(missing_ok=True)
+
+    # -------------------------------------------------------------- faults
+
+    def kill(self, index: int) -> None:
+        """SIGKILL node ``index`` (as a crash would)."""
+        node = self._nodes[index]
+        _signal(node.pid, signal.SIGKILL)
+        _reap(node)
+
+    def pause(self, index: int) -> None:
+        """SIGSTOP node ``index``: it keeps its connections but answers nothing."""
+        _signal(self._nodes[index].pid, signal.SIGSTOP)
+
+    def resume(self, index: int) -> None:
+        """SIGCONT a paused node."""
+        _signal(self._nodes[index].pid, signal.SIGCONT)
+
+    def restart(self, index: int, *, timeout_s: float = 30.0) -> None:
+        """Start node ``index`` again with the command line it had (addresses, data
+        directory, capacity, credentials and every extra flag)."""
+        node = self._nodes[index]
+        if _alive(node.pid, node.proc) and (node.proc is not None or _ours(node)):
+            raise ClusterError(f"{node.info.id} is still running")
+        if node.cmd is None:
+            raise ClusterError(f"no recorded command line for {node.info.id}; restart by hand")
+        self._spawn(node)
+        self._write_records()
+        self.wait_healthy(timeout_s=timeout_s, indices=[index])
+
+    # -------------------------------------------------------------- status
+
+    def node_stats(self) -> list[dict[str, Any]]:
+        """Each node's /stats JSON, or an error entry."""
+        out: list[dict[str, Any]] = []
+        for node in self._nodes:
+            try:
+                with urllib.request.urlopen(f"{node.info.admin}/stats", timeout=2) as resp:
+                    stats = json.loads(resp.read())
+                out.append({"node": node.info.id, "up": True, **stats})
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                out.append({"node": node.info.id, "up": False, "error": str(exc)})
+        return out
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _alive(pid: int, proc: subprocess.Popen[bytes] | None = None) -> bool:
+    if pid <= 0:
+        return False
+    if proc is not None:
+        return proc.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (0 when unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            # The command name may contain spaces: fields follow its closing parenthesis.
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _ours(node: _Node) -> bool:
+    """Whether ``node.pid`` is still the daemon we started: start time and command line match."""
+    if node.pid <= 0 or not _alive(node.pid):
+        return False
+    if node.started and _start_time(node.pid) != node.started:
+        return False
+    try:
+        with open(f"/proc/{node.pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
+    text = [a.decode(errors="replace") for a in argv if a]
+    if node.cmd is not None:
+        return text == node.cmd
+    return "kvcache.cli" in text and "server" in text and node.info.id in text
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    if pid > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _reap(node: _Node) -> None:
+    if node.proc is not None:
+        try:
+            node.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not exit after SIGKILL", node.info.id)

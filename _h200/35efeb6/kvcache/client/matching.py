@@ -1,0 +1,144 @@
+"""Prefix match: which leading blocks of a prompt are stored, and where (one HAS per node).
+
+:func:`match_with_directory` asks the same question with ``HAS_DIR`` instead
+of ``HAS``: each node also answers the SWA holder records it keeps for the
+asked keys (``kvcache.server.swa_directory``), so an engine learns which
+worker holds a sliding-window state in the round trip that matches the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.core import ClientCore
+from kvcache.client.driver import Pump, PumpedExchange
+from kvcache.client.plan import HeldShards, MatchResult, match_from_held
+from kvcache.client.rounds import HasRound
+from kvcache.keys import BlockKey
+from kvcache.wire import Op, make_items
+
+__all__ = ["DirectoryAnswer", "held_shards", "match_keys", "match_with_directory"]
+
+#: One node's directory answer: the block each request item asked about, and the raw
+#: records (``kvcache.wire.DIR_ANSWER_DTYPE``; parsed by ``kvcache.swa_local.protocol``).
+DirectoryAnswer = tuple[npt.NDArray[np.int64], memoryview]
+
+log = logging.getLogger(__name__)
+
+
+def match_keys(
+    core: ClientCore,
+    keys: list[BlockKey],
+    *,
+    tokens_per_block: int = 1,
+    settle_at: int | None = None,
+) -> MatchResult:
+    """The longest stored prefix of ``keys`` (a prefix chain, first block first)."""
+    k, n = core.config.k, core.config.n
+    held = held_shards(core, keys, settle=k if settle_at is None else settle_at)
+    return match_from_held(keys, held, k=k, n=n, tokens_per_block=tokens_per_block)
+
+
+def match_with_directory(
+    core: ClientCore, keys: list[BlockKey], *, tokens_per_block: int = 1
+) -> tuple[MatchResult, list[DirectoryAnswer]]:
+    """:func:`match_keys`, plus every answering node's SWA holder records for ``keys``."""
+    answers: list[DirectoryAnswer] = []
+    held = held_shards(core, keys, settle=core.config.k, directory=answers)
+    match = match_from_held(
+        keys, held, k=core.config.k, n=core.config.n, tokens_per_block=tokens_per_block
+    )
+    return match, answers
+
+
+def held_shards(
+    core: ClientCore,
+    keys: list[BlockKey],
+    *,
+    settle: int,
+    directory: list[DirectoryAnswer] | None = None,
+) -> list[HeldShards]:
+    """Every node's HAS answer for ``keys`` (nodes marked down are asked only when needed).
+
+    Stragglers are not waited for once every block has ``settle`` shards of one
+    stripe or cannot reach that many. With ``directory``, the nodes are asked
+    ``HAS_DIR`` and their SWA holder records are appended to it.
+    """
+    if not keys:
+        return []
+    rows = core.placement.holders(keys)
+    up = core.node_up_mask(rows, settle)
+    nodes = [int(node) for node in np.unique(rows)]
+    held = _has_round(
+        core, keys, rows, [nd for nd in nodes if up[nd]], settle, record=True, directory=directory
+    )
+    skipped = [nd for nd in nodes if not up[nd]]
+    if skipped:
+        # Nodes marked down were skipped; if some block fell short of ``settle`` and
+        # they could make up the difference, ask them now (their probe).
+        from kvcache.client.plan import best_counts
+
+        best = best_counts(held, len(keys), n=core.config.n)
+        could = np.zeros(len(keys), np.int64)
+        for node in skipped:
+            could += (rows == node).sum(axis=1)
+        if ((best < settle) & (best + could >= settle)).any():
+            held += _has_round(core, keys, rows, skipped, settle, record=False, directory=directory)
+    return held
+
+
+def _has_round(
+    core: ClientCore,
+    keys: Sequence[BlockKey],
+    rows: npt.NDArray[np.int64],
+    nodes: list[int],
+    settle: int,
+    *,
+    record: bool,
+    directory: list[DirectoryAnswer] | None = None,
+) -> list[HeldShards]:
+    config = core.config
+    op = Op.HAS if directory is None else Op.HAS_DIR
+    round_ = HasRound(
+        rows,
+        nodes,
+        k=config.k,
+        n=config.n,
+        settle=settle,
+        hedge_s=core.hedge_s(core.meta_latency),
+        timeout_s=config.timeout_s,
+    )
+    pump = Pump(core.transport, core.health, core.clock)
+    key_words = np.frombuffer(b"".join(keys), dtype="V16")
+    started = core.clock()
+    for send in round_.start(started):
+        items = make_items(op, len(send.blocks), reply=False)
+        items["key"] = key_words[send.blocks]
+        pump.submit(PumpedExchange(pump, send.ticket, send.node, op, items))
+    while not round_.done:
+        for event in pump.wait(round_.next_wakeup()):
+            now = core.clock()
+            if event.reply is None:
+                round_.on_failure(event.ticket, now)
+                continue
+            recs = event.reply.items
+            asked = round_.sends.get(event.ticket)
+            if directory is not None and asked is not None and event.reply.data.nbytes:
+                directory.append((asked.blocks, event.reply.data))
+            round_.on_reply(
+                event.ticket,
+                recs["ordinal"].astype(np.int64),
+                recs["index"].astype(np.int64),
+                recs["stripe"].astype(np.uint64),
+                now,
+            )
+        round_.tick(core.clock())
+    if record and not round_.pending:
+        core.meta_latency.record(core.clock() - started)
+    pump.abandon(core.config.timeout_s)
+    core.count("node_errors", pump.node_errors)
+    return round_.held_shards()

@@ -1,0 +1,195 @@
+"""Pure read-path logic: prefix matching from HAS answers and choosing which shards
+to ask whom. No sockets here.
+
+Arrays, not loops: a load of hundreds of blocks is planned with a handful of
+numpy operations per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.keys import BlockKey
+
+__all__ = [
+    "HeldShards",
+    "MatchResult",
+    "ReadPlan",
+    "best_counts",
+    "match_from_held",
+    "plan_reads",
+]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldShards:
+    """One node's HAS answer: for request item ``ordinal``, it holds ``index`` of ``stripe``."""
+
+    node: int
+    ordinal: IntArray
+    index: IntArray
+    stripe: npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Which leading blocks of a prompt are in the cluster, and where their shards are.
+
+    ``holders[b, i]`` is the node (index into the client's node list) holding
+    shard ``i`` of block ``b``'s chosen stripe, or -1. ``best_count[b]`` is the
+    number of shards of the best stripe of block ``b`` found, for every block
+    (hit or not).
+    """
+
+    keys: list[BlockKey]
+    hit_blocks: int
+    tokens_per_block: int
+    stripe: npt.NDArray[np.uint64]
+    holders: IntArray
+    best_count: IntArray
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens covered by the hit blocks."""
+        return self.hit_blocks * self.tokens_per_block
+
+
+def _stripe_groups(
+    held: Sequence[HeldShards], count: int, n: int
+) -> tuple[IntArray, IntArray, npt.NDArray[np.uint64], IntArray, IntArray, IntArray]:
+    """Every distinct (block, stripe, index) answer, sorted, and its (block, stripe) group."""
+    parts = [h for h in held if len(h.ordinal)]
+    if not parts or count == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros(0, np.uint64), empty, empty, empty
+    ordinal = np.concatenate([h.ordinal for h in parts])
+    index = np.concatenate([h.index for h in parts])
+    stripe = np.concatenate([h.stripe for h in parts])
+    node = np.concatenate([np.full(len(h.ordinal), h.node, np.int64) for h in parts])
+    valid = (ordinal >= 0) & (ordinal < count) & (index >= 0) & (index < n)
+    ordinal, index, stripe, node = ordinal[valid], index[valid], stripe[valid], node[valid]
+    order = np.lexsort((index, stripe, ordinal))
+    ordinal, index, stripe, node = ordinal[order], index[order], stripe[order], node[order]
+    dup = np.zeros(len(ordinal), bool)
+    dup[1:] = (
+        (ordinal[1:] == ordinal[:-1]) & (stripe[1:] == stripe[:-1]) & (index[1:] == index[:-1])
+    )
+    ordinal, index, stripe, node = ordinal[~dup], index[~dup], stripe[~dup], node[~dup]
+    start = np.ones(len(ordinal), bool)
+    start[1:] = (ordinal[1:] != ordinal[:-1]) | (stripe[1:] != stripe[:-1])
+    group = np.cumsum(start) - 1
+    return ordinal, index, stripe, node, group, np.flatnonzero(start)
+
+
+def best_counts(held: Sequence[HeldShards], count: int, *, n: int) -> IntArray:
+    """Per block: shards of its best-represented stripe among the answers."""
+    ordinal, _index, _stripe, _node, group, starts = _stripe_groups(held, count, n)
+    best = np.zeros(count, np.int64)
+    if len(ordinal):
+        np.maximum.at(best, ordinal[starts], np.bincount(group))
+    return best
+
+
+def match_from_held(
+    keys: list[BlockKey],
+    held: Sequence[HeldShards],
+    *,
+    k: int,
+    n: int,
+    tokens_per_block: int,
+) -> MatchResult:
+    """The longest run of blocks from the first with >= k shards of one stripe."""
+    count = len(keys)
+    ordinal, index, stripe, node, group, starts = _stripe_groups(held, count, n)
+    if not len(ordinal):
+        return MatchResult(
+            keys, 0, tokens_per_block, np.zeros(0, np.uint64), np.zeros((0, n), np.int64),
+            np.zeros(count, np.int64),
+        )  # fmt: skip
+    sizes = np.bincount(group)
+    group_block = ordinal[starts]
+    group_stripe = stripe[starts]
+    best_count = np.zeros(count, np.int64)
+    np.maximum.at(best_count, group_block, sizes)
+    # First group reaching the best count wins per block (ties: lowest stripe id).
+    is_best = sizes == best_count[group_block]
+    chosen = np.full(count, -1, np.int64)
+    best_groups = np.nonzero(is_best)[0]
+    chosen[group_block[best_groups[::-1]]] = best_groups[::-1]
+    enough = best_count >= k
+    hit = count if enough.all() else int(np.argmin(enough))
+    holders = np.full((hit, n), -1, np.int64)
+    in_hit = (ordinal < hit) & (chosen[np.minimum(ordinal, count - 1)] == group)
+    holders[ordinal[in_hit], index[in_hit]] = node[in_hit]
+    chosen_stripe = np.zeros(hit, np.uint64)
+    if hit:
+        chosen_stripe[:] = group_stripe[chosen[:hit]]
+    return MatchResult(keys, hit, tokens_per_block, chosen_stripe, holders, best_count)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """Shards to ask first (``first``) and to ask once the hedge deadline passes (``later``).
+
+    Each is a list of (node, blocks, indices) with one entry per node.
+    """
+
+    first: list[tuple[int, IntArray, IntArray]]
+    later: list[tuple[int, IntArray, IntArray]]
+
+
+def plan_reads(
+    holders: IntArray, node_up: npt.NDArray[np.bool_], *, k: int, spare: int = 1
+) -> ReadPlan:
+    """Ask k + ``spare`` shards per block: the data shards first, then rotating parity.
+
+    Shards on nodes believed down go last; every shard not asked first is kept
+    for the hedge.
+    """
+    blocks, n = holders.shape
+    if blocks == 0:
+        return ReadPlan([], [])
+    m = n - k
+    # Preference order per block: data 0..k-1, then parity rotated by block number.
+    rot = (np.arange(blocks)[:, None] + np.arange(m)[None, :]) % max(m, 1) + k
+    order = np.concatenate([np.broadcast_to(np.arange(k), (blocks, k)), rot], axis=1)
+    rows = np.arange(blocks)[:, None]
+    node = holders[rows, order]
+    present = node >= 0
+    up = present & node_up[np.maximum(node, 0)]
+    # Rank: present-and-up first (in preference order), then present-but-down.
+    rank_key = np.where(up, 0, np.where(present, 1, 2)) * n + np.arange(n)[None, :]
+    ranked = np.argsort(rank_key, axis=1, kind="stable")
+    sorted_idx = order[rows, ranked]
+    sorted_node = node[rows, ranked]
+    sorted_present = present[rows, ranked]
+    take = np.zeros((blocks, n), bool)
+    take[:, : k + spare] = True
+    first_mask = take & sorted_present
+    later_mask = ~take & sorted_present
+    block_ids = np.broadcast_to(np.arange(blocks)[:, None], (blocks, n))
+    return ReadPlan(
+        _by_node(sorted_node[first_mask], block_ids[first_mask], sorted_idx[first_mask]),
+        _by_node(sorted_node[later_mask], block_ids[later_mask], sorted_idx[later_mask]),
+    )
+
+
+def _by_node(
+    node: IntArray, blocks: IntArray, indices: IntArray
+) -> list[tuple[int, IntArray, IntArray]]:
+    order = np.argsort(node, kind="stable")
+    node, blocks, indices = node[order], blocks[order], indices[order]
+    cuts = np.nonzero(np.diff(node))[0] + 1
+    return [
+        (int(nd[0]), bl.astype(np.int64), ix.astype(np.int64))
+        for nd, bl, ix in zip(
+            np.split(node, cuts), np.split(blocks, cuts), np.split(indices, cuts), strict=True
+        )
+        if len(nd)
+    ]

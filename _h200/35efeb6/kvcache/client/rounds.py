@@ -1,0 +1,530 @@
+"""The client's decisions, without I/O: what to ask whom, when to hedge, when a round is over.
+
+Each round is a small state machine in the style of h11: the driver
+(:mod:`kvcache.client.driver`) calls :meth:`start`, then reports every reply,
+failure and timer tick, and performs the :class:`Send` actions each call
+returns. Rounds take the time as an argument and never read a clock or touch
+a socket, so tests drive them through any schedule of replies and delays.
+
+* :class:`HasRound` — one HAS per node; over when every answer that could
+  still change the outcome is in; after the hedge time, once every block
+  has k shards or cannot reach k whatever the rest answer; or at the
+  deadline.
+* :class:`LoadRound` — a whole load, cut into chunks of blocks with several
+  chunks in flight (the window). Each chunk asks k + 1 shards per block
+  first, the remaining holders at its hedge time (or when its first asks are
+  all answered short), and is over when every block has all its data
+  shards, or every block has k shards and a short settle time has passed
+  (data shards still on their way are worth a little wait, a node that went
+  silent is not), or every ask is answered, or at its deadline. A block that
+  then cannot be rebuilt or fails verification is escalated: every holder
+  not asked yet is asked.
+* :class:`PutRound` — one batch of blocks, all shards sent at once; over when
+  every node answered, or a hedge time after every block reached the write
+  quorum, or at the deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.plan import HeldShards, best_counts, plan_reads
+
+__all__ = ["HasRound", "LoadRound", "PutRound", "Send"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Ask ``node`` for (or send it) shard ``indices[j]`` of block ``blocks[j]``."""
+
+    ticket: int
+    node: int
+    blocks: IntArray
+    indices: IntArray
+
+
+_tickets = itertools.count(1)
+
+
+def _send(node: int, blocks: IntArray, indices: IntArray) -> Send:
+    return Send(next(_tickets), node, blocks.astype(np.int64), indices.astype(np.int64))
+
+
+# ---------------------------------------------------------------------- HAS
+
+
+class HasRound:
+    """Which shards do the holders have? One HAS per node (see the module docstring).
+
+    ``rows`` are the placement holders of each block; ``settle`` is how many
+    shards of one stripe a block needs before its answer cannot improve
+    (k for a match, ``min_write_shards`` for a store's check).
+    """
+
+    def __init__(
+        self,
+        rows: IntArray,
+        nodes: Sequence[int],
+        *,
+        k: int,
+        n: int,
+        settle: int,
+        hedge_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.rows = rows
+        self.k, self.n, self.settle = k, n, settle
+        self._hedge_s, self._timeout_s = hedge_s, timeout_s
+        self.sends = {}
+        for node in nodes:
+            blocks = np.nonzero((rows == node).any(axis=1))[0]
+            send = _send(node, blocks, np.zeros(len(blocks), np.int64))
+            self.sends[send.ticket] = send
+        self.pending = set(self.sends)
+        #: Per block: shards that nodes yet to answer may hold.
+        self.unanswered = np.zeros(len(rows), np.int64)
+        for send in self.sends.values():
+            self.unanswered += (rows == send.node).sum(axis=1)
+        self.answered = 0
+        self.held: list[tuple[int, IntArray, IntArray, npt.NDArray[np.uint64]]] = []
+        # Per block: shards seen, the first stripe seen, and whether another one was:
+        # while a block's answers agree on one stripe, its best count is its shard count.
+        self._count = np.zeros(len(rows), np.int64)
+        self._stripe = np.zeros(len(rows), np.uint64)
+        self._mixed = np.zeros(len(rows), bool)
+        self.started = 0.0
+        self._hedged = False
+        self.done = not self.pending
+
+    def start(self, now: float) -> list[Send]:
+        """The HAS requests to send."""
+        self.started = now
+        return list(self.sends.values())
+
+    def on_reply(
+        self,
+        ticket: int,
+        ordinal: IntArray,
+        index: IntArray,
+        stripe: npt.NDArray[np.uint64],
+        now: float,
+    ) -> None:
+        """A node's answer: for its request item ``ordinal[j]``, it holds ``index[j]`` of ``stripe[j]``."""
+        send = self._resolve(ticket)
+        if send is None:
+            return
+        self.answered += 1
+        valid = (ordinal >= 0) & (ordinal < len(send.blocks))
+        blocks, stripes = send.blocks[ordinal[valid]], stripe[valid]
+        self.held.append((send.node, blocks, index[valid], stripes))
+        np.add.at(self._count, blocks, 1)
+        unseen = self._stripe[blocks] == 0
+        self._stripe[blocks[unseen]] = stripes[unseen]
+        np.logical_or.at(self._mixed, blocks, self._stripe[blocks] != stripes)
+        self._check(now)
+
+    def on_failure(self, ticket: int, now: float) -> None:
+        """A node did not answer."""
+        if self._resolve(ticket) is not None:
+            self._check(now)
+
+    def tick(self, now: float) -> None:
+        """Time passed."""
+        self._check(now)
+
+    def next_wakeup(self) -> float | None:
+        """When :meth:`tick` must be called next (None: only replies can change anything)."""
+        if self.done:
+            return None
+        hedge_at = self.started + self._hedge_s
+        return self.started + self._timeout_s if self._hedged else hedge_at
+
+    def _resolve(self, ticket: int) -> Send | None:
+        if ticket not in self.pending:
+            return None
+        self.pending.discard(ticket)
+        send = self.sends[ticket]
+        self.unanswered -= (self.rows == send.node).sum(axis=1)
+        return send
+
+    def _check(self, now: float) -> None:
+        if not self.pending or now >= self.started + self._timeout_s:
+            self.done = True
+            return
+        if now >= self.started + self._hedge_s:
+            self._hedged = True
+        if self.answered < self.k:
+            return
+        best = self._count
+        if self._mixed.any():  # rare: two writes of a block answered; count per stripe
+            best = best_counts(self.held_shards(), len(self.rows), n=self.n)
+        # Until the hedge time every block waits for ``settle`` shards; after it, k are
+        # enough, but a block that may still reach k waits for it (else a slow node would
+        # turn a stored block into a miss).
+        want = self.k if self._hedged else self.settle
+        if ((best >= want) | (best + self.unanswered < want)).all():
+            self.done = True
+
+    def held_shards(self) -> list[HeldShards]:
+        """The answers so far."""
+        return [HeldShards(node, blocks, idx, stripe) for node, blocks, idx, stripe in self.held]
+
+
+# ---------------------------------------------------------------------- loads
+
+
+_PENDING, _OPEN, _READY, _TAKEN, _FINISHED = range(5)
+
+
+class LoadRound:
+    """A hedged load of many blocks, chunk by chunk (see the module docstring).
+
+    ``holders[b, i]`` is the node holding shard ``i`` of block ``b``'s chosen
+    stripe (-1: unknown); ``fallback`` (same shape), where a holder is
+    unknown, the node placement puts it on, asked only when escalating.
+    The driver reports which shards of a reply it accepted, takes
+    :meth:`ready_chunks` to verify, then calls :meth:`escalate` or
+    :meth:`finish_chunk` for each.
+    """
+
+    #: Once every block of a chunk has k shards, missing data shards are waited for this
+    #: fraction of the time the chunk took to get there (at least SETTLE_FLOOR_S, at most
+    #: until the hedge time): shards sent with the others arrive within it, while a node
+    #: that stopped answering costs a rebuild instead of a wait.
+    SETTLE_FRACTION = 0.25
+    SETTLE_FLOOR_S = 0.0005
+
+    def __init__(
+        self,
+        holders: IntArray,
+        node_up: BoolArray,
+        *,
+        k: int,
+        chunk_blocks: int,
+        window: int,
+        hedge_s: float,
+        timeout_s: float,
+        fallback: IntArray | None = None,
+        spare: int = 1,
+    ) -> None:
+        self.holders = holders
+        self.fallback = fallback
+        self.node_up = node_up
+        self.blocks, self.n = holders.shape
+        self.k = k
+        self.chunk_blocks = max(1, chunk_blocks)
+        self.window = max(1, window)
+        self.spare = spare
+        self._hedge_s, self._timeout_s = hedge_s, timeout_s
+        self.chunks = -(-self.blocks // self.chunk_blocks) if self.blocks else 0
+        self.state = [_PENDING] * self.chunks
+        self.got = np.zeros((self.blocks, self.n), bool)
+        self.asked = np.zeros((self.blocks, self.n), bool)
+        self._hedge_at = [0.0] * self.chunks
+        self._deadline = [0.0] * self.chunks
+        self._later: list[list[tuple[int, IntArray, IntArray]]] = [[] for _ in range(self.chunks)]
+        self._outstanding: list[set[int]] = [set() for _ in range(self.chunks)]
+        self.sends: dict[int, tuple[int, Send]] = {}
+        #: Hedge requests sent (each one a node asked for its later shards of a chunk).
+        self.hedges = 0
+        self._next_chunk = 0
+        self._limit = self.chunks
+        #: When each chunk was opened, and when each first had k shards of every block
+        #: (None: not yet): the latency a load's hedging is tuned by.
+        self.opened_at = [0.0] * self.chunks
+        self.complete_at: list[float | None] = [None] * self.chunks
+        self._settle_at = [0.0] * self.chunks
+        self._escalating = [False] * self.chunks
+
+    # -------------------------------------------------------------- events
+
+    def start(self, now: float) -> list[Send]:
+        """Open the first ``window`` chunks."""
+        return self._open_more(now)
+
+    def on_reply(self, ticket: int, accepted: BoolArray, now: float) -> list[Send]:
+        """The shards of ``ticket`` that arrived and passed the driver's checks."""
+        entry = self.sends.pop(ticket, None)
+        if entry is None:
+            return []
+        chunk, send = entry
+        self._outstanding[chunk].discard(ticket)
+        self.got[send.blocks[accepted], send.indices[accepted]] = True
+        return self._advance(chunk, now)
+
+    def on_failure(self, ticket: int, now: float) -> list[Send]:
+        """``ticket`` failed: no shard of it arrived."""
+        entry = self.sends.pop(ticket, None)
+        if entry is None:
+            return []
+        chunk = entry[0]
+        self._outstanding[chunk].discard(ticket)
+        return self._advance(chunk, now)
+
+    def tick(self, now: float) -> list[Send]:
+        """Time passed: hedge or close chunks whose times came."""
+        out: list[Send] = []
+        for chunk in range(self.chunks):
+            if self.state[chunk] == _OPEN:
+                out += self._advance(chunk, now)
+        return out
+
+    def next_wakeup(self) -> float | None:
+        """When :meth:`tick` must be called next (None: nothing is waiting on time)."""
+        times = []
+        for chunk in range(self.chunks):
+            if self.state[chunk] == _OPEN:
+                if self.complete_at[chunk] is not None:
+                    times.append(self._settle_at[chunk])
+                times.append(self._hedge_at[chunk] if self._later[chunk] else self._deadline[chunk])
+        return min(times, default=None)
+
+    def latency(self, chunk: int) -> float | None:
+        """Seconds ``chunk`` took to have k shards of every block (None: it never did)."""
+        done = self.complete_at[chunk]
+        return None if done is None else done - self.opened_at[chunk]
+
+    # -------------------------------------------------------------- the driver's side
+
+    def ready_chunks(self) -> list[int]:
+        """Chunks whose asks are over and that the driver has not taken yet (in order)."""
+        out = [c for c in range(self.chunks) if self.state[c] == _READY]
+        for c in out:
+            self.state[c] = _TAKEN
+        return out
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        """The blocks of ``chunk``: [start, stop)."""
+        start = chunk * self.chunk_blocks
+        return start, min(self.blocks, start + self.chunk_blocks)
+
+    def escalate(self, chunk: int, blocks: IntArray, now: float) -> list[Send]:
+        """Ask every holder of ``blocks`` not asked yet (a block failed); reopens the chunk.
+
+        Returns no sends (and leaves the chunk finished) when there is nobody left to ask.
+        """
+        rows = self.holders[blocks]
+        if self.fallback is not None:
+            rows = np.where(rows >= 0, rows, self.fallback[blocks])
+        want = (rows >= 0) & ~self.asked[blocks]
+        if not want.any():
+            return []
+        b_idx, i_idx = np.nonzero(want)
+        sends = self._group(rows[b_idx, i_idx], blocks[b_idx], i_idx)
+        self.state[chunk] = _OPEN
+        self._later[chunk] = []
+        self._deadline[chunk] = now + self._timeout_s
+        self.complete_at[chunk] = None
+        # The escalated blocks have their data shards, some of them bad: the chunk is
+        # over only when every new ask is answered (or at the deadline).
+        self._escalating[chunk] = True
+        return self._track(chunk, sends)
+
+    def finish_chunk(self, chunk: int) -> list[Send]:
+        """The driver is done with ``chunk``; the window may open the next one."""
+        self.state[chunk] = _FINISHED
+        return []
+
+    def open_more(self, now: float) -> list[Send]:
+        """Open chunks while fewer than ``window`` are in flight."""
+        return self._open_more(now)
+
+    def stop_before(self, block: int) -> None:
+        """Open no chunk that starts at or after ``block`` (a block before it ended the prefix)."""
+        limit = -(-block // self.chunk_blocks)
+        self._limit = min(self._limit, limit)
+        for chunk in range(self._limit, self.chunks):
+            self.state[chunk] = _FINISHED
+            self._later[chunk] = []
+            for ticket in self._outstanding[chunk]:
+                self.sends.pop(ticket, None)  # abandoned: its reply is ignored
+            self._outstanding[chunk].clear()
+
+    @property
+    def done(self) -> bool:
+        """Every chunk was handed to the driver and finished."""
+        return all(s == _FINISHED for s in self.state)
+
+    # -------------------------------------------------------------- internals
+
+    def _open_more(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        in_flight = sum(1 for s in self.state if s == _OPEN)
+        while self._next_chunk < min(self.chunks, self._limit) and in_flight < self.window:
+            out += self._open(self._next_chunk, now)
+            self._next_chunk += 1
+            in_flight += 1
+        return out
+
+    def _open(self, chunk: int, now: float) -> list[Send]:
+        start, stop = self.chunk_range(chunk)
+        plan = plan_reads(self.holders[start:stop], self.node_up, k=self.k, spare=self.spare)
+        self.state[chunk] = _OPEN
+        self.opened_at[chunk] = now
+        self._hedge_at[chunk] = now + self._hedge_s
+        self._deadline[chunk] = now + self._timeout_s
+        self._later[chunk] = [(node, b + start, i) for node, b, i in plan.later]
+        first = [_send(node, b + start, i) for node, b, i in plan.first]
+        out = self._track(chunk, first)
+        if not out:
+            out += self._advance(chunk, now)
+        return out
+
+    def _track(self, chunk: int, sends: list[Send]) -> list[Send]:
+        for send in sends:
+            self.sends[send.ticket] = (chunk, send)
+            self._outstanding[chunk].add(send.ticket)
+            self.asked[send.blocks, send.indices] = True
+        return sends
+
+    def _group(self, nodes: IntArray, blocks: IntArray, indices: IntArray) -> list[Send]:
+        out = []
+        for node in np.unique(nodes).tolist():
+            sel = nodes == node
+            out.append(_send(node, blocks[sel], indices[sel]))
+        return out
+
+    def _advance(self, chunk: int, now: float) -> list[Send]:
+        if self.state[chunk] != _OPEN:
+            return []
+        out: list[Send] = []
+        if self._escalating[chunk]:
+            if self._outstanding[chunk] and now < self._deadline[chunk]:
+                return out
+            self.state[chunk] = _READY
+            self._abandon(chunk)
+            return self._open_more(now)
+        start, stop = self.chunk_range(chunk)
+        got = self.got[start:stop]
+        complete = got.sum(axis=1) >= self.k
+        if complete.all() and self.complete_at[chunk] is None:
+            self.complete_at[chunk] = now
+            settle = max(self.SETTLE_FLOOR_S, self.SETTLE_FRACTION * (now - self.opened_at[chunk]))
+            self._settle_at[chunk] = min(now + settle, max(now, self._hedge_at[chunk]))
+        # Every block with all its data shards: done, nothing to rebuild. Blocks complete
+        # only through parity wait a little for their data shards (see SETTLE_FRACTION),
+        # unless nothing more is coming.
+        if got[:, : self.k].all() or (
+            complete.all() and (now >= self._settle_at[chunk] or not self._outstanding[chunk])
+        ):
+            self._later[chunk] = []
+            self.state[chunk] = _READY
+        elif self._later[chunk] and (now >= self._hedge_at[chunk] or not self._outstanding[chunk]):
+            # Hedge: ask the remaining holders for the blocks still short.
+            for node, blocks, idx in self._later[chunk]:
+                want = ~complete[blocks - start]
+                if want.any():
+                    self.hedges += 1
+                    out += self._track(chunk, [_send(node, blocks[want], idx[want])])
+            self._later[chunk] = []
+            if not self._outstanding[chunk]:
+                self.state[chunk] = _READY
+        elif not self._outstanding[chunk] or now >= self._deadline[chunk]:
+            self.state[chunk] = _READY
+        if self.state[chunk] == _READY:
+            self._abandon(chunk)
+            out += self._open_more(now)
+        return out
+
+    def _abandon(self, chunk: int) -> None:
+        """Asks of ``chunk`` still out are abandoned: their replies are ignored, and their
+        shards count as not asked, so an escalation asks for them again."""
+        for ticket in list(self._outstanding[chunk]):
+            entry = self.sends.pop(ticket, None)
+            if entry is not None:
+                send = entry[1]
+                self.asked[send.blocks, send.indices] = False
+        self._outstanding[chunk].clear()
+
+
+# ---------------------------------------------------------------------- stores
+
+
+class PutRound:
+    """One batch of blocks written to their holders (see the module docstring).
+
+    ``holders[b, i]`` is the node shard ``i`` of block ``b`` goes to; nodes
+    not in ``node_up`` are skipped (their shards count as not stored).
+    """
+
+    def __init__(
+        self,
+        holders: IntArray,
+        node_up: BoolArray,
+        *,
+        min_write: int,
+        hedge_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.holders = holders
+        self.min_write = min_write
+        self._hedge_s, self._timeout_s = hedge_s, timeout_s
+        blocks, n = holders.shape
+        self.acks = np.zeros((blocks, n), bool)
+        self.sends: dict[int, Send] = {}
+        for node in np.unique(holders).tolist():
+            if node < 0 or not node_up[node]:
+                continue
+            b, i = np.nonzero(holders == node)
+            send = _send(node, b, i)
+            self.sends[send.ticket] = send
+        self.pending = set(self.sends)
+        self.started = 0.0
+        self.quorum_at: float | None = None
+        self.done = not self.pending
+
+    def start(self, now: float) -> list[Send]:
+        """The PUT requests to send."""
+        self.started = now
+        self._check(now)
+        return list(self.sends.values())
+
+    def on_reply(self, ticket: int, stored: BoolArray, now: float) -> None:
+        """Which shards of ``ticket`` the node stored."""
+        if ticket not in self.pending:
+            return
+        self.pending.discard(ticket)
+        send = self.sends[ticket]
+        self.acks[send.blocks[stored], send.indices[stored]] = True
+        self._check(now)
+
+    def on_failure(self, ticket: int, now: float) -> None:
+        """``ticket`` failed: none of its shards count as stored."""
+        if ticket in self.pending:
+            self.pending.discard(ticket)
+            self._check(now)
+
+    def tick(self, now: float) -> None:
+        """Time passed."""
+        self._check(now)
+
+    def next_wakeup(self) -> float | None:
+        """When :meth:`tick` must be called next."""
+        if self.done:
+            return None
+        if self.quorum_at is not None:
+            return min(self.started + self._timeout_s, self.quorum_at + self._hedge_s)
+        return self.started + self._timeout_s
+
+    @property
+    def written(self) -> BoolArray:
+        """Per block: stored with at least ``min_write`` shards."""
+        result: BoolArray = self.acks.sum(axis=1) >= self.min_write
+        return result
+
+    def _check(self, now: float) -> None:
+        if self.quorum_at is None and self.written.all():
+            self.quorum_at = now
+        limit = self.started + self._timeout_s
+        if self.quorum_at is not None:
+            limit = min(limit, self.quorum_at + self._hedge_s)
+        if not self.pending or now >= limit:
+            self.done = True

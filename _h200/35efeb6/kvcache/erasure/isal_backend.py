@@ -1,0 +1,158 @@
+"""The ISA-L codec: reedsolo's matrices evaluated by ``ec_encode_data``, zero-copy.
+
+ISA-L computes ``out[r] = XOR_s a[r, s] · in[s]`` for any coefficient matrix, so
+encoding feeds it the transposed parity matrix (m rows × k) and rebuilding feeds it
+the rows of the decode matrix for the lost shards (see
+:func:`kvcache.erasure.gf.decode_matrix`). Its multiplication tables are built once
+per matrix: at construction for encoding, and per erasure pattern (LRU-cached) for
+rebuilding.
+
+ISA-L reads and writes through arrays of row pointers. Stripe arrays are block
+major, so each block is one ``ec_encode_data`` call; for a batch, one numpy
+expression computes every row address (``base + (b·n + row)·L``) into a (B, k + r)
+uint64 table whose first k columns are the inputs and last r the outputs, and the
+loop passes pointers into that table — no bytes are copied, and the per-block cost
+on the Python side is one ctypes call (~0.35 µs, vs ~2.5 µs of SIMD work for a
+10 + 2 block of 112 KiB).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.erasure import gf
+from kvcache.erasure.codec import Backend, Codec, RebuildPlan, StripeArray
+from kvcache.erasure.isal_lib import IsalLib
+from kvcache.erasure.params import ErasureParams
+from kvcache.errors import ErasureError
+
+__all__ = ["IsalCodec"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_LEN = 2**31 - 1  # ec_encode_data takes the row length as a C int
+_POINTER = 8  # bytes per entry of the uint64 pointer table
+
+
+def _address(array: npt.NDArray[np.generic]) -> int:
+    """Address of the first byte of a writable C-contiguous array (cheaper than .ctypes.data)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array.data))
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    """One ec_encode_data job: ISA-L tables plus which stripe rows are inputs and outputs."""
+
+    tables: npt.NDArray[np.uint8]  # 32 · k · outputs bytes, from ec_init_tables
+    tables_address: int
+    rows: tuple[int, ...]  # k input row indices, then the output row indices
+    outputs: int
+
+
+class IsalCodec(Codec):
+    """Reed–Solomon over GF(2^8) through Intel ISA-L (see the module docstring)."""
+
+    backend = Backend.ISAL
+
+    def __init__(self, params: ErasureParams, lib: IsalLib) -> None:
+        super().__init__(params)
+        self._lib = lib
+        parity = gf.parity_matrix(params.k, params.m)
+        self._encode_program = self._compile(
+            parity.T, tuple(range(params.k)), tuple(range(params.k, params.n))
+        )
+        self._rebuild_program = functools.lru_cache(maxsize=256)(self._plan)
+        self._offsets = functools.lru_cache(maxsize=64)(self._row_offsets)
+        logger.debug("ISA-L erasure codec ready for %s (%s)", params, lib.path)
+
+    def _compile(
+        self, matrix: npt.NDArray[np.uint8], inputs: tuple[int, ...], outputs: tuple[int, ...]
+    ) -> _Program:
+        """Expand a (len(outputs) × k) coefficient matrix into ISA-L's tables."""
+        k = self._params.k
+        coeffs = np.ascontiguousarray(matrix, dtype=np.uint8)
+        tables = np.zeros(32 * k * len(outputs), dtype=np.uint8)
+        self._lib.ec_init_tables(k, len(outputs), _address(coeffs), _address(tables))
+        return _Program(
+            tables=tables,
+            tables_address=_address(tables),
+            rows=inputs + outputs,
+            outputs=len(outputs),
+        )
+
+    def _plan(self, sources: tuple[int, ...], targets: tuple[int, ...]) -> _Program:
+        matrix = gf.decode_matrix(self._params.k, self._params.m, sources, targets)
+        return self._compile(matrix, sources, targets)
+
+    def _row_offsets(
+        self, rows: tuple[int, ...], blocks: int, length: int
+    ) -> npt.NDArray[np.uint64]:
+        """offsets[b, i] = byte offset of row rows[i] of block b in a (blocks, n, length) array."""
+        block_rows = np.arange(blocks, dtype=np.uint64)[:, None] * np.uint64(self._params.n)
+        return (block_rows + np.array(rows, dtype=np.uint64)[None, :]) * np.uint64(length)
+
+    def _run(
+        self,
+        stripes: StripeArray,
+        program: _Program,
+        only: npt.NDArray[np.int64] | None = None,
+    ) -> None:
+        blocks, _, length = stripes.shape
+        if length > _MAX_LEN:
+            raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
+        # pointers[b, i] = address of stripes[b, program.rows[i]]: k inputs, then outputs.
+        pointers = self._offsets(program.rows, blocks, length) + _address(stripes)
+        if only is not None:
+            pointers = np.ascontiguousarray(pointers[only])
+            blocks = len(only)
+        self._lib.encode_blocks(
+            length,
+            self._params.k,
+            program.outputs,
+            program.tables_address,
+            first=_address(pointers),
+            count=blocks,
+            stride=len(program.rows) * _POINTER,
+            coding_offset=self._params.k * _POINTER,
+        )
+
+    def _encode(self, stripes: StripeArray) -> None:
+        self._run(stripes, self._encode_program)
+
+    def encode_rows(
+        self, rows: npt.NDArray[np.uint64], length: int, keepalive: object = None
+    ) -> None:
+        """See :meth:`Codec.encode_rows`: ISA-L reads the rows where they are."""
+        if rows.ndim != 2 or rows.shape[1] != self._params.n:
+            raise ErasureError(f"rows must have shape (B, n={self._params.n}), got {rows.shape}")
+        if length > _MAX_LEN:
+            raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
+        if not rows.shape[0] or not length:
+            return
+        table = np.ascontiguousarray(rows, dtype=np.uint64)
+        program = self._encode_program
+        self._lib.encode_blocks(
+            length,
+            self._params.k,
+            program.outputs,
+            program.tables_address,
+            first=_address(table),
+            count=rows.shape[0],
+            stride=self._params.n * _POINTER,
+            coding_offset=self._params.k * _POINTER,
+        )
+
+    def _rebuild(self, stripes: StripeArray, plan: RebuildPlan) -> None:
+        self._run(stripes, self._rebuild_program(plan.sources, plan.targets))
+
+    def _rebuild_blocks(
+        self, stripes: StripeArray, plan: RebuildPlan, blocks: npt.NDArray[np.int64]
+    ) -> None:
+        # In place: only the chosen blocks' row pointers are handed to ISA-L.
+        self._run(stripes, self._rebuild_program(plan.sources, plan.targets), blocks)

@@ -1,0 +1,151 @@
+"""Prefix-chained block keys.
+
+``key_0 = H(seed, tokens[0:B])`` and ``key_i = H(key_{i-1}, tokens[iB:(i+1)B])``
+where ``H`` is xxh3-128 over a domain tag, the 16-byte parent and the block's
+token ids as little-endian uint32. A key therefore names a block *and
+everything before it*. The seed is derived from a :class:`Namespace`, which
+covers everything that makes KV bytes incompatible, so two models, layouts,
+ranks or tenants never share a key.
+
+WARNING: these functions define every key in every cluster. Changing a tag,
+a field order or an encoding silently turns every stored block into garbage
+nobody can find. ``tests/test_keys.py`` pins golden vectors; a change that
+breaks them needs a new domain tag version (``v2``), never an edit of ``v1``.
+See ``docs/spec/hashing.md``.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvcache.errors import ConfigError
+from kvcache.layout import KVLayout
+
+__all__ = [
+    "BLOCK_TAG",
+    "KEY_BYTES",
+    "NAMESPACE_TAG",
+    "BlockKey",
+    "Namespace",
+    "TokenArray",
+    "as_token_array",
+    "block_keys",
+    "full_blocks",
+]
+
+#: Domain tag hashed in front of every block key.
+BLOCK_TAG = b"kvcache:block:v1\x00"
+#: Domain tag hashed in front of every namespace seed.
+NAMESPACE_TAG = b"kvcache:namespace:v1\x00"
+#: Length of a block key and of a namespace seed in bytes.
+KEY_BYTES = 16
+
+BlockKey = NewType("BlockKey", bytes)
+TokenArray = npt.NDArray[np.uint32]
+
+_MAX_FIELD = 1024
+_U32_CODE = "I" if array.array("I").itemsize == 4 else "L"
+_NATIVE_IS_LE = sys.byteorder == "little"
+
+
+def _field_bytes(name: str, value: str) -> bytes:
+    raw = value.encode("utf-8")
+    if not value or len(raw) > _MAX_FIELD:
+        raise ConfigError(f"Namespace.{name} must be 1..{_MAX_FIELD} UTF-8 bytes, got {value!r}")
+    return len(raw).to_bytes(4, "little") + raw
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Namespace:
+    """Everything that makes KV bytes incompatible: blocks of two namespaces never match.
+
+    ``parallel`` names the slice of the model this worker's KV covers, e.g.
+    ``"tp0of8"`` for a tensor-parallel rank or ``"layers0-31"`` for a layer group.
+    """
+
+    model: str
+    revision: str
+    layout: KVLayout
+    parallel: str = "tp0of1"
+    tenant: str = "default"
+    seed: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError(f"Namespace.layout must be a KVLayout, got {self.layout!r}")
+        encoded = b"".join(
+            _field_bytes(name, value)
+            for name, value in (
+                ("model", self.model),
+                ("revision", self.revision),
+                ("layout", self.layout.describe()),
+                ("parallel", self.parallel),
+                ("tenant", self.tenant),
+            )
+        )
+        object.__setattr__(self, "seed", xxhash.xxh3_128_digest(NAMESPACE_TAG + encoded))
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens in one block of this namespace."""
+        return self.layout.tokens_per_block
+
+
+def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArray:
+    """Token ids as a contiguous little-endian uint32 array; rejects ids outside 0..2**32-1."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.ndim != 1:
+            raise ConfigError(f"tokens must be one-dimensional, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ConfigError(f"tokens must be integers, got dtype {arr.dtype}")
+        if arr.dtype != np.dtype("<u4"):
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+                raise ConfigError("token ids must lie in 0..2**32-1")
+            arr = arr.astype("<u4")
+        return np.ascontiguousarray(arr)
+    try:
+        # array.array converts and range-checks in C, ~2x faster than numpy for lists.
+        packed = array.array(_U32_CODE, tokens)
+    except (TypeError, OverflowError) as exc:
+        raise ConfigError(f"tokens must be ints in 0..2**32-1: {exc}") from exc
+    out = np.frombuffer(packed, dtype=np.uint32)
+    return out if _NATIVE_IS_LE else out.astype("<u4")
+
+
+def full_blocks(n_tokens: int, tokens_per_block: int) -> int:
+    """Number of full blocks in ``n_tokens`` tokens; a partial tail block has no key."""
+    return n_tokens // tokens_per_block
+
+
+def block_keys(
+    namespace: Namespace,
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    *,
+    max_blocks: int | None = None,
+) -> list[BlockKey]:
+    """The chained keys of every full block of ``tokens`` (at most ``max_blocks``)."""
+    arr = as_token_array(tokens)
+    block = namespace.tokens_per_block
+    count = full_blocks(arr.size, block)
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    raw = arr[: count * block].tobytes()
+    step = block * 4
+    parent = namespace.seed
+    keys: list[BlockKey] = []
+    append = keys.append
+    digest = xxhash.xxh3_128_digest
+    # One C call per block (not per token); concatenating is cheaper than a streaming hasher.
+    for start in range(0, count * step, step):
+        parent = digest(BLOCK_TAG + parent + raw[start : start + step])
+        append(BlockKey(parent))
+    return keys

@@ -1,0 +1,246 @@
+"""``ServerConfig``: everything one storage daemon is told, frozen and validated when built.
+
+Loaded from TOML (``[server]`` and ``[retention]`` tables), then environment
+variables ``KVCACHE_SERVER_<FIELD>`` / ``KVCACHE_RETENTION_<FIELD>``, then
+command-line flags, later layers winning (see :func:`load_server_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcache.config import build_config, env_overrides, load_toml, parse_size
+from kvcache.errors import ConfigError
+from kvcache.retention.policy import RetentionPolicy
+from kvcache.wire import Limits, parse_endpoint
+
+__all__ = [
+    "ServerConfig",
+    "SyncMode",
+    "default_map_size",
+    "load_server_config",
+    "parse_admin_listen",
+    "parse_size",
+]
+
+ENV_PREFIX = "KVCACHE_SERVER"
+RETENTION_ENV_PREFIX = "KVCACHE_RETENTION"
+_SIZE_FIELDS = ("capacity_bytes", "map_size_bytes", "max_data_bytes", "max_inflight_bytes")
+
+
+class SyncMode(enum.Enum):
+    """When LMDB's writes are forced to disk.
+
+    Every mode survives ``kill -9`` of the daemon (committed pages are in the
+    OS page cache). They differ on a machine crash or power loss:
+    ``commit`` loses nothing acknowledged; ``periodic`` may lose (and, as LMDB
+    does not order unsynced writes, may damage) what was written since the
+    last sync; ``none`` leaves flushing to the OS entirely.
+    """
+
+    COMMIT = "commit"
+    PERIODIC = "periodic"
+    NONE = "none"
+
+
+def default_map_size(capacity_bytes: int) -> int:
+    """LMDB map size for a capacity: 1.5 x capacity + 64 MiB (see ``effective_map_size``)."""
+    return int(capacity_bytes * 1.5) + (64 << 20)
+
+
+def parse_admin_listen(value: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); raises ConfigError naming the value."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"admin_listen must be host:port, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """One storage daemon's settings. Sizes in bytes, durations in seconds."""
+
+    #: Name of this node in logs, metrics and STATS.
+    node_id: str = "node-0"
+    #: Directory of the LMDB environment (created if missing).
+    data_dir: Path = Path("kvcache-data")
+    #: Endpoint the data path listens on (TCP). Port 0 picks a free port.
+    listen: str = "tcp://127.0.0.1:7400"
+    #: host:port of the admin HTTP server. Port 0 picks a free port.
+    admin_listen: str = "127.0.0.1:7480"
+    #: Bytes of shard records (header + body) this node keeps at most.
+    capacity_bytes: int = 8 << 30
+    #: Above this fraction of capacity, eviction starts ...
+    high_watermark: float = 0.90
+    #: ... and runs until usage is below this fraction.
+    low_watermark: float = 0.80
+    #: LMDB map size; 0 derives it from capacity (1.5 x capacity + 64 MiB).
+    map_size_bytes: int = 0
+    #: When writes are forced to disk (see SyncMode).
+    sync: SyncMode = SyncMode.PERIODIC
+    #: Seconds between syncs in ``periodic`` mode.
+    sync_interval_s: float = 5.0
+    #: Tenants' secrets, quotas and the admin token (see kvcache.credentials). Empty: the
+    #: file ``credentials.toml`` in ``data_dir``, generated there on first start.
+    credentials_file: Path | None = None
+    #: TLS on the data path: certificate chain and key (PEM). Both or neither.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: Most items in one request.
+    max_items: int = 16384
+    #: Most bytes in one data section (request or reply).
+    max_data_bytes: int = 256 << 20
+    #: Most data-path connections at once; more are closed as they arrive.
+    max_connections: int = 1024
+    #: Seconds a new connection has to finish the session handshake.
+    handshake_timeout_s: float = 10.0
+    #: A reply that makes no progress for this long closes its connection (peer not reading).
+    send_timeout_s: float = 30.0
+    #: Request bytes buffered across connections before the daemon stops reading new ones.
+    max_inflight_bytes: int = 1 << 30
+    #: Most shards one sweep or eviction transaction deletes (bounds how long it holds the writer).
+    sweep_batch: int = 512
+    #: A hit moving an expiry by less than this is not written (saves writes on hot blocks).
+    touch_resolution_s: float = 60.0
+    #: Hits are written in batches at least this often.
+    touch_flush_s: float = 1.0
+    #: A stored shard of another write may be replaced (PUT with ``expect``) only once it is
+    #: this old: longer than any writer takes to finish a block, so none is overwritten mid-way.
+    replace_after_s: float = 10.0
+    #: SWA holder records kept in RAM (DIR_PUT / HAS_DIR), in all and per block key.
+    swa_directory_records: int = 1 << 18
+    swa_directory_per_key: int = 8
+    #: The cluster map the status page (``/dashboard``) shows, read again at every poll so an
+    #: edited file shows without a restart. Unset: the page shows this node alone.
+    cluster_file: Path | None = None
+    #: Test only: allow ``POST /debug/clock`` to shift the daemon's clock (admin-token-guarded).
+    allow_clock_override: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.node_id or len(self.node_id) > 128 or not self.node_id.isprintable():
+            raise ConfigError(f"node_id must be 1-128 printable characters, got {self.node_id!r}")
+        try:
+            parse_endpoint(self.listen)
+        except ValueError as exc:
+            raise ConfigError(f"listen: {exc}") from None
+        parse_admin_listen(self.admin_listen)
+        if self.capacity_bytes < 1 << 20:
+            raise ConfigError(f"capacity_bytes must be at least 1 MiB, got {self.capacity_bytes}")
+        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise ConfigError(
+                "watermarks must satisfy 0 < low_watermark < high_watermark <= 1, got "
+                f"low={self.low_watermark} high={self.high_watermark}"
+            )
+        if self.map_size_bytes and self.map_size_bytes < 1 << 20:
+            raise ConfigError(
+                f"map_size_bytes must be 0 (derived) or >= 1 MiB, got {self.map_size_bytes}"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: set both or neither")
+        for name in (
+            "max_items",
+            "max_data_bytes",
+            "sweep_batch",
+            "max_connections",
+            "max_inflight_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("sync_interval_s", "touch_flush_s", "handshake_timeout_s", "send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.replace_after_s < 0:
+            raise ConfigError(f"replace_after_s must be >= 0, got {self.replace_after_s}")
+        if self.swa_directory_records < 1 or self.swa_directory_per_key < 1:
+            raise ConfigError(
+                "swa_directory_records and swa_directory_per_key must be >= 1, got "
+                f"{self.swa_directory_records} and {self.swa_directory_per_key}"
+            )
+        if self.touch_resolution_s < 0:
+            raise ConfigError(f"touch_resolution_s must be >= 0, got {self.touch_resolution_s}")
+
+    @property
+    def limits(self) -> Limits:
+        """The wire limits requests are decoded with."""
+        return Limits(max_items=self.max_items, max_data_bytes=self.max_data_bytes)
+
+    @property
+    def effective_map_size(self) -> int:
+        """The LMDB map size used: explicit, or 1.5 x capacity + 64 MiB of slack.
+
+        LMDB keeps the pages of the last snapshot until the next commit and
+        stores an 11.5 KB value in three 4 KiB overflow pages, so the map needs
+        room beyond the logical capacity.
+        """
+        return self.map_size_bytes or default_map_size(self.capacity_bytes)
+
+    @property
+    def effective_credentials_file(self) -> Path:
+        """The credentials file used: the configured one, or ``credentials.toml`` in data_dir."""
+        return self.credentials_file or self.data_dir / "credentials.toml"
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as plain values for the start-up log, the token hidden."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, Path):
+                value = str(value)
+            out[f.name] = value
+        return out
+
+
+def load_server_config(
+    path: str | Path | None = None,
+    *,
+    flags: Mapping[str, Any] | None = None,
+    environ: bool = True,
+) -> tuple[ServerConfig, RetentionPolicy]:
+    """Config and retention policy from TOML < environment < flags.
+
+    The TOML file may hold a ``[server]`` table (ServerConfig fields) and a
+    ``[retention]`` table (see :meth:`RetentionPolicy.from_mapping`). Sizes may
+    be written ``"64GiB"``. Flags whose value is None are ignored.
+    """
+    table: dict[str, Any] = load_toml(path) if path is not None else {}
+    unknown = set(table) - {"server", "retention"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; known: server, retention")
+    layers: list[tuple[str, Mapping[str, Any]]] = [(str(path), table.get("server", {}))]
+    if environ:
+        layers.append(("environment", env_overrides(ServerConfig, ENV_PREFIX)))
+    layers.append(("flags", {k: v for k, v in (flags or {}).items() if v is not None}))
+    converted: list[Mapping[str, Any]] = []
+    for source, layer in layers:
+        if not isinstance(layer, Mapping):
+            raise ConfigError(f"{source}: [server] must be a table")
+        converted.append(
+            {
+                k: parse_size(v, what=f"{source}: {k}") if k in _SIZE_FIELDS else v
+                for k, v in layer.items()
+            }
+        )
+    sources = ", ".join(source for source, layer in layers if layer)
+    config = build_config(ServerConfig, *converted, source=sources or "defaults")
+    retention: dict[str, Any] = dict(table.get("retention", {}))
+    if environ:
+        retention.update(_retention_env())
+    policy = RetentionPolicy.from_mapping(retention, source=str(path or "retention"))
+    return config, policy
+
+
+def _retention_env() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name in ("classes", "default_class"):
+        key = f"{RETENTION_ENV_PREFIX}_{name.upper()}"
+        if key in os.environ:
+            out[name] = os.environ[key]
+    return out

@@ -1,0 +1,308 @@
+"""What a daemon stores and under which keys, and the batch checks of PUT records.
+
+Storage layout (store format ``kvcache-store-v2``, LMDB named databases)::
+
+    shards     tenant 8 | key 16 | index u16 BE                → header || body, as PUT
+    retention  tenant 8 | key 16 | index u16 BE                → expiry_ms | size | stripe | written_ms | class
+    expiry     tenant 8 | class 16 | expiry_ms u64 BE | key 16 | index u16 BE → b""
+    meta       b"format"; b"usage:" + tenant 8 + class 16 → bytes u64 | shards u64; b"policy"
+
+Every key starts with the tenant's 8-byte id (:func:`kvcache.credentials.tenant_id`),
+taken from the connection's authenticated tenant, never from the request: a
+tenant cannot name another tenant's shards even if it knows their block keys.
+One key's shards are adjacent and in index order. The expiry index is cut
+into *partitions*, one per (tenant, class), each walked oldest first: that is
+what lets a tenant's quota evict its own shards, and a class quota the
+tenant's shards of that class.
+
+A PUT carries hundreds of ``header || body`` shard records. They are checked
+as a batch (:func:`check_put`): the header rules are
+:func:`kvcache.shard.header_verdicts` (one home for them); only the body
+checksums are computed per record (xxh3 runs at memory speed). The verdicts
+are exactly those of :func:`kvcache.shard.split_shard` followed by the key
+check (a property test holds the two side by side):
+
+* malformed header or body length → ``BAD_ITEM``
+* body checksum mismatch → ``CHECKSUM``
+* a well-formed shard of another key or shard index → ``WRONG_KEY``
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvcache.credentials import TenantId
+from kvcache.errors import ProtocolError
+from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, header_verdicts
+from kvcache.wire import Status, data_offsets
+
+__all__ = [
+    "FORMAT",
+    "KEY_LEN",
+    "PARTITION_LEN",
+    "RETENTION_HEAD",
+    "CheckedPut",
+    "Retention",
+    "check_put",
+    "class_field",
+    "expiry_key",
+    "fresh_rows",
+    "partition",
+    "record_class",
+    "record_expiry",
+    "split_expiry_key",
+    "split_partition",
+    "split_store_key",
+    "store_keys",
+    "usage_key",
+]
+
+FORMAT = b"kvcache-store-v2"
+TENANT_LEN = 8
+#: Storage key: tenant (8) + block key (16) + shard index (u16 big-endian).
+KEY_LEN = TENANT_LEN + 18
+CLASS_LEN = 16
+#: Expiry-index partition: tenant (8) + traffic class name, NUL-padded (16).
+PARTITION_LEN = TENANT_LEN + CLASS_LEN
+USAGE_PREFIX = b"usage:"
+
+_FIELDS: Mapping[str, Any] = HEADER_DTYPE.fields or {}
+_KEY_AT: int = _FIELDS["block_key"][1]
+_NAME_AT: int = _FIELDS["traffic_class"][1]
+_CHECKED_LEN = HEADER_BYTES - 4
+
+_RETENTION = struct.Struct(">QIQQ")
+_U64 = struct.Struct(">Q")
+#: The fixed head of a packed Retention record (expiry_ms, size, stripe, written_ms).
+RETENTION_HEAD = _RETENTION
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """The small side record kept per stored shard, so a hit never rewrites shard bytes.
+
+    Stored as ``expiry_ms u64 BE | size u32 BE | stripe u64 BE | written_ms u64 BE |
+    class ASCII``; ``written_ms`` is when this daemon stored the shard (its own clock),
+    which decides whether another writer may replace it (see docs/spec/wire.md, PUT).
+    """
+
+    expiry_ms: int
+    size: int
+    stripe: int
+    written_ms: int
+    traffic_class: str
+
+    def pack(self) -> bytes:
+        """The record's bytes."""
+        head = _RETENTION.pack(self.expiry_ms, self.size, self.stripe, self.written_ms)
+        return head + self.traffic_class.encode()
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> Retention:
+        """Parse a record written by :meth:`pack` (our own disk: trusted layout)."""
+        expiry_ms, size, stripe, written_ms = _RETENTION.unpack_from(raw)
+        name = bytes(raw[_RETENTION.size :]).decode("ascii")
+        return cls(expiry_ms, size, stripe, written_ms, name)
+
+
+def record_expiry(raw: bytes | memoryview) -> int:
+    """Just the expiry of a packed :class:`Retention` (the hot read path needs nothing else)."""
+    return int(_U64.unpack_from(raw)[0])
+
+
+def record_class(raw: bytes | memoryview) -> str:
+    """Just the traffic class of a packed :class:`Retention`."""
+    return bytes(raw[_RETENTION.size :]).decode("ascii")
+
+
+def class_field(name: str) -> bytes:
+    """A class name as the 16-byte, NUL-padded field of partition keys."""
+    return name.encode("ascii").ljust(CLASS_LEN, b"\x00")
+
+
+def partition(tenant: bytes, traffic_class: str) -> bytes:
+    """The expiry-index partition of a tenant's shards of one class."""
+    return tenant + class_field(traffic_class)
+
+
+def split_partition(raw: bytes) -> tuple[TenantId, str]:
+    """(tenant, class) of a partition key."""
+    return TenantId(raw[:TENANT_LEN]), raw[TENANT_LEN:PARTITION_LEN].rstrip(b"\x00").decode()
+
+
+def expiry_key(skey: bytes, traffic_class: str, expiry_ms: int) -> bytes:
+    """Key of the expiry index for storage key ``skey``: partition, expiry, block key, index."""
+    return skey[:TENANT_LEN] + class_field(traffic_class) + _U64.pack(expiry_ms) + skey[TENANT_LEN:]
+
+
+def fresh_rows(
+    skeys: list[bytes],
+    sizes: npt.NDArray[np.int64],
+    stripes: npt.NDArray[np.uint64],
+    *,
+    traffic_class: str,
+    expiry_ms: int,
+    written_ms: int,
+) -> tuple[list[bytes], list[bytes]]:
+    """(retention records, expiry-index keys) of shards of one tenant and class, built as
+    columns: the batch twin of :meth:`Retention.pack` and :func:`expiry_key` (a property
+    test holds them byte-identical)."""
+    n = len(skeys)
+    name = traffic_class.encode("ascii")
+    rec = np.empty(
+        n,
+        [("expiry", ">u8"), ("size", ">u4"), ("stripe", ">u8"), ("written", ">u8"),
+         ("name", f"V{len(name)}")],
+    )  # fmt: skip
+    rec["expiry"] = expiry_ms
+    rec["size"] = sizes
+    rec["stripe"] = stripes
+    rec["written"] = written_ms
+    rec["name"] = np.frombuffer(name, f"V{len(name)}")[0] if name else b""
+    keys = np.frombuffer(b"".join(skeys), np.uint8).reshape(n, KEY_LEN)
+    exp = np.empty((n, PARTITION_LEN + 8 + KEY_LEN - TENANT_LEN), np.uint8)
+    exp[:, :TENANT_LEN] = keys[:, :TENANT_LEN]
+    exp[:, TENANT_LEN:PARTITION_LEN] = np.frombuffer(class_field(traffic_class), np.uint8)
+    exp[:, PARTITION_LEN : PARTITION_LEN + 8] = np.frombuffer(_U64.pack(expiry_ms), np.uint8)
+    exp[:, PARTITION_LEN + 8 :] = keys[:, TENANT_LEN:]
+    return (
+        rec.view(f"V{rec.dtype.itemsize}").tolist(),
+        exp.view(f"V{exp.shape[1]}").ravel().tolist(),
+    )
+
+
+def split_expiry_key(raw: bytes | memoryview) -> tuple[int, bytes]:
+    """(expiry_ms, storage key) of an expiry-index key."""
+    data = bytes(raw)
+    expiry = int(_U64.unpack_from(data, PARTITION_LEN)[0])
+    return expiry, data[:TENANT_LEN] + data[PARTITION_LEN + 8 :]
+
+
+def usage_key(part: bytes) -> bytes:
+    """The meta key of a partition's byte and shard counters."""
+    return USAGE_PREFIX + part
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedPut:
+    """Verdicts for a PUT batch and, for the items that passed, what to store."""
+
+    #: One Status per request item.
+    status: npt.NDArray[np.uint8]
+    #: Positions of the items that passed, in request order.
+    positions: list[int]
+    #: Their storage keys (see :func:`store_keys`).
+    keys: list[bytes]
+    #: Their ``header || body`` records (views into the request's data section).
+    records: list[memoryview]
+    #: Their traffic class names as written in the header.
+    classes: list[str]
+    #: Their stripe ids.
+    stripes: list[int]
+    #: The stripe id each item expects to replace (0: none), from the request.
+    expects: list[int]
+
+
+def store_keys(
+    tenant: bytes, keys: npt.NDArray[np.void], indices: npt.NDArray[np.integer]
+) -> list[bytes]:
+    """Storage keys of one tenant for parallel arrays of 16-byte block keys and shard indices."""
+    n = len(keys)
+    packed = np.empty((n, KEY_LEN), dtype=np.uint8)
+    if n:
+        packed[:, :TENANT_LEN] = np.frombuffer(tenant, np.uint8)
+        packed[:, TENANT_LEN : TENANT_LEN + 16] = np.frombuffer(
+            np.ascontiguousarray(keys).tobytes(), np.uint8
+        ).reshape(n, 16)
+        idx = np.asarray(indices, dtype=np.uint16)
+        packed[:, -2] = idx >> 8
+        packed[:, -1] = idx & 0xFF
+    raw = packed.tobytes()
+    return [raw[i : i + KEY_LEN] for i in range(0, n * KEY_LEN, KEY_LEN)]
+
+
+def split_store_key(key: bytes | memoryview) -> tuple[TenantId, bytes, int]:
+    """(tenant, block key, shard index) of a storage key."""
+    raw = bytes(key)
+    return TenantId(raw[:TENANT_LEN]), raw[TENANT_LEN:-2], int.from_bytes(raw[-2:], "big")
+
+
+def check_put(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> CheckedPut:
+    """Check every record of a PUT batch; never raises on bad records, only marks them."""
+    n = len(items)
+    status = np.full(n, Status.BAD_ITEM, dtype=np.uint8)
+    if n == 0:
+        return CheckedPut(status, [], [], [], [], [], [])
+    lengths = items["length"].astype(np.int64)
+    if int(lengths.sum()) != len(data):
+        raise ProtocolError(
+            f"item lengths add up to {int(lengths.sum())}, data is {len(data)} bytes"
+        )
+    offsets = data_offsets(items)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    cand = np.flatnonzero(lengths >= HEADER_BYTES)
+    gathered = np.ascontiguousarray(raw[offsets[cand, None] + np.arange(HEADER_BYTES)])
+    hdr = gathered.view(HEADER_DTYPE).reshape(-1)
+    ok = header_verdicts(hdr, checksum=False) & (
+        lengths[cand] == HEADER_BYTES + hdr["shard_len"].astype(np.int64)
+    )
+    view = memoryview(data)
+    # Only the checksums (header, then body) are per record, in one pass; everything
+    # around them is columns.
+    sel = np.flatnonzero(ok)
+    rows = cand[sel]
+    shard_hashes = hdr["shard_hash"][sel].tolist()
+    header_checks = hdr["header_check"][sel].tolist()
+    records: list[memoryview] = []
+    passed: list[int] = []
+    header_fail: list[int] = []
+    hash_fail: list[int] = []
+    digest = xxhash.xxh3_64_intdigest
+    for t, (start, length) in enumerate(
+        zip(offsets[rows].tolist(), lengths[rows].tolist(), strict=True)
+    ):
+        if digest(view[start : start + _CHECKED_LEN]) & 0xFFFFFFFF != header_checks[t]:
+            header_fail.append(t)
+        elif digest(view[start + HEADER_BYTES : start + length]) != shard_hashes[t]:
+            hash_fail.append(t)
+        else:
+            passed.append(t)
+            records.append(view[start : start + length])
+    status[rows[hash_fail]] = Status.CHECKSUM  # header_fail rows stay BAD_ITEM
+    if not passed:
+        return CheckedPut(status, [], [], [], [], [], [])
+    sel = sel[passed]
+    pos = rows[passed]
+    item_keys = np.frombuffer(items["key"][pos].tobytes(), np.uint8).reshape(-1, 16)
+    hdr_keys = gathered[sel, _KEY_AT : _KEY_AT + 16]
+    same = (item_keys == hdr_keys).all(axis=1) & (
+        items["index"][pos].astype(np.int64) == hdr["shard_index"][sel]
+    )
+    status[pos[~same]] = Status.WRONG_KEY
+    good = pos[same]
+    status[good] = Status.OK
+    keep = sel[same]
+    # Valid names are non-NUL bytes padded with NULs (checked above), so the
+    # field as a NUL-stripped bytes string is the name.
+    raw_names = np.ascontiguousarray(gathered[keep, _NAME_AT : _NAME_AT + 16]).view("S16")
+    names: dict[bytes, str] = {}
+    classes = [
+        names.get(name) or names.setdefault(name, name.decode("ascii"))
+        for name in raw_names.ravel().tolist()
+    ]
+    return CheckedPut(
+        status,
+        good.tolist(),
+        store_keys(tenant, items["key"][good], items["index"][good]),
+        [records[t] for t in np.flatnonzero(same).tolist()] if not same.all() else records,
+        classes,
+        hdr["stripe_id"][keep].tolist(),
+        items["expect"][good].tolist(),
+    )

@@ -1,0 +1,1004 @@
+"""The shard store of one daemon: tenant-scoped batch operations over LMDB. No sockets.
+
+All storage logic of a daemon lives in :class:`ShardStore`, with a Python API
+(the network front end in :mod:`kvcache.server.handler` only decodes, calls
+and encodes), so it is tested directly with a fake clock. Batch operations
+take and return wire item records (:mod:`kvcache.wire`), which lets a batch
+of hundreds of shards pass with numpy instead of a Python object per item.
+The layout on disk is in :mod:`kvcache.server.records`; the environment, its
+sync thread and its errors in :mod:`kvcache.server.lmdb_env`; the counters in
+:mod:`kvcache.server.accounting`; whose shards make room in
+:mod:`kvcache.server.eviction`; retention rules in
+:mod:`kvcache.retention.policy`.
+
+Rules, in short (``docs/spec/wire.md`` has them in full):
+
+* One PUT batch is one write transaction: it all lands or none of it does
+  (:meth:`ShardStore.put_many` writes several in one: group commit).
+* A PUT never replaces a live shard of another stripe unless the item names
+  that stripe in ``expect`` and the shard was stored ``replace_after_s`` ago or
+  more (a writer still at work is never overwritten): concurrent writers of one
+  block cannot both be acknowledged while leaving it unreadable (CONFLICT).
+* GET replies are views into the read transaction (no copy);
+  :meth:`GetResult.release` ends it once the reply is sent.
+* Hits do not write on the read path: they are collected and written in
+  batches by :meth:`ShardStore.maintain`, and only when they move an expiry
+  by at least ``touch_resolution_s``.
+
+A store is owned by one thread; only :meth:`usage` and :attr:`counters` may be
+read from others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import operator
+import struct
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.credentials import TenantId
+from kvcache.errors import CapacityError, ConfigError, ProtocolError, QuotaError, StorageError
+from kvcache.retention.policy import RetentionPolicy
+from kvcache.server.accounting import Deltas, UsageBook
+from kvcache.server.config import SyncMode, default_map_size
+from kvcache.server.eviction import Quota, capacity_tiers, quota_needs
+from kvcache.server.lmdb_env import LmdbEnvironment, storage_error
+from kvcache.server.records import (
+    FORMAT,
+    PARTITION_LEN,
+    RETENTION_HEAD,
+    TENANT_LEN,
+    USAGE_PREFIX,
+    CheckedPut,
+    Retention,
+    check_put,
+    expiry_key,
+    fresh_rows,
+    partition,
+    record_class,
+    record_expiry,
+    split_expiry_key,
+    store_keys,
+)
+from kvcache.wire import NO_INDEX, Op, Status, make_items
+
+__all__ = ["COUNTERS", "Clock", "GetResult", "PutBatch", "ReplyTooLargeError", "ShardStore"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds since the epoch; injected so tests step days without sleeping.
+Clock = Callable[[], float]
+
+_U64 = struct.Struct(">Q")
+_second = operator.itemgetter(1)
+#: Pending hits are written once this many have piled up, whatever their age.
+_MAX_PENDING_TOUCHES = 8192
+
+#: Names in :attr:`ShardStore.counters`.
+COUNTERS = (
+    "expired_shards",
+    "expired_bytes",
+    "evicted_shards",
+    "evicted_bytes",
+    "quota_evicted_shards",
+    "quota_evicted_bytes",
+    "touches_written",
+    "put_conflicts",
+    "error_capacity",
+    "error_quota",
+    "error_map_full",
+    "error_disk_full",
+    "error_disk_io",
+    "error_storage",
+)
+
+
+class ReplyTooLargeError(ProtocolError):
+    """A GET would need a reply larger than the data limit: ask for fewer shards."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutBatch:
+    """One PUT request: whose it is, its item records and its data section."""
+
+    tenant: TenantId
+    items: npt.NDArray[np.void]
+    data: memoryview
+
+
+class GetResult:
+    """A GET's reply items and the stored records, as views into a read transaction.
+
+    The views stay valid until :meth:`release`; call it once the reply is sent.
+    """
+
+    __slots__ = ("_txn", "items", "parts")
+
+    def __init__(
+        self, items: npt.NDArray[np.void], parts: list[memoryview], txn: lmdb.Transaction | None
+    ) -> None:
+        self.items = items
+        self.parts = parts
+        self._txn = txn
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the records."""
+        return int(self.items["length"].sum()) if len(self.items) else 0
+
+    def release(self) -> None:
+        """End the read transaction (idempotent); the views must not be used after."""
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+            self.parts = []
+
+
+class ShardStore:
+    """Shards of one node in LMDB, scoped by tenant, with per-class retention."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        capacity_bytes: int,
+        policy: RetentionPolicy | None = None,
+        clock: Clock = time.time,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.8,
+        map_size_bytes: int | None = None,
+        sync: SyncMode = SyncMode.PERIODIC,
+        sync_interval_s: float = 5.0,
+        sweep_batch: int = 512,
+        touch_resolution_s: float = 60.0,
+        touch_flush_s: float = 1.0,
+        max_reply_bytes: int = 256 << 20,
+        quotas: Mapping[TenantId, Quota] | None = None,
+        max_readers: int = 256,
+        replace_after_s: float = 10.0,
+    ) -> None:
+        if not 0 < low_watermark < high_watermark <= 1:
+            raise ConfigError(f"bad watermarks low={low_watermark} high={high_watermark}")
+        self.capacity_bytes = capacity_bytes
+        self._high = int(capacity_bytes * high_watermark)
+        self._low = int(capacity_bytes * low_watermark)
+        # Set when usage reached the high watermark; background eviction then runs until
+        # usage is down to the low one.
+        self._draining = False
+        self._clock = clock
+        self._sweep_batch = sweep_batch
+        self._resolution_ms = max(1, int(touch_resolution_s * 1000))
+        self._touch_flush_s = touch_flush_s
+        self._max_reply = max_reply_bytes
+        self._replace_after_ms = int(replace_after_s * 1000)
+        self.quotas: Mapping[TenantId, Quota] = quotas or {}
+        self._lmdb = LmdbEnvironment(
+            path,
+            map_size=map_size_bytes or default_map_size(capacity_bytes),
+            sync=sync,
+            sync_interval_s=sync_interval_s,
+            max_readers=max_readers,
+        )
+        self.path = self._lmdb.path
+        self._env = self._lmdb.env
+        self._shards = self._lmdb.shards
+        self._retention = self._lmdb.retention
+        self._expiry = self._lmdb.expiry
+        self._meta = self._lmdb.meta
+        #: (expiry_ms, class) a hit asked for, per storage key, not yet written.
+        self._pending: dict[bytes, tuple[int, str]] = {}
+        self._pending_since = 0.0
+        self._next_sweep_ms = 0
+        #: Event counters (expired/evicted shards and bytes, errors by kind). The key set
+        #: is fixed here, so another thread may copy the dict at any time.
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.book = UsageBook()
+        self.policy = policy or RetentionPolicy()
+        try:
+            self._load_meta()
+        except BaseException:
+            self._lmdb.close()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Write pending hits, sync, and close the environment (idempotent)."""
+        if self._lmdb.closed:
+            return
+        try:
+            self.flush_touches()
+        finally:
+            self._lmdb.close()
+
+    def __enter__(self) -> ShardStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def now_ms(self) -> int:
+        """The injected clock, in milliseconds."""
+        return int(self._clock() * 1000)
+
+    # ------------------------------------------------------------------ policy
+
+    def set_policy(self, policy: RetentionPolicy) -> None:
+        """Use ``policy`` from now on and persist it (it then wins over the config file).
+
+        Stored expiries are kept: a new TTL applies from each shard's next write or hit.
+        """
+        with self._env.begin(write=True) as txn:
+            txn.put(b"policy", policy.to_json(), db=self._meta)
+        self.policy = policy
+
+    def clear_policy(self, fallback: RetentionPolicy) -> None:
+        """Forget a persisted policy and use ``fallback`` (the config file's) again."""
+        with self._env.begin(write=True) as txn:
+            txn.delete(b"policy", db=self._meta)
+        self.policy = fallback
+
+    # ------------------------------------------------------------------ PUT
+
+    def put(self, tenant: TenantId, items: npt.NDArray[np.void], data: memoryview) -> Any:
+        """Store one PUT batch of ``tenant`` in one transaction; per-item status records."""
+        reply = self.put_many([PutBatch(tenant, items, data)])[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def put_many(self, batches: Sequence[PutBatch]) -> list[npt.NDArray[np.void] | ProtocolError]:
+        """Store several PUT batches in ONE transaction (group commit); a reply per batch.
+
+        Each batch's items are checked on their own and fail only themselves (a
+        batch whose data does not match its items gets its ProtocolError back
+        instead of a reply). What passed is written together: if that
+        transaction fails, every batch's passing items are NO_SPACE (INTERNAL
+        for a store error, QUOTA for a tenant over its quota) and nothing of
+        any of them is stored.
+        """
+        checked: list[CheckedPut | ProtocolError] = []
+        for batch in batches:
+            try:
+                checked.append(check_put(batch.tenant, batch.items, batch.data))
+            except ProtocolError as exc:
+                checked.append(exc)
+        passed = [c for c in checked if not isinstance(c, ProtocolError) and c.keys]
+        if passed:
+            failed = self._write_checked(passed)
+            if failed is not None:
+                for c in passed:
+                    c.status[c.positions] = failed
+        replies: list[npt.NDArray[np.void] | ProtocolError] = []
+        for outcome in checked:
+            if isinstance(outcome, ProtocolError):
+                replies.append(outcome)
+                continue
+            reply = make_items(Op.PUT, len(outcome.status), reply=True)
+            reply["status"] = outcome.status
+            replies.append(reply)
+        return replies
+
+    def _write_checked(self, passed: list[CheckedPut]) -> Status | None:
+        """Write checked batches in one transaction; the status every item gets if it fails."""
+        try:
+            self._write(passed)
+        except StorageError as exc:
+            self.counters[f"error_{exc.kind}"] += 1
+            if exc.kind in ("capacity", "quota"):
+                log.warning("PUT refused: %s", exc)
+            else:
+                log.error("PUT failed (%s): %s", exc.kind, exc)
+            return {"quota": Status.QUOTA, "storage": Status.INTERNAL}.get(
+                exc.kind, Status.NO_SPACE
+            )
+        return None
+
+    def _write(self, passed: list[CheckedPut]) -> None:
+        incoming: dict[bytes, dict[str, int]] = {}
+        for c in passed:
+            per = incoming.setdefault(c.keys[0][:TENANT_LEN], {})
+            for record, cls in zip(c.records, c.classes, strict=True):
+                name = self.policy.resolve(cls)
+                per[name] = per.get(name, 0) + len(record)
+        total = sum(sum(v.values()) for v in incoming.values())
+        for tenant, per_class in incoming.items():
+            self._make_room_for_quota(TenantId(tenant), per_class)
+        self._make_room(
+            total, writer=TenantId(next(iter(incoming))) if len(incoming) == 1 else None
+        )
+        self._lmdb.preallocate(total)
+        now = self.now_ms()
+        policy = self.policy
+        resolved: dict[str, tuple[str, int]] = {}
+        replace_after_ms = self._replace_after_ms
+        deltas = Deltas()
+        status_updates: list[tuple[CheckedPut, list[int]]] = []
+        try:
+            with self._env.begin(write=True) as txn:
+                get_old = txn.cursor(db=self._retention).getmulti
+                shard_rows: list[tuple[bytes, memoryview]] = []
+                retention_rows: dict[bytes, bytes] = {}
+                expiry_rows: list[tuple[bytes, bytes]] = []
+                earliest = 2**63
+                for c in passed:
+                    old = dict(get_old(list(dict.fromkeys(c.keys))))
+                    if not old and self._fresh_batch(c, retention_rows):
+                        # The common PUT: every shard new. Rows built as columns.
+                        earliest = min(
+                            earliest,
+                            self._write_fresh(c, now, resolved, shard_rows, retention_rows,
+                                              expiry_rows, deltas),
+                        )  # fmt: skip
+                        continue
+                    conflicts: list[int] = []
+                    for j, (skey, record, cls, stripe, expect) in enumerate(
+                        zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
+                    ):
+                        if cls not in resolved:
+                            name = policy.resolve(cls)
+                            resolved[cls] = (name, policy.expiry_for(name, now / 1000))
+                        name, expiry = resolved[cls]
+                        before = retention_rows.get(skey) or old.get(skey)
+                        if before is not None:
+                            rec = Retention.unpack(before)
+                            old_expiry = self._expiry_of(skey, before)
+                            live = old_expiry > now
+                            if (
+                                live
+                                and rec.stripe != stripe
+                                and (
+                                    rec.stripe != expect or now - rec.written_ms < replace_after_ms
+                                )
+                            ):
+                                conflicts.append(j)
+                                continue
+                            old_part = partition(skey[:TENANT_LEN], rec.traffic_class)
+                            deltas.add(old_part, -rec.size, -1)
+                            if skey in retention_rows:  # written earlier in this batch
+                                expiry_rows.remove(
+                                    (expiry_key(skey, rec.traffic_class, rec.expiry_ms), b"")
+                                )
+                            else:
+                                txn.delete(
+                                    expiry_key(skey, rec.traffic_class, rec.expiry_ms),
+                                    db=self._expiry,
+                                )
+                            if live and rec.stripe == stripe and old_expiry > expiry:
+                                # A repeat of the same write keeps the later expiry and its class.
+                                expiry, name = old_expiry, rec.traffic_class
+                            self._pending.pop(skey, None)
+                        size = len(record)
+                        shard_rows.append((skey, record))
+                        retention_rows[skey] = (
+                            RETENTION_HEAD.pack(expiry, size, stripe, now) + name.encode()
+                        )
+                        expiry_rows.append((expiry_key(skey, name, expiry), b""))
+                        deltas.add(partition(skey[:TENANT_LEN], name), size, 1)
+                        earliest = min(earliest, expiry)
+                    if conflicts:
+                        status_updates.append((c, conflicts))
+                if shard_rows:
+                    txn.cursor(db=self._shards).putmulti(shard_rows)
+                    txn.cursor(db=self._retention).putmulti(list(retention_rows.items()))
+                    txn.cursor(db=self._expiry).putmulti(expiry_rows)
+                    self._write_usage(txn, deltas)
+        except lmdb.Error as exc:
+            raise storage_error(exc, f"storing {len(passed)} PUT batch(es)") from exc
+        except OSError as exc:
+            raise storage_error(exc, f"storing {len(passed)} PUT batch(es)") from exc
+        self.book.apply(deltas)
+        self._next_sweep_ms = min(self._next_sweep_ms, earliest)
+        for c, conflicts in status_updates:
+            c.status[[c.positions[j] for j in conflicts]] = Status.CONFLICT
+            self.counters["put_conflicts"] += len(conflicts)
+
+    @staticmethod
+    def _fresh_batch(c: CheckedPut, retention_rows: dict[bytes, bytes]) -> bool:
+        """No key of ``c`` repeats, in it or in what this transaction wrote already."""
+        keys = set(c.keys)
+        return len(keys) == len(c.keys) and keys.isdisjoint(retention_rows)
+
+    def _write_fresh(
+        self,
+        c: CheckedPut,
+        now: int,
+        resolved: dict[str, tuple[str, int]],
+        shard_rows: list[tuple[bytes, memoryview]],
+        retention_rows: dict[bytes, bytes],
+        expiry_rows: list[tuple[bytes, bytes]],
+        deltas: Deltas,
+    ) -> int:
+        """Rows of a batch of new shards (no previous record of any); returns the earliest
+        expiry written."""
+        policy = self.policy
+        earliest = 2**63
+        groups: dict[str, list[int]] = {}
+        for j, cls in enumerate(c.classes):
+            groups.setdefault(cls, []).append(j)
+        sizes = np.fromiter(map(len, c.records), np.int64, len(c.records))
+        stripes = np.array(c.stripes, np.uint64)
+        tenant = c.keys[0][:TENANT_LEN]
+        for cls, idx in groups.items():
+            if cls not in resolved:
+                name = policy.resolve(cls)
+                resolved[cls] = (name, policy.expiry_for(name, now / 1000))
+            name, expiry = resolved[cls]
+            keys = c.keys if len(idx) == len(c.keys) else [c.keys[j] for j in idx]
+            records = c.records if len(idx) == len(c.keys) else [c.records[j] for j in idx]
+            sel = np.asarray(idx, np.int64)
+            ret, exp = fresh_rows(
+                keys,
+                sizes[sel],
+                stripes[sel],
+                traffic_class=name,
+                expiry_ms=expiry,
+                written_ms=now,
+            )
+            shard_rows.extend(zip(keys, records, strict=True))
+            retention_rows.update(zip(keys, ret, strict=True))
+            expiry_rows.extend(zip(exp, itertools.repeat(b"")))
+            deltas.add(partition(tenant, name), int(sizes[sel].sum()), len(idx))
+            earliest = min(earliest, expiry)
+        return earliest
+
+    def _make_room_for_quota(self, tenant: TenantId, incoming: dict[str, int]) -> None:
+        """Evict the tenant's own shards so ``incoming`` fits its quotas, or raise QuotaError."""
+        quota = self.quotas.get(tenant)
+        if quota is None:
+            return
+        parts = {p: self.book.partition_bytes(p) for p in self.book.partitions(tenant)}
+        class_bytes = {p[TENANT_LEN:].rstrip(b"\x00").decode(): n for p, n in parts.items()}
+        needs = quota_needs(
+            quota,
+            tenant_bytes=sum(parts.values()),
+            class_bytes=class_bytes,
+            incoming=incoming,
+        )
+        for need in needs:
+            scope = (
+                list(parts)
+                if need.traffic_class is None
+                else [partition(tenant, need.traffic_class)]
+            )
+            freed = self._evict_from(scope, need.nbytes, counter="quota_evicted")
+            if freed < need.nbytes:
+                what = (
+                    "its quota"
+                    if need.traffic_class is None
+                    else (f"its quota for class {need.traffic_class!r}")
+                )
+                raise QuotaError(
+                    f"tenant {tenant.hex()} is at {what}: {need.nbytes} bytes must go and only "
+                    f"{freed} could be evicted"
+                )
+
+    def _make_room(self, incoming: int, *, writer: TenantId | None) -> None:
+        """Evict just enough for ``incoming`` bytes to fit under the high watermark.
+
+        The rest of the way down to the low watermark is background work
+        (:meth:`maintain`, bounded batches between requests), so no request
+        waits for a large eviction.
+        """
+        if self.book.used + incoming <= self._high:
+            return
+        if incoming > self.capacity_bytes:
+            raise CapacityError(
+                f"batch of {incoming} bytes exceeds the node capacity of {self.capacity_bytes}"
+            )
+        self._draining = True
+        self.evict(max(0, self._high - incoming), writer=writer)
+        if self.book.used + incoming > self.capacity_bytes:
+            raise CapacityError(
+                f"no room for {incoming} bytes: {self.book.used} of {self.capacity_bytes} used "
+                "after eviction"
+            )
+
+    # ------------------------------------------------------------------ GET / HAS
+
+    def get(
+        self, tenant: TenantId, items: npt.NDArray[np.void], traffic_class: str = ""
+    ) -> GetResult:
+        """Per-item status and length, and the found records as views (no copy).
+
+        An item whose ``stripe`` is nonzero and differs from the stored one is
+        NOT_FOUND. A hit slides the shard's expiry to ``now + ttl(class)`` (the
+        shard's own class when none is given); an expired shard is NOT_FOUND
+        even before the sweeper removes it. The caller must release the result.
+        """
+        keys = store_keys(tenant, items["key"], items["index"])
+        wanted = items["stripe"].tolist()
+        reply = make_items(Op.GET, len(keys), reply=True)  # all OK (0), length 0
+        now = self.now_ms()
+        # Above this expiry a hit is live and no class's TTL could slide it by a
+        # whole touch resolution: no bookkeeping, only the expiry test.
+        policy = self.policy
+        reach_ms = (policy.ttl_s(traffic_class) if traffic_class else policy.max_ttl_s) * 1000
+        quiet_above = now + max(0, reach_ms - self._resolution_ms)
+        txn = self._env.begin(buffers=True)
+        try:
+            parts = self._get_quiet(txn, keys, wanted, quiet_above)
+            if parts is not None:  # every item a live hit of the wanted stripe, no slide due
+                sizes = list(map(len, parts))
+                self._check_reply_size(sizes)
+                reply["length"] = sizes
+                return GetResult(reply, parts, txn)
+            parts = []
+            hits: list[int] = []
+            sizes = []
+            lookup = txn.get
+            rdb, sdb = self._retention, self._shards
+            unpack = RETENTION_HEAD.unpack_from
+            for i, key in enumerate(keys):
+                raw = lookup(key, None, rdb)
+                if raw is None:
+                    continue
+                expiry, _size, stripe, _written = unpack(raw)
+                if wanted[i] and stripe != wanted[i]:
+                    continue
+                if expiry <= quiet_above and not self._alive(key, raw, now, traffic_class):
+                    continue
+                record = lookup(key, None, sdb)
+                if record is None:  # pragma: no cover - retention without shard: never so
+                    continue
+                parts.append(record)
+                hits.append(i)
+                sizes.append(len(record))
+            self._check_reply_size(sizes, hits)
+            if len(hits) < len(keys):
+                reply["status"] = Status.NOT_FOUND
+                reply["status"][hits] = Status.OK
+            reply["length"][hits] = sizes
+            return GetResult(reply, parts, txn)
+        except BaseException:
+            txn.abort()
+            raise
+
+    def _check_reply_size(self, sizes: list[int], positions: list[int] | None = None) -> None:
+        if sum(sizes) <= self._max_reply:  # the usual case, without a Python step per item
+            return
+        total = 0
+        for j, size in enumerate(sizes):
+            total += size
+            if total > self._max_reply:
+                i = j if positions is None else positions[j]
+                raise ReplyTooLargeError(
+                    f"GET reply would exceed {self._max_reply} bytes at item {i}: "
+                    "ask for fewer shards per request"
+                )
+
+    def _get_quiet(
+        self, txn: lmdb.Transaction, keys: list[bytes], wanted: list[int], quiet_above: int
+    ) -> list[memoryview] | None:
+        """Every record of ``keys`` if all are live hits of the wanted stripes that need no
+        expiry slide, else None (the caller then takes the per-item path).
+
+        The common GET, done without a Python step per item: two ``getmulti``
+        lookups and the checks over C iterators.
+        """
+        if not keys or (self._pending and not self._pending.keys().isdisjoint(keys)):
+            return None
+        found = txn.cursor(db=self._retention).getmulti(keys)
+        if len(found) != len(keys):
+            return None
+        heads = list(map(RETENTION_HEAD.unpack_from, map(_second, found)))
+        if min(heads)[0] <= quiet_above:
+            return None
+        if any(w and w != h[2] for w, h in zip(wanted, heads, strict=True)):
+            return None
+        records = txn.cursor(db=self._shards).getmulti(keys)
+        if len(records) != len(keys):  # pragma: no cover - retention without shard: never so
+            return None
+        return list(map(_second, records))
+
+    def has(self, tenant: TenantId, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
+        """One record (ordinal, shard index, stripe id) per live shard of each asked key."""
+        # The match path of every request: one cursor walk, no objects per shard.
+        found: list[tuple[int, int, int]] = []
+        append = found.append
+        now = self.now_ms()
+        pending = self._pending
+        unpack = RETENTION_HEAD.unpack_from
+        prefix_len = TENANT_LEN + 16
+        with self._env.begin(buffers=True) as txn:
+            cursor = txn.cursor(db=self._retention)
+            set_range, key_of, value_of, step = (
+                cursor.set_range,
+                cursor.key,
+                cursor.value,
+                cursor.next,
+            )
+            for ordinal, key in enumerate(_prefixes(tenant, items)):
+                if not set_range(key):
+                    continue
+                while True:
+                    skey = key_of()
+                    if skey[:prefix_len] != key:
+                        break
+                    expiry, _size, stripe, _written = unpack(value_of())
+                    if pending:
+                        expiry = max(expiry, pending.get(bytes(skey), (0,))[0])
+                    if expiry > now:
+                        append((ordinal, (skey[-2] << 8) | skey[-1], stripe))
+                    if not step():
+                        break
+        reply = make_items(Op.HAS, len(found), reply=True)
+        if found:
+            arr = np.array(found, dtype=np.uint64)
+            reply["ordinal"] = arr[:, 0]
+            reply["index"] = arr[:, 1]
+            reply["stripe"] = arr[:, 2]
+        return reply
+
+    # ------------------------------------------------------------------ TOUCH / DELETE
+
+    def touch(
+        self, tenant: TenantId, items: npt.NDArray[np.void], traffic_class: str = ""
+    ) -> npt.NDArray[np.void]:
+        """Slide the expiry of every live shard of each key, without reading shard bytes."""
+        status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
+        now = self.now_ms()
+        with self._env.begin(buffers=True) as txn:
+            cursor = txn.cursor(db=self._retention)
+            for i, key in enumerate(_prefixes(tenant, items)):
+                for skey, raw in _walk(cursor, key):
+                    if self._alive(bytes(skey), raw, now, traffic_class):
+                        status[i] = Status.OK
+        reply = make_items(Op.TOUCH, len(items), reply=True)
+        reply["status"] = status
+        return reply
+
+    def delete(self, tenant: TenantId, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
+        """Remove matching shards (stripe 0: any; index NO_INDEX: all of the key) in one txn."""
+        status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
+        deltas = Deltas()
+        try:
+            with self._env.begin(write=True) as txn:
+                cursor = txn.cursor(db=self._retention)
+                for i, (key, stripe, index) in enumerate(
+                    zip(
+                        _prefixes(tenant, items),
+                        items["stripe"].tolist(),
+                        items["index"].tolist(),
+                        strict=True,
+                    )
+                ):
+                    if index == NO_INDEX:
+                        victims = [(bytes(k), Retention.unpack(v)) for k, v in _walk(cursor, key)]
+                    else:
+                        skey = key + index.to_bytes(2, "big")
+                        raw = txn.get(skey, db=self._retention)
+                        victims = [] if raw is None else [(skey, Retention.unpack(raw))]
+                    for skey, rec in victims:
+                        if stripe and rec.stripe != stripe:
+                            continue
+                        self._remove(txn, skey, rec, deltas)
+                        status[i] = Status.OK
+                self._write_usage(txn, deltas)
+        except lmdb.Error as exc:
+            raise storage_error(exc, "DELETE") from exc
+        self.book.apply(deltas)
+        for skey in deltas.removed:
+            self._pending.pop(skey, None)
+        reply = make_items(Op.DELETE, len(items), reply=True)
+        reply["status"] = status
+        return reply
+
+    # ------------------------------------------------------------------ retention work
+
+    def maintain(self) -> bool:
+        """Do what is due: write hits, sweep one bounded batch, evict.
+
+        Returns True when more work is waiting (call again soon); each call
+        holds the writer for at most one bounded transaction per task, so reads
+        and writes in between are not stalled for long.
+        """
+        more = False
+        if self._pending and (
+            len(self._pending) >= _MAX_PENDING_TOUCHES
+            or time.monotonic() - self._pending_since >= self._touch_flush_s
+        ):
+            self.flush_touches()
+        if self.now_ms() >= self._next_sweep_ms:
+            more |= self.sweep(limit=self._sweep_batch) >= self._sweep_batch
+        if self.book.used > self._high:
+            self._draining = True
+        if self._draining:
+            self.evict(self._low, limit=self._sweep_batch)
+            self._draining = self.book.used > self._low
+            more |= self._draining
+        return more
+
+    def flush_touches(self) -> int:
+        """Write the collected hits' expiries (one transaction); returns records updated."""
+        if not self._pending:
+            return 0
+        pending, self._pending = self._pending, {}
+        moved = Deltas()
+        updated = 0
+        try:
+            with self._env.begin(write=True) as txn:
+                for skey, (candidate, cls) in pending.items():
+                    raw = txn.get(skey, db=self._retention)
+                    if raw is None:
+                        continue
+                    rec = Retention.unpack(raw)
+                    if candidate <= rec.expiry_ms:
+                        continue
+                    new = Retention(candidate, rec.size, rec.stripe, rec.written_ms, cls)
+                    txn.delete(expiry_key(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
+                    txn.put(expiry_key(skey, cls, candidate), b"", db=self._expiry)
+                    txn.put(skey, new.pack(), db=self._retention)
+                    if cls != rec.traffic_class:
+                        moved.add(partition(skey[:TENANT_LEN], rec.traffic_class), -rec.size, -1)
+                        moved.add(partition(skey[:TENANT_LEN], cls), rec.size, 1)
+                    updated += 1
+                self._write_usage(txn, moved)
+        except lmdb.Error as exc:
+            raise storage_error(exc, "writing hits") from exc
+        self.book.apply(moved)
+        self.counters["touches_written"] += updated
+        return updated
+
+    def sweep(self, *, limit: int | None = None) -> int:
+        """Delete up to ``limit`` expired shards, earliest first; returns how many."""
+        self.flush_touches()
+        now = self.now_ms()
+        budget = limit or self._sweep_batch
+        swept = 0
+        for part in self.book.partitions():
+            if swept >= budget:
+                break
+            freed = self._delete_head(part, budget - swept, until_expiry_ms=now)
+            swept += freed.freed_shards
+            self.counters["expired_shards"] += freed.freed_shards
+            self.counters["expired_bytes"] += freed.freed_bytes
+        if swept < budget:
+            self._next_sweep_ms = self._first_expiry_ms()
+        return swept
+
+    def evict(
+        self, target_bytes: int, *, limit: int | None = None, writer: TenantId | None = None
+    ) -> int:
+        """Delete earliest-expiring shards until usage is at most ``target_bytes``.
+
+        Whose shards go first is :func:`kvcache.server.eviction.capacity_tiers`'s
+        decision. ``limit`` bounds the work of one call (shards).
+        """
+        self.flush_touches()
+        evicted = 0
+        tenant_bytes = {t: self.book.tenant_bytes(t) for t in self.book.tenants()}
+        tiers = capacity_tiers(
+            writer, tenant_bytes=tenant_bytes, quotas=self.quotas, capacity=self.capacity_bytes
+        )
+        for tier in tiers:
+            if self.book.used <= target_bytes:
+                break
+            parts = [p for t in tier for p in self.book.partitions(t)]
+            before = self.counters["evicted_shards"]
+            self._evict_from(parts, self.book.used - target_bytes, counter="evicted", limit=limit)
+            evicted += self.counters["evicted_shards"] - before
+            if limit is not None and evicted >= limit:
+                break
+        return evicted
+
+    def _evict_from(
+        self, parts: list[bytes], nbytes: int, *, counter: str, limit: int | None = None
+    ) -> int:
+        """Free at least ``nbytes`` from ``parts``, earliest expiry across them first.
+
+        Returns bytes freed (less than asked when the partitions ran empty or
+        ``limit`` shards were deleted).
+        """
+        self.flush_touches()
+        freed = 0
+        shards = 0
+        heads = {p: h for p in parts if (h := self._head_expiry(p)) is not None}
+        while freed < nbytes and heads and (limit is None or shards < limit):
+            part = min(heads, key=heads.__getitem__)
+            batch = self._sweep_batch if limit is None else min(self._sweep_batch, limit - shards)
+            out = self._delete_head(part, batch, until_bytes=nbytes - freed)
+            freed += out.freed_bytes
+            shards += out.freed_shards
+            self.counters[f"{counter}_shards"] += out.freed_shards
+            self.counters[f"{counter}_bytes"] += out.freed_bytes
+            head = self._head_expiry(part)
+            if head is None or not out.freed_shards:
+                heads.pop(part)
+            else:
+                heads[part] = head
+        return freed
+
+    # ------------------------------------------------------------------ introspection
+
+    def usage(self, names: dict[TenantId, str] | None = None) -> dict[str, Any]:
+        """Bytes and shards in total, per class and per tenant; safe from any thread."""
+        return {**self.book.snapshot(names), "capacity_bytes": self.capacity_bytes}
+
+    def recount(self) -> dict[str, Any]:
+        """Usage recomputed from the retention records (a consistency check for tests)."""
+        book = UsageBook()
+        deltas = Deltas()
+        with self._env.begin() as txn:
+            for key, raw in txn.cursor(db=self._retention):
+                rec = Retention.unpack(raw)
+                deltas.add(partition(key[:TENANT_LEN], rec.traffic_class), rec.size, 1)
+        book.apply(deltas)
+        return {**book.snapshot(), "capacity_bytes": self.capacity_bytes}
+
+    def expiry_of(self, tenant: TenantId, key: bytes, index: int) -> tuple[int, str] | None:
+        """(expiry_ms, class) of one shard as stored plus pending hits, or None."""
+        skey = tenant + key + index.to_bytes(2, "big")
+        with self._env.begin() as txn:
+            raw = txn.get(skey, db=self._retention)
+        if raw is None:
+            return None
+        rec = Retention.unpack(raw)
+        pending = self._pending.get(skey)
+        if pending and pending[0] > rec.expiry_ms:
+            return pending
+        return rec.expiry_ms, rec.traffic_class
+
+    # ------------------------------------------------------------------ internals
+
+    def _alive(self, key: bytes, raw: bytes | memoryview, now: int, traffic_class: str) -> bool:
+        """Whether the shard is live; if so, record the hit's expiry slide."""
+        expiry = self._expiry_of(key, raw)
+        if expiry <= now:
+            return False
+        policy = self.policy
+        if now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
+            return True  # no class could move the expiry enough to be worth a write
+        cls = policy.resolve(traffic_class or record_class(raw))
+        candidate = now + policy.ttl_s(cls) * 1000
+        if candidate - expiry >= self._resolution_ms:
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending[bytes(key)] = (candidate, cls)
+        return True
+
+    def _expiry_of(self, key: bytes | memoryview, raw: bytes | memoryview) -> int:
+        expiry = record_expiry(raw)
+        if self._pending:
+            pending = self._pending.get(bytes(key))
+            if pending is not None and pending[0] > expiry:
+                return pending[0]
+        return expiry
+
+    def _remove(self, txn: lmdb.Transaction, skey: bytes, rec: Retention, deltas: Deltas) -> None:
+        txn.delete(skey, db=self._shards)
+        txn.delete(skey, db=self._retention)
+        txn.delete(expiry_key(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
+        deltas.add(partition(skey[:TENANT_LEN], rec.traffic_class), -rec.size, -1)
+        deltas.removed.append(skey)
+
+    def _head_expiry(self, part: bytes) -> int | None:
+        """The earliest expiry in partition ``part``, or None when it is empty."""
+        with self._env.begin() as txn:
+            cursor = txn.cursor(db=self._expiry)
+            if not cursor.set_range(part):
+                return None
+            ekey = cursor.key()
+            if ekey[:PARTITION_LEN] != part:
+                return None
+            return split_expiry_key(ekey)[0]
+
+    def _delete_head(
+        self,
+        part: bytes,
+        limit: int,
+        *,
+        until_expiry_ms: int | None = None,
+        until_bytes: int | None = None,
+    ) -> Deltas:
+        """Delete from the earliest expiry of one partition on, up to ``limit`` shards, in one
+        transaction: while the expiry is at most ``until_expiry_ms`` and fewer than
+        ``until_bytes`` were freed."""
+        deltas = Deltas()
+        last_expiry = 2**64 if until_expiry_ms is None else until_expiry_ms
+        to_free = 2**63 if until_bytes is None else until_bytes
+        unpack = RETENTION_HEAD.unpack_from
+        removed = deltas.removed
+        nbytes = 0
+        try:
+            with self._env.begin(write=True) as txn:
+                cursor = txn.cursor(db=self._expiry)
+                lookup, delete = txn.get, txn.delete
+                rdb, sdb = self._retention, self._shards
+                ekey = cursor.key() if cursor.set_range(part) else b""
+                while ekey[:PARTITION_LEN] == part and len(removed) < limit and nbytes < to_free:
+                    expiry, skey = split_expiry_key(ekey)
+                    if expiry > last_expiry:
+                        break
+                    raw = lookup(skey, None, rdb)
+                    cursor.delete()  # and move to the next entry
+                    ekey = cursor.key()
+                    if raw is None or unpack(raw)[0] != expiry:  # pragma: no cover - stale entry
+                        log.warning("dropped a stale expiry entry for %s", skey.hex())
+                        continue
+                    delete(skey, b"", sdb)
+                    delete(skey, b"", rdb)
+                    removed.append(skey)
+                    size = unpack(raw)[1]
+                    nbytes += size
+                    deltas.add(part, -size, -1)
+                self._write_usage(txn, deltas)
+        except lmdb.Error as exc:
+            raise storage_error(exc, "deleting expired or evicted shards") from exc
+        self.book.apply(deltas)
+        if self._pending:
+            for skey in removed:
+                self._pending.pop(skey, None)
+        return deltas
+
+    def _first_expiry_ms(self) -> int:
+        heads = [h for p in self.book.partitions() if (h := self._head_expiry(p)) is not None]
+        return min(heads, default=2**63)
+
+    def _write_usage(self, txn: lmdb.Transaction, deltas: Deltas) -> None:
+        for key, value in self.book.meta_rows(deltas):
+            txn.put(key, value, db=self._meta)
+
+    def _load_meta(self) -> None:
+        with self._env.begin(write=True) as txn:
+            fmt = txn.get(b"format", db=self._meta)
+            if fmt is None:
+                if txn.stat(self._shards)["entries"]:
+                    raise StorageError(f"{self.path} holds shards but no format marker")
+                txn.put(b"format", FORMAT, db=self._meta)
+            elif fmt != FORMAT:
+                raise StorageError(
+                    f"{self.path} was written in store format {fmt.decode(errors='replace')!r}; "
+                    f"this build reads {FORMAT.decode()!r}: use a fresh data directory "
+                    "(the store is a cache; nothing in it needs to be kept)"
+                )
+            raw_policy = txn.get(b"policy", db=self._meta)
+            cursor = txn.cursor(db=self._meta)
+            rows = []
+            if cursor.set_range(USAGE_PREFIX):
+                for key, value in cursor:
+                    if not key.startswith(USAGE_PREFIX):
+                        break
+                    rows.append((bytes(key), bytes(value)))
+            self.book.load(rows)
+        if raw_policy is not None:
+            persisted = RetentionPolicy.from_mapping(json.loads(raw_policy), source="stored policy")
+            if persisted != self.policy:
+                log.warning(
+                    "using the retention policy set through the admin API (%s) instead of the "
+                    "configured one (%s); DELETE /retention reverts to the configured one",
+                    persisted.to_dict(),
+                    self.policy.to_dict(),
+                )
+            self.policy = persisted
+        self._next_sweep_ms = self._first_expiry_ms()
+
+
+def _prefixes(tenant: bytes, items: npt.NDArray[np.void]) -> list[bytes]:
+    """tenant + block key of every item: the prefix of that key's storage keys."""
+    raw = np.ascontiguousarray(items["key"]).tobytes()
+    return [tenant + raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+
+def _walk(cursor: lmdb.Cursor, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
+    """(storage key, value) of every record whose key starts with ``prefix``."""
+    if not cursor.set_range(prefix):
+        return
+    size = len(prefix)
+    while True:
+        skey = bytes(cursor.key())
+        if skey[:size] != prefix:
+            return
+        yield skey, cursor.value()
+        if not cursor.next():
+            return

@@ -1,0 +1,222 @@
+"""The economics of the SWA tier on a request trace: hit rates, RAM per worker, fetch traffic.
+
+Replays a Mooncake-format trace (``kvcache.workload.read_trace``) against
+``workers`` inference workers, each keeping the sliding-window states it takes
+for ``ttl_s`` seconds (from creation, as ``SwaStore`` does), with no byte
+bound (the peak it reports is what the bound must cover). Pure: time is the
+trace's own, routing randomness is seeded.
+
+- A request's *store hit* is the leading run of its full blocks that earlier
+  requests had (an ideal block store: everything kept, as the main store's
+  days-long retention is next to minutes here). Requests with a store hit are
+  *continuations*; they are the ones that can use a state.
+- A request takes a state at the end of its full blocks (what the vLLM
+  connector does), on the worker it was routed to.
+- A continuation *hits* when a live state lies at a block boundary inside its
+  store hit, on any worker (``hit_rate``) or on its own worker
+  (``same_worker_hit_rate``); the longest one is used. A hit held only
+  elsewhere is fetched: ``state_bytes`` each (``fetch_bytes_per_s`` over the
+  trace's duration). ``state_token_fraction`` is the part of the store hits'
+  tokens that the states used cover (a state at an earlier boundary serves
+  a shorter prefix; the rest is recomputed). A continuation is *unreachable*
+  when no request ever took a state inside its store hit (prefixes shared
+  across conversations, such as a system prompt, end where no request ended):
+  no TTL serves it, and ``reachable_hit_rate`` leaves it out.
+- Routing: ``random`` (seeded), or ``affinity``: to the worker holding the
+  longest usable state (a cache-aware router), at random when none does.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvcache.errors import ArgumentError
+from kvcache.workload import TRACE_BLOCK_TOKENS, Request
+
+__all__ = ["REFERENCE_STATE_BYTES", "Routing", "SwaSimulation", "simulate", "sweep_ttl"]
+
+#: 20 sliding-window layers x 134 tokens x 528 bytes (the reference deployment).
+REFERENCE_STATE_BYTES = 20 * 134 * 528
+
+
+class Routing(enum.Enum):
+    """How requests are spread over workers."""
+
+    RANDOM = "random"
+    AFFINITY = "affinity"
+
+
+@dataclass(frozen=True, slots=True)
+class SwaSimulation:
+    """What one replay measured (see the module docstring)."""
+
+    workers: int
+    ttl_s: float
+    routing: Routing
+    state_bytes: int
+    requests: int
+    continuations: int
+    hits: int
+    same_worker_hits: int
+    store_hit_tokens: int
+    state_tokens: int
+    fetches: int
+    peak_states_per_worker: int
+    duration_s: float
+    unreachable: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Continuations that found a usable state on some worker."""
+        return self.hits / max(1, self.continuations)
+
+    @property
+    def same_worker_hit_rate(self) -> float:
+        """Continuations that found a usable state on their own worker."""
+        return self.same_worker_hits / max(1, self.continuations)
+
+    @property
+    def reachable_hit_rate(self) -> float:
+        """Hits among the continuations some state could ever have served."""
+        return self.hits / max(1, self.continuations - self.unreachable)
+
+    @property
+    def peak_bytes_per_worker(self) -> int:
+        """The most state bytes one worker held at once."""
+        return self.peak_states_per_worker * self.state_bytes
+
+    @property
+    def fetch_bytes_per_s(self) -> float:
+        """Cross-worker state traffic, averaged over the trace."""
+        return self.fetches * self.state_bytes / max(self.duration_s, 1e-9)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the four headline figures first, then the counts behind them."""
+        return {
+            "hit_rate": self.hit_rate,
+            "same_worker_hit_rate": self.same_worker_hit_rate,
+            "peak_bytes_per_worker": self.peak_bytes_per_worker,
+            "fetch_bytes_per_s": self.fetch_bytes_per_s,
+            "workers": self.workers,
+            "ttl_s": self.ttl_s,
+            "routing": self.routing.value,
+            "state_bytes": self.state_bytes,
+            "requests": self.requests,
+            "continuations": self.continuations,
+            "unreachable": self.unreachable,
+            "reachable_hit_rate": self.reachable_hit_rate,
+            "hits": self.hits,
+            "same_worker_hits": self.same_worker_hits,
+            "state_token_fraction": self.state_tokens / max(1, self.store_hit_tokens),
+            "fetches": self.fetches,
+            "peak_states_per_worker": self.peak_states_per_worker,
+            "duration_s": self.duration_s,
+        }
+
+
+def simulate(
+    requests: Iterable[Request],
+    *,
+    workers: int,
+    ttl_s: float,
+    routing: Routing = Routing.RANDOM,
+    state_bytes: int = REFERENCE_STATE_BYTES,
+    seed: int = 0,
+) -> SwaSimulation:
+    """Replay ``requests`` (in arrival order); see the module docstring."""
+    if workers < 1 or not ttl_s > 0 or state_bytes < 1:
+        raise ArgumentError(
+            f"need workers >= 1, ttl_s > 0, state_bytes >= 1; got {workers}, {ttl_s}, {state_bytes}"
+        )
+    rng = random.Random(seed)
+    seen: set[int] = set()
+    # State key (blocks, id of the last block) -> {worker: expiry}.
+    holders: dict[tuple[int, int], dict[int, float]] = {}
+    live = [0] * workers
+    peak = 0
+    expiries: list[tuple[float, int, tuple[int, int]]] = []
+    count = continuations = hits = same = fetches = unreachable = 0
+    taken: set[tuple[int, int]] = set()
+    store_tokens = state_tokens = 0
+    first_ms = last_ms = None
+    for req in requests:
+        now = req.timestamp_ms / 1000.0
+        first_ms = req.timestamp_ms if first_ms is None else first_ms
+        last_ms = req.timestamp_ms
+        while expiries and expiries[0][0] <= now:
+            when, worker, key = heapq.heappop(expiries)
+            held = holders.get(key)
+            if held is not None and held.get(worker) == when:
+                del held[worker]
+                live[worker] -= 1
+                if not held:
+                    del holders[key]
+        count += 1
+        full = req.hash_ids[: req.full_blocks]
+        hit = 0
+        for block_id in full:
+            if block_id not in seen:
+                break
+            hit += 1
+        # The longest usable state within the store hit: who holds it.
+        best_blocks, best = 0, {}
+        for blocks in range(hit, 0, -1):
+            held = holders.get((blocks, full[blocks - 1]))
+            if held:
+                best_blocks, best = blocks, held
+                break
+        # Affinity: to a holder of the state (the lowest-numbered, to be deterministic).
+        worker = min(best) if routing is Routing.AFFINITY and best else rng.randrange(workers)
+        if hit:
+            continuations += 1
+            store_tokens += hit * TRACE_BLOCK_TOKENS
+            if not any((b, full[b - 1]) in taken for b in range(1, hit + 1)):
+                unreachable += 1
+            if best:
+                hits += 1
+                state_tokens += best_blocks * TRACE_BLOCK_TOKENS
+                if worker in best:
+                    same += 1
+                else:
+                    fetches += 1
+        seen.update(full)
+        if full:
+            key = (len(full), full[-1])
+            taken.add(key)
+            held = holders.setdefault(key, {})
+            if worker not in held:
+                live[worker] += 1
+                peak = max(peak, live[worker])
+            held[worker] = now + ttl_s
+            heapq.heappush(expiries, (now + ttl_s, worker, key))
+    duration = 0.0 if first_ms is None or last_ms is None else (last_ms - first_ms) / 1000.0
+    return SwaSimulation(
+        workers=workers,
+        ttl_s=ttl_s,
+        routing=routing,
+        state_bytes=state_bytes,
+        requests=count,
+        continuations=continuations,
+        hits=hits,
+        same_worker_hits=same,
+        store_hit_tokens=store_tokens,
+        state_tokens=state_tokens,
+        fetches=fetches,
+        peak_states_per_worker=peak,
+        duration_s=duration,
+        unreachable=unreachable,
+    )
+
+
+def sweep_ttl(
+    requests: Sequence[Request],
+    ttls_s: Sequence[float],
+    **kwargs: Any,
+) -> list[SwaSimulation]:
+    """:func:`simulate` once per TTL (same routing seed)."""
+    return [simulate(requests, ttl_s=ttl, **kwargs) for ttl in ttls_s]

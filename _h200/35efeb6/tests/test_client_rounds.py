@@ -1,0 +1,344 @@
+"""The client's rounds driven through schedules of replies, failures and time, without sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.client.plan import best_counts
+from kvcache.client.rounds import HasRound, LoadRound, PutRound, Send
+
+K, N = 10, 12
+
+
+def holders(blocks: int) -> np.ndarray:
+    return np.tile(np.arange(N), (blocks, 1))
+
+
+def answer(round_: LoadRound, send: Send, now: float) -> list[Send]:
+    return round_.on_reply(send.ticket, np.ones(len(send.blocks), bool), now)
+
+
+def test_load_asks_k_plus_one_then_settles_briefly_for_a_late_data_shard() -> None:
+    r = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    first = r.start(0.0)
+    assert sum(len(s.blocks) for s in first) == 4 * (K + 1)
+    slow = next(s for s in first if s.node == 5)
+    for send in first:
+        if send is not slow:
+            assert answer(r, send, 0.004) == []
+    # Every block has 10 shards (one through parity), data shard 5 is still out: wait a
+    # quarter of the 4 ms the chunk took, not the whole hedge time.
+    assert r.ready_chunks() == []
+    assert r.latency(0) == 0.004
+    assert r.next_wakeup() == pytest.approx(0.005)
+    # Every block has k shards: at the settle time the chunk is over (rebuilt), no hedge.
+    assert r.tick(0.0051) == []
+    assert r.ready_chunks() == [0] and r.hedges == 0
+
+
+def test_load_takes_a_data_shard_that_arrives_while_settling() -> None:
+    r = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    first = r.start(0.0)
+    slow = next(s for s in first if s.node == 5)
+    for send in first:
+        if send is not slow:
+            answer(r, send, 0.004)
+    assert r.tick(0.0045) == [] and r.ready_chunks() == []
+    answer(r, slow, 0.0046)
+    assert r.ready_chunks() == [0]
+    assert r.got[:, :K].all()  # nothing to rebuild
+
+
+def test_load_settle_time_never_passes_the_hedge_time() -> None:
+    r = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.0045, timeout_s=1.0
+    )
+    first = r.start(0.0)
+    for send in first:
+        if send.node != 5:
+            answer(r, send, 0.004)
+    assert r.next_wakeup() == pytest.approx(0.0045)
+    # A chunk that never had k shards of every block has no latency sample.
+    r2 = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    r2.start(0.0)
+    assert r2.tick(0.02)  # the hedge: nobody answered
+    r2.tick(1.0)  # the deadline
+    assert r2.ready_chunks() == [0] and r2.latency(0) is None
+
+
+def test_load_hedges_blocks_short_of_k_at_the_hedge_time() -> None:
+    r = LoadRound(
+        holders(4), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    for send in r.start(0.0):
+        if send.node not in (5, 10):
+            assert answer(r, send, 0.001) == []
+    assert r.ready_chunks() == []
+    hedges = r.tick(0.011)
+    # Blocks whose first parity was 10 have 9 shards: the other parity is asked for them.
+    assert hedges and {s.node for s in hedges} == {11}
+    assert set(hedges[0].blocks.tolist()) == {0, 2}
+    assert r.hedges == 1
+    for send in hedges:
+        answer(r, send, 0.02)
+    assert r.ready_chunks() == [0]
+
+
+def test_load_without_a_slow_node_never_hedges() -> None:
+    r = LoadRound(
+        holders(8), np.ones(N, bool), k=K, chunk_blocks=4, window=2, hedge_s=0.01, timeout_s=1.0
+    )
+    sends = r.start(0.0)
+    assert {s.blocks.min() // 4 for s in sends} == {0, 1}  # two chunks in flight
+    for send in sends:
+        answer(r, send, 0.001)
+    assert r.ready_chunks() == [0, 1]
+    assert r.hedges == 0
+    r.finish_chunk(0)
+    r.finish_chunk(1)
+    assert r.done
+
+
+def test_window_opens_the_next_chunk_only_when_one_finishes() -> None:
+    r = LoadRound(
+        holders(12), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.5, timeout_s=1.0
+    )
+    sends = r.start(0.0)
+    assert all(s.blocks.max() < 4 for s in sends)
+    more: list[Send] = []
+    for send in sends:
+        more += answer(r, send, 0.0)
+    assert more and all(s.blocks.min() >= 4 and s.blocks.max() < 8 for s in more)
+
+
+def test_dead_holders_count_as_answered_failures() -> None:
+    r = LoadRound(
+        holders(2), np.ones(N, bool), k=K, chunk_blocks=2, window=1, hedge_s=0.5, timeout_s=1.0
+    )
+    sends = r.start(0.0)
+    hedges: list[Send] = []
+    for send in sends:
+        hedges += r.on_failure(send.ticket, 0.0) if send.node in (1, 2) else answer(r, send, 0.0)
+    # Asks all answered short: hedge at once, not at the hedge time.
+    assert (hedges and {s.node for s in hedges} == {10, 11} - {int(sends[0].node)}) or hedges
+    for send in hedges:
+        answer(r, send, 0.0)
+    assert r.ready_chunks() == [0]
+    assert (r.got.sum(axis=1) == K).all()
+
+
+def test_deadline_ends_a_chunk_whose_nodes_never_answer() -> None:
+    r = LoadRound(
+        holders(1), np.ones(N, bool), k=K, chunk_blocks=1, window=1, hedge_s=0.1, timeout_s=1.0
+    )
+    r.start(0.0)
+    r.tick(0.2)  # hedge: the 12th shard is asked too
+    assert r.ready_chunks() == []
+    assert r.next_wakeup() == 1.0
+    r.tick(1.0)
+    assert r.ready_chunks() == [0]
+
+
+def test_escalation_asks_every_holder_not_asked_yet() -> None:
+    fallback = holders(1)
+    known = fallback.copy()
+    known[0, 11] = -1  # the match did not learn who holds shard 11
+    r = LoadRound(
+        known,
+        np.ones(N, bool),
+        k=K,
+        chunk_blocks=1,
+        window=1,
+        hedge_s=0.1,
+        timeout_s=1.0,
+        fallback=fallback,
+    )
+    for send in r.start(0.0):
+        answer(r, send, 0.0)
+    assert r.ready_chunks() == [0]
+    # The data shards answered first and ended the chunk: the parity ask still out was
+    # abandoned (its late answer ignored), so it counts as not asked.
+    first_asked = set(np.flatnonzero(r.asked[0]).tolist())
+    assert first_asked == set(range(K))
+    extra = r.escalate(0, np.array([0]), 0.0)
+    asked = {(int(b), int(i)) for s in extra for b, i in zip(s.blocks, s.indices, strict=True)}
+    # The shards not asked (or abandoned); shard 11's holder comes from the placement fallback.
+    assert asked == {(0, i) for i in range(N) if i not in first_asked}
+    assert {int(s.node) for s in extra} == {int(fallback[0, i]) for _b, i in asked}
+    assert r.asked[0].all()
+    for send in extra:
+        answer(r, send, 0.0)
+    assert r.ready_chunks() == [0]
+    assert r.escalate(0, np.array([0]), 0.0) == []  # nobody left to ask
+
+
+def test_an_escalated_chunk_waits_for_its_new_asks() -> None:
+    """Escalated blocks have all their data shards (some bad): the chunk is not over until
+    the new asks are answered, or at its deadline."""
+    r = LoadRound(
+        holders(2), np.ones(N, bool), k=K, chunk_blocks=2, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    for send in r.start(0.0):
+        answer(r, send, 0.001)
+    assert r.ready_chunks() == [0]
+    extra = r.escalate(0, np.array([0, 1]), 0.002)
+    assert extra
+    assert r.tick(0.5) == [] and r.ready_chunks() == []
+    for send in extra[:-1]:
+        answer(r, send, 0.6)
+    assert r.ready_chunks() == []
+    answer(r, extra[-1], 0.7)
+    assert r.ready_chunks() == [0]
+    # Never answered: over at the deadline.
+    r2 = LoadRound(
+        holders(1), np.ones(N, bool), k=K, chunk_blocks=1, window=1, hedge_s=0.01, timeout_s=1.0
+    )
+    for send in r2.start(0.0):
+        answer(r2, send, 0.001)
+    assert r2.ready_chunks() == [0]
+    assert r2.escalate(0, np.array([0]), 0.002)
+    assert r2.next_wakeup() == pytest.approx(1.002)
+    r2.tick(1.01)
+    assert r2.ready_chunks() == [0]
+
+
+def test_stop_before_opens_nothing_past_a_failed_block() -> None:
+    r = LoadRound(
+        holders(12), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.5, timeout_s=1.0
+    )
+    for send in r.start(0.0):
+        answer(r, send, 0.0)
+    (chunk,) = r.ready_chunks()
+    r.finish_chunk(chunk)
+    r.stop_before(2)
+    assert r.open_more(0.0) == []
+    assert r.done
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(
+    dead=st.sets(st.integers(0, N - 1), max_size=4),
+    slow=st.sets(st.integers(0, N - 1), max_size=4),
+)
+def test_load_round_always_ends_and_never_asks_twice(dead: set[int], slow: set[int]) -> None:
+    """Whatever fails or lags, every chunk ends by its deadline and no shard is asked twice."""
+    blocks = 6
+    r = LoadRound(
+        holders(blocks), np.ones(N, bool), k=K, chunk_blocks=2, window=2, hedge_s=0.1, timeout_s=1.0
+    )
+    asked: set[tuple[int, int]] = set()
+    queue = r.start(0.0)
+    now = 0.0
+    finished: list[int] = []
+    while not r.done and now < 10:
+        pending_slow = []
+        while queue:
+            send = queue.pop()
+            for b, i in zip(send.blocks.tolist(), send.indices.tolist(), strict=True):
+                assert (b, i) not in asked
+                asked.add((b, i))
+            if send.node in dead:
+                queue += r.on_failure(send.ticket, now)
+            elif send.node in slow:
+                pending_slow.append(send)
+            else:
+                queue += answer(r, send, now)
+        now += 0.05
+        queue += r.tick(now)
+        for chunk in r.ready_chunks():
+            finished.append(chunk)
+            queue += r.finish_chunk(chunk) + r.open_more(now)
+    assert r.done and sorted(finished) == [0, 1, 2]
+    assert now <= 3.1 * 1.0 + 0.1
+    if len(dead | slow) <= N - K:
+        assert (r.got.sum(axis=1) >= K).all()
+
+
+def test_put_round_waits_a_hedge_time_past_quorum_then_ends() -> None:
+    r = PutRound(holders(2), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0)
+    sends = r.start(0.0)
+    assert len(sends) == N
+    for send in sends[:-1]:
+        r.on_reply(send.ticket, np.ones(len(send.blocks), bool), 0.01)
+    assert r.written.all() and not r.done
+    r.tick(0.07)
+    assert r.done
+
+
+def test_put_round_counts_refused_shards_as_not_stored() -> None:
+    r = PutRound(holders(1), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0)
+    sends = r.start(0.0)
+    for j, send in enumerate(sends):
+        r.on_reply(send.ticket, np.array([j >= 2]), 0.0)  # two holders answer CONFLICT
+    assert r.done and not r.written.any()
+
+
+def test_put_round_skips_down_nodes() -> None:
+    up = np.ones(N, bool)
+    up[[0, 1]] = False
+    r = PutRound(holders(1), up, min_write=11, hedge_s=0.05, timeout_s=1.0)
+    assert {s.node for s in r.start(0.0)} == set(range(2, N))
+
+
+def test_has_round_settles_before_stragglers() -> None:
+    rows = holders(3)
+    r = HasRound(rows, list(range(N)), k=K, n=N, settle=K, hedge_s=0.5, timeout_s=1.0)
+    sends = r.start(0.0)
+    for send in sends[:K]:
+        count = len(send.blocks)
+        r.on_reply(
+            send.ticket,
+            np.arange(count, dtype=np.int64),
+            np.full(count, send.node, np.int64),
+            np.full(count, 7, np.uint64),
+            0.001,
+        )
+    assert r.done  # every block has k shards of stripe 7: the last two answers cannot matter
+
+
+def test_has_round_waits_when_an_answer_could_still_matter() -> None:
+    rows = holders(1)
+    r = HasRound(rows, list(range(N)), k=K, n=N, settle=11, hedge_s=0.5, timeout_s=1.0)
+    sends = r.start(0.0)
+    for send in sends[:K]:
+        r.on_reply(
+            send.ticket, np.zeros(1, np.int64), np.array([send.node]), np.array([7], np.uint64), 0.0
+        )
+    assert not r.done  # 10 of 11 wanted; two nodes could still bring the 11th
+    r.tick(0.5)
+    assert r.done
+
+
+def test_has_round_after_the_hedge_still_waits_for_a_block_that_can_reach_k() -> None:
+    """A block stored on 11 nodes; at the hedge time 10 nodes answered, one of them the node
+    without a shard: 9 known, and a slow node holds a 10th. Ending now would turn a stored
+    block into a miss: the round waits for it (or the deadline)."""
+    rows = holders(1)
+    r = HasRound(rows, list(range(N)), k=K, n=N, settle=K, hedge_s=0.01, timeout_s=1.0)
+    sends = {s.node: s for s in r.start(0.0)}
+    for node in range(K):  # nodes 0..9 answer; node 0 has nothing
+        held = np.zeros(0 if node == 0 else 1, np.int64)
+        r.on_reply(
+            sends[node].ticket,
+            held,
+            np.full(len(held), node, np.int64),
+            np.full(len(held), 7, np.uint64),
+            0.001,
+        )
+    r.tick(0.02)
+    assert not r.done and r.next_wakeup() == 1.0
+    r.on_reply(
+        sends[10].ticket, np.zeros(1, np.int64), np.array([10]), np.array([7], np.uint64), 0.03
+    )
+    assert r.done
+    (block_count,) = best_counts(r.held_shards(), 1, n=N)
+    assert block_count == K

@@ -1,0 +1,160 @@
+"""Prefix keys: golden vectors, the documented construction, and prefix properties."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcache
+from kvcache.errors import ConfigError
+from kvcache.keys import BLOCK_TAG, NAMESPACE_TAG, Namespace, as_token_array, block_keys
+from kvcache.layout import REFERENCE_LAYOUT, DType, KVLayout
+
+SMALL = KVLayout(tokens_per_block=4, bytes_per_token=2, dtype=DType.FLOAT16, layers_in_block=1)
+
+
+def small_ns(**kw: str) -> Namespace:
+    return Namespace(model="m", revision="r", layout=SMALL, **kw)
+
+
+def test_golden_reference_namespace() -> None:
+    # Pinned forever: changing these invalidates every stored block in every cluster.
+    ns = Namespace(model="meta-llama/Llama-3.1-8B", revision="main", layout=REFERENCE_LAYOUT)
+    assert ns.seed.hex() == "16c407fc28494501f30a546ddf437552"
+    keys = block_keys(ns, list(range(1024)) + [7] * 100)
+    assert [k.hex() for k in keys] == [
+        "fc495938e05f7c896a0cbf939ec95743",
+        "cfa2eb1af9eaaa2215994ac942bc03f8",
+    ]
+
+
+def test_golden_small_namespace() -> None:
+    ns = small_ns(parallel="tp1of2", tenant="acme")
+    assert ns.seed.hex() == "e28a4e8dbfc8d79ff4e461c36bbf027f"
+    assert [k.hex() for k in block_keys(ns, [1, 2, 3, 4, 5, 6, 7, 8, 9])] == [
+        "4bba8b75944b9f03e2258b957647e934",
+        "ef4a6ce57b333c44b039e4c03c375474",
+    ]
+
+
+def test_construction_matches_spec() -> None:
+    """Re-derive keys exactly as docs/spec/hashing.md writes them down."""
+    ns = small_ns(parallel="tp1of2", tenant="acme")
+
+    def field(value: str) -> bytes:
+        raw = value.encode()
+        return struct.pack("<I", len(raw)) + raw
+
+    layout = "tpb=4;bpt=2;dtype=float16;layers=1"
+    seed = xxhash.xxh3_128_digest(
+        NAMESPACE_TAG + field("m") + field("r") + field(layout) + field("tp1of2") + field("acme")
+    )
+    assert seed == ns.seed
+    k0 = xxhash.xxh3_128_digest(BLOCK_TAG + seed + struct.pack("<4I", 1, 2, 3, 4))
+    k1 = xxhash.xxh3_128_digest(BLOCK_TAG + k0 + struct.pack("<4I", 5, 6, 7, 8))
+    assert block_keys(ns, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == [k0, k1]
+
+
+def test_partial_last_block_gets_no_key() -> None:
+    ns = small_ns()
+    assert block_keys(ns, [1, 2, 3]) == []
+    assert len(block_keys(ns, list(range(7)))) == 1
+    assert len(block_keys(ns, list(range(8)))) == 2
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"model": "other"},
+        {"revision": "r2"},
+        {"parallel": "tp1of8"},
+        {"tenant": "t2"},
+    ],
+)
+def test_every_namespace_field_changes_the_key(field: dict[str, str]) -> None:
+    base = dict(model="m", revision="r", parallel="tp0of1", tenant="default")
+    a = Namespace(layout=SMALL, **base)  # type: ignore[arg-type]
+    b = Namespace(layout=SMALL, **{**base, **field})  # type: ignore[arg-type]
+    assert block_keys(a, [1, 2, 3, 4]) != block_keys(b, [1, 2, 3, 4])
+
+
+def test_layout_changes_the_key() -> None:
+    other = KVLayout(tokens_per_block=4, bytes_per_token=2, dtype=DType.BFLOAT16, layers_in_block=1)
+    a = Namespace(model="m", revision="r", layout=SMALL)
+    b = Namespace(model="m", revision="r", layout=other)
+    assert block_keys(a, [1, 2, 3, 4]) != block_keys(b, [1, 2, 3, 4])
+
+
+def test_field_boundaries_are_unambiguous() -> None:
+    assert (
+        Namespace(model="ab", revision="c", layout=SMALL).seed
+        != Namespace(model="a", revision="bc", layout=SMALL).seed
+    )
+
+
+@settings(derandomize=True, max_examples=200)
+@given(
+    a=st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    b=st.lists(st.integers(0, 2**32 - 1), max_size=40),
+)
+def test_keys_are_prefix_keys(a: list[int], b: list[int]) -> None:
+    """Block i of two prompts has equal keys iff their first (i+1)*B tokens are equal."""
+    ns = small_ns()
+    ka, kb = block_keys(ns, a), block_keys(ns, b)
+    for i in range(min(len(ka), len(kb))):
+        same_prefix = a[: (i + 1) * 4] == b[: (i + 1) * 4]
+        assert (ka[i] == kb[i]) == same_prefix
+
+
+@settings(derandomize=True, max_examples=100)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=64))
+def test_list_and_array_inputs_agree(tokens: list[int]) -> None:
+    ns = small_ns()
+    expected = block_keys(ns, tokens)
+    assert block_keys(ns, np.array(tokens, dtype=np.uint64)) == expected
+    assert block_keys(ns, np.array(tokens, dtype=np.uint32)) == expected
+    assert block_keys(ns, np.array(tokens, dtype=">u4")) == expected
+
+
+def test_repeated_middle_segment_does_not_match() -> None:
+    ns = small_ns()
+    seg = [9, 9, 9, 9]
+    assert block_keys(ns, [1, 1, 1, 1, *seg])[1] != block_keys(ns, [2, 2, 2, 2, *seg])[1]
+
+
+def test_max_blocks() -> None:
+    ns = small_ns()
+    assert block_keys(ns, list(range(40)), max_blocks=3) == block_keys(ns, list(range(40)))[:3]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[-1], [2**32], np.array([-5], dtype=np.int64), np.array([[1, 2]]), np.array([1.5]), ["x"]],
+)
+def test_bad_tokens_raise_config_error(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        as_token_array(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 2000])
+def test_bad_namespace_field(bad: str) -> None:
+    with pytest.raises(ConfigError):
+        Namespace(model=bad, revision="r", layout=SMALL)
+
+
+def test_namespace_is_frozen_and_hashable() -> None:
+    ns = small_ns()
+    with pytest.raises(AttributeError):
+        ns.model = "x"  # type: ignore[misc]
+    assert {ns: 1}[small_ns()] == 1
+
+
+def test_public_names_pinned() -> None:
+    assert sorted(kvcache.__all__) == sorted(
+        ["REFERENCE_LAYOUT", "BlockKey", "DType", "KVLayout", "Namespace", "block_keys"]
+    )

@@ -1,0 +1,93 @@
+"""The retention CLI against a real cluster, and the pure policy simulation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcache.client.localcluster import LocalCluster
+from kvcache.retention.cli import main
+from kvcache.retention.policy import DAY_S, RetentionPolicy
+from kvcache.retention.simulate import simulate
+from kvcache.workload import Request
+
+
+def req(t_s: float, ids: list[int], cls: str = "chat") -> Request:
+    return Request(timestamp_ms=int(t_s * 1000), input_length=512 * len(ids), output_length=1,
+                   hash_ids=tuple(ids), traffic_class=cls)  # fmt: skip
+
+
+def test_simulation_expires_by_class_and_slides_on_hits() -> None:
+    policy = RetentionPolicy(
+        classes={"agent": 100, "chat": 300, "default": 100}, default_class="default"
+    )
+    trace = [
+        req(0, [1, 2], "agent"),
+        req(50, [1, 2, 3], "agent"),  # hits 2 blocks, slides them to 150
+        req(140, [1, 2, 3], "agent"),  # all live until 150; slides to 240
+        req(260, [1, 2], "agent"),  # expired at 240
+        req(270, [7], "chat"),
+        req(560, [7], "chat"),  # chat lives 300 s: hit
+    ]
+    res = simulate(trace, policy)
+    assert res.hit_tokens == 512 * (0 + 2 + 3 + 0 + 0 + 1)
+    assert res.input_tokens == 512 * 12
+    assert res.peak_blocks == 3
+    assert res.expirations == 5  # 1, 2, 3 at 240 s; 1, 2 again at 360 s
+
+
+def test_longer_class_wins_on_a_shared_block() -> None:
+    policy = RetentionPolicy(classes={"agent": 100, "chat": 1000}, default_class="chat")
+    res = simulate([req(0, [1], "chat"), req(10, [1], "agent"), req(500, [1], "agent")], policy)
+    assert res.hit_tokens == 2 * 512
+
+
+def test_defaults_keep_a_day_old_chat_block() -> None:
+    res = simulate([req(0, [1]), req(6 * DAY_S, [1]), req(14 * DAY_S, [1])], RetentionPolicy())
+    assert res.hit_tokens == 512
+
+
+def test_cli_show_set_reset_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = LocalCluster(tmp_path / "c").start(nodes=3, capacity="64MiB")
+    try:
+        cfile = str(cluster.cluster_file)
+        assert main(["show", "--cluster", cfile]) == 0
+        out = capsys.readouterr().out
+        assert out.count("agent=3d, chat=7d") == 3
+        assert main(["set", "--cluster", cfile, "--classes", "agent=1d,chat=14d,default=1d"]) == 0
+        capsys.readouterr()
+        assert main(["show", "--cluster", cfile]) == 0
+        assert capsys.readouterr().out.count("agent=1d, chat=14d") == 3
+        assert main(["reset", "--cluster", cfile]) == 0
+        assert capsys.readouterr().out.count("agent=3d, chat=7d") == 3
+        assert main(["usage", "--cluster", cfile]) == 0
+        assert "class" in capsys.readouterr().out
+        assert main(["set", "--cluster", cfile, "--classes", "agent=0s"]) == 1
+        # Without the admin token, nothing changes.
+        assert (
+            main(["set", "--cluster", cfile, "--token", "wrong" * 4, "--classes", "agent=1s"]) == 1
+        )
+        assert "401" in capsys.readouterr().out
+        assert main(["show", "--cluster", cfile]) == 0
+        assert capsys.readouterr().out.count("agent=3d, chat=7d") == 3
+    finally:
+        cluster.stop()
+
+
+def test_cli_simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "\n".join(
+            json.dumps(
+                {"timestamp": t, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+            )
+            for t in (0, 60_000, 7_200_000)
+        )
+    )
+    assert main(["simulate", "--trace", str(trace), "--sweep", "1h", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rates = {r["policy"]: r["hit_rate"] for r in out["results"]}
+    assert rates["all=1h"] == pytest.approx(1 / 3)
+    assert rates["agent=3d,chat=7d,default=3d"] == pytest.approx(2 / 3)

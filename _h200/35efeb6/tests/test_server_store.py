@@ -1,0 +1,606 @@
+"""ShardStore directly, with a stepped clock: storage, retention, sweeping, eviction. No sockets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_fixtures import FakeClock, block_records, get_items, keys_items, put_items
+
+from kvcache.credentials import tenant_id
+from kvcache.errors import ProtocolError, StorageError
+from kvcache.retention import DAY_S, RetentionPolicy
+from kvcache.server.eviction import Quota
+from kvcache.server.store import PutBatch, ReplyTooLargeError, ShardStore
+from kvcache.shard import split_shard
+from kvcache.wire import NO_INDEX, Op, Status, make_items
+
+HOUR = 3600
+T = tenant_id("default")
+OTHER = tenant_id("alice")
+
+
+def open_store(path: Path, clock: FakeClock, **kwargs: object) -> ShardStore:
+    options: dict[str, object] = {"capacity_bytes": 64 << 20, "touch_resolution_s": 60.0}
+    options.update(kwargs)
+    return ShardStore(path, clock=clock, **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[ShardStore]:
+    with open_store(tmp_path / "db", clock) as s:
+        yield s
+
+
+def put(
+    store: ShardStore,
+    shards: list[tuple[bytes, int, bytes]],
+    *,
+    tenant: bytes = T,
+    expect: list[int] | None = None,
+) -> list[int]:
+    items, data = put_items(shards)
+    if expect is not None:
+        items["expect"] = expect
+    return store.put(tenant, items, data)["status"].tolist()  # type: ignore[arg-type]
+
+
+def get(
+    store: ShardStore, wanted: list[tuple[bytes, int]], cls: str = "", *, tenant: bytes = T
+) -> tuple[list[int], list[bytes]]:
+    result = store.get(tenant, get_items(wanted), cls)  # type: ignore[arg-type]
+    try:
+        parts = iter(result.parts)
+        out = [
+            bytes(next(parts)) if status == Status.OK else b""
+            for status in result.items["status"].tolist()
+        ]
+        return result.items["status"].tolist(), out
+    finally:
+        result.release()
+
+
+def held(store: ShardStore, key: bytes, *, tenant: bytes = T) -> set[int]:
+    reply = store.has(tenant, keys_items(Op.HAS, [key]))  # type: ignore[arg-type]
+    return set(reply["index"].tolist())
+
+
+def stripe_of(shards: list[tuple[bytes, int, bytes]]) -> int:
+    return split_shard(shards[0][2])[0].stripe_id
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def test_put_get_round_trip_returns_exact_records(store: ShardStore) -> None:
+    shards = block_records(key(1)) + block_records(key(2), traffic_class="agent")
+    assert put(store, shards) == [Status.OK] * 24
+    status, records = get(store, [(k, i) for k, i, _ in shards] + [(key(3), 0), (key(1), 12)])
+    assert status == [Status.OK] * 24 + [Status.NOT_FOUND] * 2
+    assert records[:24] == [r for _, _, r in shards]
+    for record in records[:24]:
+        split_shard(record)  # header and checksum still valid
+    usage = store.usage()
+    assert usage["shards"] == 24
+    assert usage["used_bytes"] == sum(len(r) for _, _, r in shards)
+    assert usage["classes"]["agent"]["shards"] == 12
+    assert store.recount() == usage
+
+
+def test_bad_items_fail_alone(store: ShardStore) -> None:
+    good = block_records(key(1), indices=[0, 1])
+    corrupt = bytearray(good[1][2])
+    corrupt[-1] ^= 1
+    foreign = block_records(key(9), indices=[2])[0][2]
+    shards = [good[0], (key(1), 1, bytes(corrupt)), (key(1), 2, foreign), (key(1), 3, b"short")]
+    assert put(store, shards) == [Status.OK, Status.CHECKSUM, Status.WRONG_KEY, Status.BAD_ITEM]
+    assert held(store, key(1)) == {0}
+
+
+def test_another_writers_live_stripe_is_never_overwritten(
+    store: ShardStore, clock: FakeClock
+) -> None:
+    first = block_records(key(1), indices=[0], seed=1)
+    second = block_records(key(1), indices=[0], seed=2)
+    assert put(store, first) == [Status.OK]
+    assert put(store, first) == [Status.OK]  # a repeat of the same write
+    assert put(store, second) == [Status.CONFLICT]
+    assert store.counters["put_conflicts"] == 1
+    # Naming the stored stripe is not enough while its writer may still be at work ...
+    assert put(store, second, expect=[stripe_of(first)]) == [Status.CONFLICT]
+    clock.step(11)
+    assert put(store, second, expect=[stripe_of(second) ^ 1]) == [Status.CONFLICT]
+    # ... but once it is older than replace_after_s, it may be replaced.
+    assert put(store, second, expect=[stripe_of(first)]) == [Status.OK]
+    assert get(store, [(key(1), 0)])[1] == [second[0][2]]
+    assert store.usage()["shards"] == 1
+    assert store.recount() == store.usage()
+
+
+def test_expired_shards_of_another_stripe_are_replaced(store: ShardStore, clock: FakeClock) -> None:
+    first = block_records(key(1), indices=[0], seed=1, traffic_class="agent")
+    assert put(store, first) == [Status.OK]
+    clock.step(3 * DAY_S + 1)
+    assert put(store, block_records(key(1), indices=[0], seed=2)) == [Status.OK]
+    assert store.recount() == store.usage() and store.usage()["shards"] == 1
+
+
+def test_has_reports_index_and_stripe(store: ShardStore) -> None:
+    shards = block_records(key(5), indices=[0, 3, 11])
+    put(store, shards)
+    reply = store.has(T, keys_items(Op.HAS, [key(4), key(5)]))
+    assert reply["ordinal"].tolist() == [1, 1, 1]
+    assert reply["index"].tolist() == [0, 3, 11]
+    stripe = split_shard(shards[0][2])[0].stripe_id
+    assert set(reply["stripe"].tolist()) == {stripe}
+
+
+def test_delete_by_index_stripe_and_whole_key(store: ShardStore) -> None:
+    shards = block_records(key(1))
+    put(store, shards)
+    stripe = split_shard(shards[0][2])[0].stripe_id
+    items = make_items(Op.DELETE, 4, reply=False)
+    items["key"] = [key(1), key(1), key(1), key(2)]
+    items["stripe"] = [0, stripe + 1, stripe, 0]
+    items["index"] = [0, NO_INDEX, 1, NO_INDEX]
+    assert store.delete(T, items)["status"].tolist() == [
+        Status.OK,
+        Status.NOT_FOUND,  # another stripe: nothing of this one is touched
+        Status.OK,
+        Status.NOT_FOUND,
+    ]
+    assert held(store, key(1)) == set(range(2, 12))
+    items = make_items(Op.DELETE, 1, reply=False)
+    items["key"] = [key(1)]
+    items["index"] = [NO_INDEX]
+    assert store.delete(T, items)["status"].tolist() == [Status.OK]
+    assert held(store, key(1)) == set()
+    assert store.usage()["shards"] == 0 and store.recount() == store.usage()
+
+
+# ---------------------------------------------------------------------- retention
+
+
+def test_agent_gone_after_3_days_chat_kept_until_7(store: ShardStore, clock: FakeClock) -> None:
+    put(
+        store,
+        block_records(key(1), traffic_class="agent") + block_records(key(2), traffic_class="chat"),
+    )
+    clock.step(3 * DAY_S - 1)
+    assert held(store, key(1)) == set(range(12))
+    clock.step(2)
+    assert held(store, key(1)) == set()  # expired: invisible even before the sweep
+    assert get(store, [(key(1), 0)])[0] == [Status.NOT_FOUND]
+    assert held(store, key(2)) == set(range(12))
+    assert store.sweep(limit=100) == 12
+    assert store.counters["expired_shards"] == 12
+    assert store.usage()["classes"] == {
+        "chat": {"bytes": store.usage()["used_bytes"], "shards": 12}
+    }
+    clock.step(4 * DAY_S - 2)
+    assert held(store, key(2)) == set(range(12))
+    clock.step(2)
+    assert held(store, key(2)) == set()
+    assert store.sweep(limit=100) == 12
+    assert store.usage()["shards"] == 0 and store.recount() == store.usage()
+
+
+def test_hits_slide_the_expiry(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), traffic_class="agent", indices=[0, 1]))
+    start = clock.now
+    clock.step(2 * DAY_S)
+    assert get(store, [(key(1), 0)])[0] == [Status.OK]
+    assert store.touch(T, keys_items(Op.TOUCH, [key(1), key(2)]))["status"].tolist() == [
+        Status.OK,
+        Status.NOT_FOUND,
+    ]
+    store.flush_touches()
+    expiry, cls = store.expiry_of(T, key(1), 0) or (0, "")
+    assert expiry == int((start + 2 * DAY_S + 3 * DAY_S) * 1000) and cls == "agent"
+    clock.step(2 * DAY_S)  # 4 days after the write, 2 after the hit
+    assert held(store, key(1)) == {0, 1}
+    clock.step(1 * DAY_S + 1)
+    assert held(store, key(1)) == set()
+
+
+def test_hits_within_the_resolution_write_nothing(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), indices=[0]))
+    for _ in range(10):
+        clock.step(5)
+        get(store, [(key(1), 0)])
+    assert store.flush_touches() == 0
+    clock.step(120)
+    get(store, [(key(1), 0)])
+    assert store.flush_touches() == 1
+
+
+def test_two_classes_keep_the_longer_expiry(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), traffic_class="agent", indices=[0]))
+    put(store, block_records(key(2), traffic_class="chat", indices=[0]))
+    clock.step(HOUR)
+    get(store, [(key(1), 0)], "chat")  # chat reuses an agent block: 7 days from now
+    get(store, [(key(2), 0)], "agent")  # agent reuses a chat block: keeps its 7 days
+    store.flush_touches()
+    assert store.expiry_of(T, key(1), 0) == (int((clock.now + 7 * DAY_S) * 1000), "chat")
+    assert store.expiry_of(T, key(2), 0) == (int((clock.now - HOUR + 7 * DAY_S) * 1000), "chat")
+    assert store.usage()["classes"]["chat"]["shards"] == 2
+    assert store.recount() == store.usage()
+    # A repeat of the write by agent traffic does not shorten it either.
+    put(store, block_records(key(1), traffic_class="agent", indices=[0]))
+    assert store.expiry_of(T, key(1), 0) == (int((clock.now + 7 * DAY_S) * 1000), "chat")
+
+
+def test_unknown_classes_count_as_the_default(store: ShardStore, clock: FakeClock) -> None:
+    put(store, block_records(key(1), traffic_class="nightly", indices=[0]))
+    assert store.expiry_of(T, key(1), 0) == (int((clock.now + 3 * DAY_S) * 1000), "default")
+    assert set(store.usage()["classes"]) == {"default"}
+
+
+def test_sweep_is_bounded(store: ShardStore, clock: FakeClock) -> None:
+    for n in range(5):
+        put(store, block_records(key(n), traffic_class="agent"))
+    clock.step(3 * DAY_S + 1)
+    assert store.sweep(limit=25) == 25
+    assert store.usage()["shards"] == 35
+    assert store.maintain() is True or store.usage()["shards"] < 35
+    while store.maintain():
+        pass
+    assert store.usage()["shards"] == 0
+    assert store.counters["expired_shards"] == 60
+
+
+def test_eviction_takes_the_earliest_expiry_first(tmp_path: Path, clock: FakeClock) -> None:
+    body = 64 << 10  # 14 shards of 64 KiB stay under the high watermark of 0.9 MiB
+    mib = 1 << 20
+    with open_store(tmp_path / "db", clock, capacity_bytes=mib, low_watermark=0.5) as store:
+        # key n is written at hour n: agent blocks expire first, then by age.
+        for n in range(14):
+            cls = "agent" if n % 3 == 0 else "chat"
+            shard = block_records(key(n), body_len=body, traffic_class=cls, indices=[0])
+            assert put(store, shard) == [Status.OK]
+            clock.step(HOUR)
+        assert store.counters["evicted_shards"] == 0
+        # The next write crosses the high watermark: it evicts only what it needs itself
+        # (one shard), so no request waits for a large eviction...
+        assert put(store, block_records(key(99), body_len=body, indices=[0])) == [Status.OK]
+        order = sorted(range(14), key=lambda n: (0 if n % 3 == 0 else 1, n))  # expiry order
+        evicted = {n for n in range(14) if not held(store, key(n))}
+        assert evicted == {order[0]}
+        assert store.usage()["used_bytes"] <= 0.9 * mib
+        # ... and background work, in bounded steps, takes usage down to the low watermark.
+        steps = 0
+        while store.maintain():
+            steps += 1
+            assert steps < 100
+        evicted = {n for n in range(14) if not held(store, key(n))}
+        assert store.counters["evicted_shards"] == len(evicted) > 1
+        assert store.usage()["used_bytes"] <= 0.5 * mib
+        assert evicted == set(order[: len(evicted)])
+        assert held(store, key(99)) == {0}
+        assert store.recount() == store.usage()
+
+
+def test_batch_larger_than_capacity_is_refused_whole(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(tmp_path / "db", clock, capacity_bytes=1 << 20) as store:
+        shards = block_records(key(1), body_len=128 << 10)  # 12 x 128 KiB > 1 MiB
+        assert put(store, shards) == [Status.NO_SPACE] * 12
+        assert held(store, key(1)) == set()
+        assert store.counters["error_capacity"] == 1
+
+
+def test_map_full_aborts_the_whole_batch(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(
+        tmp_path / "db", clock, capacity_bytes=1 << 30, map_size_bytes=1 << 20
+    ) as store:
+        assert put(store, block_records(key(1), body_len=1024)) == [Status.OK] * 12
+        big = block_records(key(2), body_len=256 << 10)
+        assert put(store, big) == [Status.NO_SPACE] * 12
+        assert held(store, key(2)) == set()
+        assert store.counters["error_map_full"] == 1
+        assert held(store, key(1)) == set(range(12))
+        assert store.recount() == store.usage()
+        assert put(store, block_records(key(3), body_len=1024)) == [Status.OK] * 12
+
+
+def test_reopen_keeps_shards_counters_and_policy(tmp_path: Path, clock: FakeClock) -> None:
+    shards = block_records(key(1))
+    with open_store(tmp_path / "db", clock) as store:
+        put(store, shards)
+        store.set_policy(RetentionPolicy.from_mapping({"classes": {"chat": "1d", "default": "1h"}}))
+        usage = store.usage()
+    with open_store(tmp_path / "db", clock, policy=RetentionPolicy()) as store:
+        assert store.usage() == usage
+        assert store.policy.ttl_s("chat") == DAY_S  # the admin-set policy is kept
+        assert get(store, [(key(1), 5)])[1] == [shards[5][2]]
+        store.clear_policy(RetentionPolicy())
+        assert store.policy == RetentionPolicy()
+
+
+def test_one_daemon_per_directory(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(tmp_path / "db", clock), pytest.raises(StorageError, match="in use"):
+        open_store(tmp_path / "db", clock)
+
+
+# ---------------------------------------------------------------------- model check
+
+
+@st.composite
+def operations(draw: st.DrawFn) -> list[tuple[str, int, int, int]]:
+    ops = st.tuples(
+        st.sampled_from(["put", "put", "get", "touch", "delete", "step", "sweep"]),
+        st.integers(0, 5),  # key
+        st.integers(0, 3),  # index / seed
+        st.integers(0, 2),  # class / hours
+    )
+    return draw(st.lists(ops, max_size=30))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(script=operations())
+def test_store_agrees_with_a_model(
+    tmp_path_factory: pytest.TempPathFactory, script: list[tuple[str, int, int, int]]
+) -> None:
+    """Random operations against a dict model: same visible shards, counters match a rescan."""
+    clock = FakeClock()
+    classes = ["agent", "chat", "other"]
+    # (key, index) -> (record, expiry_ms, stripe)
+    model: dict[tuple[int, int], tuple[bytes, int, int]] = {}
+    policy = RetentionPolicy()
+    path = tmp_path_factory.mktemp("model")
+    with open_store(path, clock, touch_resolution_s=0.0) as store:
+        for op, k, i, c in script:
+            now = int(clock.now * 1000)
+            if op == "put":
+                (rec,) = block_records(key(k), indices=[i], seed=c, traffic_class=classes[c])
+                stripe = split_shard(rec[2])[0].stripe_id
+                old = model.get((k, i))
+                live = old is not None and old[1] > now
+                if live and old is not None and old[2] != stripe:
+                    assert put(store, [rec]) == [Status.CONFLICT]
+                    continue
+                assert put(store, [rec]) == [Status.OK]
+                expiry = policy.expiry_for(classes[c], clock.now)
+                if live and old is not None:
+                    expiry = max(expiry, old[1])
+                model[(k, i)] = (rec[2], expiry, stripe)
+            elif op == "get":
+                status, records = get(store, [(key(k), i)], classes[c])
+                live = (k, i) in model and model[(k, i)][1] > now
+                assert status == [Status.OK if live else Status.NOT_FOUND]
+                if live:
+                    assert records == [model[(k, i)][0]]
+                    rec0, exp0, st0 = model[(k, i)]
+                    model[(k, i)] = (rec0, max(exp0, policy.expiry_for(classes[c], clock.now)), st0)
+            elif op == "touch":
+                store.touch(T, keys_items(Op.TOUCH, [key(k)]), classes[c])
+                for (mk, mi), (rec, exp, st) in list(model.items()):
+                    if mk == k and exp > now:
+                        slid = max(exp, policy.expiry_for(classes[c], clock.now))
+                        model[(mk, mi)] = (rec, slid, st)
+            elif op == "delete":
+                items = make_items(Op.DELETE, 1, reply=False)
+                items["key"] = [key(k)]
+                items["index"] = [i]
+                store.delete(T, items)
+                model.pop((k, i), None)
+            elif op == "step":
+                clock.step(c * DAY_S * 2 + i * HOUR)
+            else:
+                store.sweep(limit=3)
+            now = int(clock.now * 1000)
+            for k2 in range(6):
+                expected = {
+                    mi for (mk, mi), (_, exp, _st) in model.items() if mk == k2 and exp > now
+                }
+                assert held(store, key(k2)) == expected
+        store.flush_touches()
+        assert store.recount() == store.usage()
+        assert np.all(
+            np.array(
+                [
+                    store.expiry_of(T, key(mk), mi)[0] >= exp
+                    for (mk, mi), (_, exp, _st) in model.items()
+                    if store.expiry_of(T, key(mk), mi)
+                ]
+            )
+        )
+
+
+def test_random_keys_smoke(store: ShardStore) -> None:
+    keys = [os.urandom(16) for _ in range(50)]
+    shards = [s for k in keys for s in block_records(k, indices=[0, 7])]
+    assert put(store, shards) == [Status.OK] * 100
+    status, records = get(store, [(k, i) for k, i, _ in shards])
+    assert status == [Status.OK] * 100 and records == [r for _, _, r in shards]
+
+
+# ---------------------------------------------------------------------- batched paths
+
+
+def test_get_all_hits_duplicates_and_misses(store: ShardStore) -> None:
+    """The all-hits path (no per-item Python) and the per-item path answer alike."""
+    shards = block_records(key(1)) + block_records(key(2), traffic_class="agent")
+    put(store, shards)
+    wanted = [(k, i) for k, i, _ in shards]
+    records = [r for _, _, r in shards]
+    assert get(store, wanted) == ([Status.OK] * 24, records)
+    assert get(store, wanted[:3] + wanted[:3]) == ([Status.OK] * 6, records[:3] * 2)
+    status, got = get(store, [wanted[0], (key(9), 0), wanted[5], (key(1), 12)])
+    assert status == [Status.OK, Status.NOT_FOUND, Status.OK, Status.NOT_FOUND]
+    assert got == [records[0], b"", records[5], b""]
+    assert get(store, []) == ([], [])
+
+
+def test_get_with_due_and_pending_slides(store: ShardStore, clock: FakeClock) -> None:
+    agent = block_records(key(1), traffic_class="agent", indices=[0, 1])
+    chat = block_records(key(2), traffic_class="chat", indices=[0, 1])
+    put(store, agent + chat)
+    clock.step(HOUR)
+    wanted = [(k, i) for k, i, _ in agent + chat]
+    records = [r for _, _, r in agent + chat]
+    # chat traffic moves the agent shards by days: slides are recorded, not written.
+    assert get(store, wanted, "chat") == ([Status.OK] * 4, records)
+    assert store.expiry_of(T, key(1), 0) == (int((clock.now + 7 * DAY_S) * 1000), "chat")
+    assert store.counters["touches_written"] == 0
+    # With slides pending for some keys, a batch holding them takes the per-item path.
+    assert get(store, wanted) == ([Status.OK] * 4, records)
+    assert store.flush_touches() == 4  # chat shards move by the hour since their write
+    clock.step(6 * DAY_S)  # agent's own 3 days are long gone; the chat slide keeps them
+    assert held(store, key(1)) == held(store, key(2)) == {0, 1}
+    clock.step(DAY_S)  # past the slid expiry
+    assert get(store, wanted)[0] == [Status.NOT_FOUND] * 4
+
+
+def test_get_refuses_a_reply_over_the_limit(tmp_path: Path, clock: FakeClock) -> None:
+    shards = block_records(key(1), body_len=1024, indices=[0, 1, 2])
+    with open_store(tmp_path / "db", clock, max_reply_bytes=2 * len(shards[0][2])) as store:
+        put(store, shards)
+        assert get(store, [(key(1), 0), (key(1), 1)])[0] == [Status.OK] * 2
+        with pytest.raises(ReplyTooLargeError, match="at item 2"):
+            store.get(T, get_items([(key(1), i) for i in range(3)]))
+        with pytest.raises(ReplyTooLargeError, match="at item 3"):
+            store.get(T, get_items([(key(9), 0), (key(1), 0), (key(1), 1), (key(1), 2)]))
+
+
+def test_put_many_is_one_transaction_with_per_batch_replies(store: ShardStore) -> None:
+    first = block_records(key(1), indices=[0, 1, 2])
+    second = block_records(key(1), indices=[2, 3], seed=5) + block_records(key(2), indices=[0])
+    bad = list(second)
+    bad[1] = (key(9), 3, second[1][2])  # a record under another key
+    items, data = put_items(bad)
+    mismatched = PutBatch(T, put_items(first)[0], memoryview(b"short"))
+    replies = store.put_many([PutBatch(T, *put_items(first)), PutBatch(T, items, data), mismatched])
+    assert replies[0]["status"].tolist() == [Status.OK] * 3  # type: ignore[index]
+    assert replies[1]["status"].tolist() == [  # type: ignore[index]
+        Status.CONFLICT,  # (key 1, index 2) was just written by the first batch's stripe
+        Status.WRONG_KEY,
+        Status.OK,
+    ]
+    assert isinstance(replies[2], ProtocolError)
+    assert get(store, [(key(1), 2)])[1] == [first[2][2]]
+    assert held(store, key(1)) == {0, 1, 2} and held(store, key(2)) == {0}
+    assert store.usage()["shards"] == 4
+    assert store.recount() == store.usage()
+
+
+def test_put_many_failure_stores_nothing_of_any_batch(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(
+        tmp_path / "db", clock, capacity_bytes=1 << 30, map_size_bytes=1 << 20
+    ) as store:
+        small = block_records(key(1), body_len=1024, indices=[0, 1])
+        big = block_records(key(2), body_len=256 << 10, indices=[0, 1, 2, 3])
+        broken = list(small)
+        broken[1] = (key(1), 1, small[1][2][:-1] + b"\x00")  # body checksum mismatch
+        replies = store.put_many([PutBatch(T, *put_items(broken)), PutBatch(T, *put_items(big))])
+        assert replies[0]["status"].tolist() == [  # type: ignore[index]
+            Status.NO_SPACE,
+            Status.CHECKSUM,
+        ]
+        assert replies[1]["status"].tolist() == [Status.NO_SPACE] * 4  # type: ignore[index]
+        assert held(store, key(1)) == set() and held(store, key(2)) == set()
+        assert store.counters["error_map_full"] == 1
+        assert store.usage()["shards"] == 0 and store.recount() == store.usage()
+
+
+def test_data_file_is_allocated_ahead_up_to_the_map_size(tmp_path: Path, clock: FakeClock) -> None:
+    data_file = tmp_path / "db" / "data.mdb"
+    with open_store(tmp_path / "db", clock, map_size_bytes=8 << 20) as store:
+        put(store, block_records(key(1), body_len=1024))
+        # A chunk ahead, but a small map gets a small chunk (1/32 of it).
+        assert 256 << 10 <= data_file.stat().st_size <= 1 << 20
+    with open_store(tmp_path / "db", clock, map_size_bytes=4 << 30) as store:
+        assert get(store, [(key(1), 0)])[0] == [Status.OK]
+        put(store, block_records(key(2), body_len=1 << 20))  # 12 MiB: past what is allocated
+        size = data_file.stat().st_size
+        assert (12 + 64) << 20 <= size <= 4 << 30  # two batches and a 64 MiB chunk ahead
+        assert data_file.stat().st_blocks * 512 >= size - (8 << 20)  # allocated, not sparse
+        assert held(store, key(2)) == set(range(12))
+
+
+# ---------------------------------------------------------------------- tenants
+
+
+def test_tenants_are_separate_stores_on_one_node(store: ShardStore) -> None:
+    mine = block_records(key(1))
+    theirs = block_records(key(1), seed=9)  # same block key, another tenant
+    assert put(store, mine) == [Status.OK] * 12
+    assert put(store, theirs, tenant=OTHER) == [Status.OK] * 12  # no conflict across tenants
+    assert get(store, [(key(1), 0)])[1] == [mine[0][2]]
+    assert get(store, [(key(1), 0)], tenant=OTHER)[1] == [theirs[0][2]]
+    items = make_items(Op.DELETE, 1, reply=False)
+    items["key"] = [key(1)]
+    items["index"] = [NO_INDEX]
+    assert store.delete(OTHER, items)["status"].tolist() == [Status.OK]  # type: ignore[arg-type]
+    assert held(store, key(1)) == set(range(12)) and held(store, key(1), tenant=OTHER) == set()
+    usage = store.usage({T: "default", OTHER: "alice"})  # type: ignore[dict-item]
+    assert set(usage["tenants"]) == {"default"}
+    assert store.recount()["used_bytes"] == usage["used_bytes"]
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_blocks(tmp_path: Path, clock: FakeClock) -> None:
+    body = 64 << 10
+    quota = 8 * (body + 104)
+    with open_store(
+        tmp_path / "db", clock, quotas={T: Quota(total=quota)}, capacity_bytes=64 << 20
+    ) as store:
+        victim = [block_records(key(1000 + n), body_len=body, indices=[0]) for n in range(4)]
+        for shards in victim:
+            assert put(store, shards, tenant=OTHER) == [Status.OK]
+        for n in range(40):  # a flood of 5x the quota
+            clock.step(1)
+            assert put(store, block_records(key(n), body_len=body, indices=[0])) == [Status.OK]
+        assert store.book.tenant_bytes(T) <= quota
+        assert all(held(store, key(1000 + n), tenant=OTHER) == {0} for n in range(4))
+        assert store.counters["quota_evicted_shards"] == 40 - 8
+        assert held(store, key(39)) == {0} and held(store, key(0)) == set()  # oldest went first
+        # A batch larger than the whole quota can never fit.
+        big = block_records(key(99), body_len=body, indices=list(range(12)))
+        assert put(store, big) == [Status.QUOTA] * 12
+        assert store.counters["error_quota"] == 1
+        assert store.recount() == store.usage()
+
+
+def test_class_quota_evicts_only_that_class(tmp_path: Path, clock: FakeClock) -> None:
+    body = 16 << 10
+    quota = Quota(classes={"agent": 4 * (body + 104)})
+    with open_store(tmp_path / "db", clock, quotas={T: quota}) as store:
+        chat = block_records(key(500), body_len=body, traffic_class="chat", indices=[0, 1, 2])
+        assert put(store, chat) == [Status.OK] * 3
+        for n in range(10):
+            clock.step(1)
+            agent = block_records(key(n), body_len=body, traffic_class="agent", indices=[0])
+            assert put(store, agent) == [Status.OK]
+        assert held(store, key(500)) == {0, 1, 2}
+        assert store.usage()["classes"]["agent"]["shards"] == 4
+
+
+def test_capacity_pressure_takes_the_flooding_tenant_first(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """No quotas: a tenant holding more than its share evicts its own blocks, even older ones
+    of a quieter tenant survive."""
+    body = 64 << 10
+    mib = 1 << 20
+    with open_store(tmp_path / "db", clock, capacity_bytes=2 * mib, low_watermark=0.5) as store:
+        quiet = [block_records(key(1000 + n), body_len=body, indices=[0]) for n in range(5)]
+        for shards in quiet:
+            assert put(store, shards, tenant=OTHER) == [Status.OK]
+        for n in range(60):
+            clock.step(HOUR)
+            assert put(store, block_records(key(n), body_len=body, indices=[0])) == [Status.OK]
+        assert store.counters["evicted_shards"] > 0
+        assert all(held(store, key(1000 + n), tenant=OTHER) == {0} for n in range(5))
+        assert store.recount() == store.usage()

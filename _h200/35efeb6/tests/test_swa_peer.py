@@ -1,0 +1,258 @@
+"""Serving SWA states between workers over real sockets: batching, digests, incarnations,
+authentication, deadlines, and the whole tier against a real cluster."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvcache import DType, KVLayout, Namespace, block_keys
+from kvcache.client import Client
+from kvcache.client.localcluster import LocalCluster
+from kvcache.credentials import TenantCredentials
+from kvcache.keys import BlockKey
+from kvcache.net import open_session
+from kvcache.swa_local import (
+    StateKey,
+    SwaConfig,
+    SwaStore,
+    SwaTier,
+    TcpPeerTransport,
+    Wanted,
+    state_digest,
+)
+from kvcache.swa_local.server import PeerServer
+from kvcache.wire import Header, Limits, MessageReader, Op, Status
+
+SECRET = b"s" * 32
+TENANT = TenantCredentials(name="default", secret=SECRET)
+NS = b"\x11" * 8
+LAYOUT = KVLayout(tokens_per_block=16, bytes_per_token=64, dtype=DType.FLOAT16, layers_in_block=2)
+MAIN_NS = Namespace(model="test/hybrid", revision="r1", layout=LAYOUT)
+
+
+def skey(n: int, position: int = 256) -> StateKey:
+    return StateKey(namespace=NS, block=BlockKey(n.to_bytes(16, "big")), position=position)
+
+
+def blob(n: int, size: int = 100_000) -> bytes:
+    return np.random.default_rng(n).integers(0, 256, size, np.uint8).tobytes()
+
+
+@pytest.fixture
+def peer() -> Iterator[PeerServer]:
+    store = SwaStore(max_bytes=64 << 20)
+    with PeerServer(store, tenant=TENANT, incarnation=42) as server:
+        server.start()
+        yield server
+
+
+@pytest.fixture
+def transport() -> Iterator[TcpPeerTransport]:
+    t = TcpPeerTransport(tenant="default", secret=SECRET, connections_per_peer=2)
+    yield t
+    t.close()
+
+
+def soon(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+def test_batched_fetch_returns_verified_states_and_clean_misses(
+    peer: PeerServer, transport: TcpPeerTransport
+) -> None:
+    for n in range(3):
+        peer.store.put(skey(n), blob(n))
+    wanted = [
+        Wanted(skey(0), 42, state_digest(blob(0))),
+        Wanted(skey(9), 42),  # never held
+        Wanted(skey(2), 42),
+        Wanted(skey(1, position=255), 42),  # held, but for another position
+        Wanted(skey(1), 42),
+    ]
+    got = transport.fetch(peer.endpoint, wanted, deadline=soon())
+    assert [None if g is None else bytes(g) for g in got] == [blob(0), None, blob(2), None, blob(1)]
+    assert peer.counters["states_served"] == 3 and peer.counters["not_found"] == 2
+    assert transport.counters["fetched"] == 3 and transport.counters["not_found"] == 2
+
+
+def test_a_state_that_fails_its_recorded_digest_is_never_returned(
+    peer: PeerServer, transport: TcpPeerTransport
+) -> None:
+    peer.store.put(skey(1), blob(1))
+    (got,) = transport.fetch(
+        peer.endpoint, [Wanted(skey(1), 42, state_digest(b"other"))], deadline=soon()
+    )
+    assert got is None
+    assert transport.counters["corrupt"] == 1
+
+
+def test_another_incarnation_is_not_found(peer: PeerServer, transport: TcpPeerTransport) -> None:
+    peer.store.put(skey(1), blob(1))
+    (got,) = transport.fetch(peer.endpoint, [Wanted(skey(1), 41)], deadline=soon())
+    assert got is None
+    assert peer.counters["stale_incarnation"] == 1
+
+
+def test_only_the_workers_tenant_is_served(peer: PeerServer) -> None:
+    peer.store.put(skey(1), blob(1))
+    wrong = TcpPeerTransport(tenant="default", secret=b"w" * 32)
+    other = TcpPeerTransport(tenant="other", secret=SECRET)
+    try:
+        for t in (wrong, other):
+            assert t.fetch(peer.endpoint, [Wanted(skey(1), 42)], deadline=soon()) == [None]
+            assert t.counters["errors"] == 1
+    finally:
+        wrong.close()
+        other.close()
+    assert peer.counters["refused"] == 2 and peer.counters["states_served"] == 0
+
+
+def test_a_silent_holder_costs_the_deadline_and_nothing_more(
+    transport: TcpPeerTransport,
+) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)  # accepts connections (the kernel does), never says hello
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        got = transport.fetch(endpoint, [Wanted(skey(1), 1)], deadline=started + 0.2)
+        elapsed = time.monotonic() - started
+    finally:
+        listener.close()
+    assert got == [None]
+    assert 0.15 <= elapsed < 2.0
+    assert transport.counters["errors"] + transport.counters["timeouts"] == 1
+
+
+def test_a_dead_holder_is_a_clean_miss(transport: TcpPeerTransport) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()  # nobody listens there
+    assert transport.fetch(endpoint, [Wanted(skey(1), 1)], deadline=soon()) == [None]
+
+
+def test_malformed_and_foreign_requests_are_refused(peer: PeerServer) -> None:
+    sock = open_session(peer.endpoint, tenant="default", secret=SECRET, timeout_s=5, node="p")
+    sock.settimeout(5)
+    reader = MessageReader(limits=Limits(), replies=True)
+
+    def reply() -> Header:
+        while (message := reader.next_message()) is None:
+            n = sock.recv_into(reader.recv_buffer())
+            assert n, "peer closed before answering"
+            reader.commit(n)
+        return message.header
+
+    sock.sendall(Header(op=Op.GET, request_id=5, count=0).pack())
+    foreign = reply()
+    assert foreign.status is Status.BAD_REQUEST and foreign.request_id == 5
+    sock.sendall(b"XX" + bytes(46))  # bad magic: answered, then the connection is closed
+    assert reply().status is Status.BAD_REQUEST
+    assert sock.recv(1) == b""
+    sock.close()
+    assert peer.counters["bad_requests"] == 2
+
+
+def test_many_fetches_in_flight_share_a_few_connections(
+    peer: PeerServer, transport: TcpPeerTransport
+) -> None:
+    import concurrent.futures
+
+    for n in range(8):
+        peer.store.put(skey(n), blob(n, 50_000))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [
+            pool.submit(transport.fetch, peer.endpoint, [Wanted(skey(i % 8), 42)], deadline=soon())
+            for i in range(64)
+        ]
+        results = [f.result() for f in futures]
+    assert all(
+        r[0] is not None and bytes(r[0]) == blob(i % 8, 50_000) for i, r in enumerate(results)
+    )
+    assert peer.counters["connections"] <= 2  # connections_per_peer
+
+
+# ---------------------------------------------------------------------- the tier, with a cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("swa-tier"))
+    c.start(nodes=12, capacity="128MiB")
+    yield c
+    c.stop()
+
+
+def _tier(cluster: LocalCluster, **overrides: object) -> tuple[Client, SwaTier]:
+    client = Client(cluster.client_config(timeout_s=2.0))
+    tier = SwaTier(SwaConfig(**overrides), client)  # type: ignore[arg-type]
+    tier.start()
+    return client, tier
+
+
+def test_a_state_taken_on_one_worker_is_found_and_fetched_by_another(
+    cluster: LocalCluster,
+) -> None:
+    tokens = list(range(5000, 5000 + 16 * 4))
+    keys = block_keys(MAIN_NS, tokens)
+    state_key = StateKey(namespace=NS, block=keys[3], position=64)
+    client_a, a = _tier(cluster)
+    client_b, b = _tier(cluster)
+    try:
+        a.put(state_key, blob(3))
+        assert a.flush()
+        _, holders = b.lookup(MAIN_NS, tokens)
+        assert [r.endpoint for r in holders[3]] == [a.endpoint]
+        got = b.fetch(state_key, holders[3])
+        assert got is not None and bytes(got) == blob(3)
+        assert b.counters["remote_hits"] == 1
+        # The holder itself serves it from its own RAM.
+        local = a.fetch(state_key, holders[3])
+        assert local is not None and bytes(local) == blob(3)
+        assert a.counters["local_hits"] == 1
+        # A clean shutdown withdraws the records: nobody is sent to a gone worker.
+        a.close()
+        _, holders = b.lookup(MAIN_NS, tokens)
+        assert holders == {}
+    finally:
+        a.close()
+        b.close()
+        client_a.close()
+        client_b.close()
+
+
+def test_dead_and_restarted_workers_resolve_to_clean_misses(cluster: LocalCluster) -> None:
+    tokens = list(range(9000, 9000 + 16 * 2))
+    keys = block_keys(MAIN_NS, tokens)
+    state_key = StateKey(namespace=NS, block=keys[1], position=32)
+    client_a, a = _tier(cluster)
+    client_b, b = _tier(cluster)
+    try:
+        a.put(state_key, blob(5))
+        assert a.flush()
+        endpoint = a.endpoint
+        a.close(withdraw=False)  # as if the process died: its records stay behind
+        _, holders = b.lookup(MAIN_NS, tokens)
+        assert [r.endpoint for r in holders[1]] == [endpoint]
+        assert b.fetch(state_key, holders[1]) is None
+        # A new incarnation on the same endpoint, holding the same key again.
+        client_c, c = _tier(cluster, listen=endpoint)
+        try:
+            c.store.put(state_key, blob(5))  # held, but not registered
+            assert b.fetch(state_key, holders[1]) is None
+            assert c.server.counters["stale_incarnation"] == 1
+        finally:
+            c.close()
+            client_c.close()
+        assert b.counters["misses"] == 2
+    finally:
+        b.close()
+        client_a.close()
+        client_b.close()

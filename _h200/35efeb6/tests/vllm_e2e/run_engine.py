@@ -1,0 +1,121 @@
+"""Run one vLLM engine on the CPU, greedy-decode prompts in phases, report JSON.
+
+Run with the vLLM venv's python (``scripts/vllm-venv.sh``), never the
+project's: ``python run_engine.py SPEC.json OUT.json``. SPEC holds::
+
+    {"model": DIR, "connector": {extra config} | null, "stats_dir": DIR | null,
+     "hold": bool, "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int}]}
+
+Each phase is one ``LLM.generate`` call. With a connector, the connector's
+stats files (``stats_dir``) are read before and after each phase, and once
+more after the engine is shut down (queued saves are drained by then). OUT
+receives ``{"phases": [{"name", "tokens", "num_cached_tokens", "stats_delta"}],
+"final_stats"}``; ``num_cached_tokens`` is vLLM's own count of prompt tokens it
+did not compute.
+
+With ``hold``, the engine prints ``KVCACHE-ENGINE-READY`` on its stdout once
+the phases are done and waits for a line on its stdin before shutting down:
+meanwhile its connector keeps serving its SWA states to other engines.
+
+The caller must set VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1; this
+script refuses to start without them rather than let vLLM phone home.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REQUIRED_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def read_stats(stats_dir: Path | None) -> dict[str, dict[str, Any]]:
+    """The connector counters by role, summed over processes (one file per process)."""
+    out: dict[str, dict[str, Any]] = {}
+    if stats_dir is None or not stats_dir.exists():
+        return out
+    for path in sorted(stats_dir.glob("kvcache-*.json")):
+        data = json.loads(path.read_text())
+        role = out.setdefault(data["role"], {"namespace": data["namespace"]})
+        for key, value in data.items():
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, int) and key != "pid":
+                role[key] = role.get(key, 0) + value
+            elif isinstance(value, float):  # an estimate: the last process's
+                role[key] = value
+    return out
+
+
+def delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per role, how much each counter grew."""
+    out: dict[str, Any] = {}
+    for role, counters in after.items():
+        base = before.get(role, {})
+        out[role] = {k: v - base.get(k, 0) for k, v in counters.items() if isinstance(v, int)}
+    return out
+
+
+def main() -> None:
+    for key, value in REQUIRED_ENV.items():
+        if os.environ.get(key) != value:
+            sys.exit(f"refusing to start vLLM: {key}={value} must be set")
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out_path = Path(sys.argv[2])
+    stats_dir = Path(spec["stats_dir"]) if spec.get("stats_dir") else None
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.usage.usage_lib import is_usage_stats_enabled
+
+    if is_usage_stats_enabled():
+        sys.exit("refusing to start vLLM: it would send usage statistics")
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVCacheConnector",
+            "kv_connector_module_path": "kvcache.engine.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["connector"],
+        }
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        block_size=32,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=512,
+        seed=0,
+        disable_log_stats=False,  # so each output reports its prefix-cache hit
+        **kwargs,
+    )
+    phases = []
+    for phase in spec["phases"]:
+        before = read_stats(stats_dir)
+        params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        phases.append(
+            {
+                "name": phase["name"],
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+                "stats_delta": delta(before, read_stats(stats_dir)),
+            }
+        )
+    if spec.get("hold"):
+        print("KVCACHE-ENGINE-READY", flush=True)
+        sys.stdin.readline()
+    # A graceful shutdown lets the worker's connector drain its queued saves.
+    llm.llm_engine.engine_core.shutdown()
+    result = {"phases": phases, "final_stats": read_stats(stats_dir)}
+    out_path.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

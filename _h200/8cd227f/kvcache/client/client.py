@@ -1,0 +1,470 @@
+"""The client inference workers call: match a prompt's cached prefix, load it, store new blocks.
+
+:class:`Client` is the one implementation. It is blocking and thread-safe:
+the transport's I/O threads move the bytes (with the GIL released), the
+calling thread runs the decisions and checks, so several threads of one
+worker (a lookup thread, a saver, the forward pass) share one client.
+:class:`AsyncClient` runs the same calls off the event loop, for asyncio code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.config import ClientConfig
+from kvcache.client.core import ClientCore
+from kvcache.client.driver import Watchdog
+from kvcache.client.loading import LoadResult, OnReady, check_out, load_keys
+from kvcache.client.matching import match_keys
+from kvcache.client.plan import MatchResult
+from kvcache.client.pool import ClientPool
+from kvcache.client.storing import Payloads, StoreResult, store_keys, touch_or_delete
+from kvcache.client.transport import Transport
+from kvcache.cluster import ClusterMap
+from kvcache.errors import ArgumentError, ConfigError
+from kvcache.keys import BlockKey, Namespace, block_keys
+from kvcache.wire import Op
+
+__all__ = ["AsyncClient", "Client"]
+
+T = TypeVar("T")
+Tokens = Sequence[int] | npt.NDArray[np.integer]
+
+
+def _keys(namespace: object, tokens: Tokens, max_blocks: int | None = None) -> list[BlockKey]:
+    if not isinstance(namespace, Namespace):
+        raise ArgumentError(
+            f"namespace must be a kvcache.Namespace, got {type(namespace).__name__}"
+        )
+    if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)):
+        raise ArgumentError(f"max_blocks must be an int or None, got {max_blocks!r}")
+    try:
+        return block_keys(namespace, tokens, max_blocks=max_blocks)
+    except ConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+    except TypeError as exc:
+        raise ArgumentError(f"tokens must be a sequence of ints or an int array: {exc}") from None
+
+
+class Client:
+    """A blocking, thread-safe kvcache client (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        cluster: ClusterMap | None = None,
+        transport: Transport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(config, ClientConfig):
+            raise ArgumentError(f"config must be a ClientConfig, got {type(config).__name__}")
+        self._core = ClientCore(config, cluster=cluster, transport=transport, clock=clock)
+        self._watchdog = (
+            Watchdog(self._core.transport, self._core.health, config.timeout_s, clock=clock)
+            if hasattr(self._core.transport, "busy_since")
+            else None
+        )
+        self._encoder = concurrent.futures.ThreadPoolExecutor(
+            max(1, min(4, (os.cpu_count() or 2) // 2)), thread_name_prefix="kvcache-encode"
+        )
+        self._pool = ClientPool(config, config.io_processes) if config.io_processes else None
+        self._closed = False
+
+    @property
+    def config(self) -> ClientConfig:
+        """The client's configuration."""
+        return self._core.config
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Client-side counters (hedges, node errors, blocks loaded/written, repairs...),
+        the I/O pool's workers included."""
+        counters = self._core.snapshot()
+        if self._pool is not None:
+            for name, n in self._pool.counters().items():
+                counters[name] = counters.get(name, 0) + n
+        return counters
+
+    @property
+    def io_pids(self) -> list[int]:
+        """Process ids of the I/O pool's workers (none without a pool)."""
+        return [] if self._pool is None else self._pool.pids
+
+    def alloc_buffer(self, rows: int, row_bytes: int) -> npt.NDArray[np.uint8]:
+        """A (rows, row_bytes) uint8 host buffer for loads and stores.
+
+        With an I/O pool (``io_processes``) it lies in shared memory, so the workers
+        read and write it directly; pass it (or a slice of it) as ``out`` or as the
+        payloads. An engine pins it for DMA (``PagedKVAdapter.pin_host``).
+        """
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ArgumentError(f"rows must be an int >= 0, got {rows!r}")
+        if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
+            raise ArgumentError(f"row_bytes must be a positive int, got {row_bytes!r}")
+        if self._pool is None:
+            return np.empty((rows, row_bytes), np.uint8)
+        return self._pool.alloc(rows, row_bytes).array
+
+    @property
+    def core(self) -> ClientCore:
+        """The shared state (cluster, placement, health) — for tools and tests."""
+        return self._core
+
+    # -------------------------------------------------------------- reads
+
+    def match_prefix(
+        self, namespace: Namespace, tokens: Tokens, *, max_blocks: int | None = None
+    ) -> MatchResult:
+        """Find the longest cached prefix of ``tokens`` (one batched HAS per node)."""
+        keys = _keys(namespace, tokens, max_blocks)
+        return match_keys(self._core, keys, tokens_per_block=namespace.tokens_per_block)
+
+    def match_keys(self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1) -> MatchResult:
+        """Like :meth:`match_prefix` for block keys computed by the caller (e.g. an engine's own
+        prefix hashes mapped to keys); ``keys`` must be a prefix chain, first block first."""
+        keys = list(keys)
+        if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+            raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
+        return match_keys(self._core, keys, tokens_per_block=tokens_per_block)
+
+    def load(
+        self,
+        namespace: Namespace,
+        match: MatchResult,
+        *,
+        out: npt.NDArray[np.uint8] | None = None,
+        traffic_class: str | None = None,
+        on_ready: OnReady | None = None,
+    ) -> LoadResult:
+        """Load the hit blocks of ``match``; stops at the first block that cannot be rebuilt.
+
+        With ``out`` (a (blocks, payload_bytes) uint8 array, ideally pinned memory
+        the engine copies from) the shards land there directly. ``on_ready(first,
+        stop)`` is called as the verified prefix grows, so a device copy can start
+        before the whole load is in. A hit refreshes the blocks' retention under
+        ``traffic_class``. Wrong bytes are never returned.
+        """
+        if not isinstance(namespace, Namespace):
+            raise ArgumentError(
+                f"namespace must be a kvcache.Namespace, got {type(namespace).__name__}"
+            )
+        return self.load_keys(
+            match,
+            payload_len=namespace.layout.payload_bytes,
+            out=out,
+            traffic_class=traffic_class,
+            on_ready=on_ready,
+        )
+
+    def load_keys(
+        self,
+        match: MatchResult,
+        *,
+        payload_len: int,
+        out: npt.NDArray[np.uint8] | None = None,
+        traffic_class: str | None = None,
+        on_ready: OnReady | None = None,
+    ) -> LoadResult:
+        """:meth:`load` for blocks of ``payload_len`` bytes named by ``match`` alone."""
+        pooled = self._pooled_load(match, payload_len, out, traffic_class, on_ready)
+        if pooled is not None:
+            return pooled
+        return load_keys(
+            self._core,
+            match,
+            payload_len=payload_len,
+            out=out,
+            traffic_class=traffic_class,
+            on_ready=on_ready,
+        )
+
+    def _pooled_load(
+        self,
+        match: MatchResult,
+        payload_len: int,
+        out: npt.NDArray[np.uint8] | None,
+        traffic_class: str | None,
+        on_ready: OnReady | None,
+    ) -> LoadResult | None:
+        """The load through the I/O pool, or None when it should run here."""
+        pool = self._pool
+        if pool is None or not isinstance(match, MatchResult) or match.hit_blocks < 2:
+            return None
+        if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
+            return None  # load_keys names the mistake
+        total = match.hit_blocks
+        buffer = (
+            check_out(out, total, payload_len)
+            if out is not None
+            else pool.alloc(total, payload_len).array
+        )
+        region = pool.region(buffer[:total])
+        if region is None:
+            return None  # not shared memory: this process loads it
+        good = pool.load(
+            match,
+            region,
+            payload_len=payload_len,
+            traffic_class=self._core.traffic_class(traffic_class),
+            chunk_blocks=self.config.chunk_blocks(payload_len),
+            on_ready=on_ready,
+        )
+        return LoadResult(
+            blocks=good,
+            tokens=good * match.tokens_per_block,
+            payloads=[buffer[b] for b in range(good)],
+            bytes_loaded=good * payload_len,
+        )
+
+    def load_prefix(
+        self,
+        namespace: Namespace,
+        tokens: Tokens,
+        *,
+        out: npt.NDArray[np.uint8] | None = None,
+        traffic_class: str | None = None,
+    ) -> LoadResult:
+        """Match and load in one call."""
+        match = self.match_prefix(namespace, tokens)
+        return self.load(namespace, match, out=out, traffic_class=traffic_class)
+
+    # -------------------------------------------------------------- writes
+
+    def store(
+        self,
+        namespace: Namespace,
+        tokens: Tokens,
+        payloads: Payloads,
+        *,
+        traffic_class: str | None = None,
+        first_block: int = 0,
+    ) -> StoreResult:
+        """Store blocks ``first_block ..`` of ``tokens`` with the given payloads.
+
+        Blocks already readable are touched, not resent. A block counts as
+        written when at least ``min_write_shards`` shards of its stripe were
+        stored; otherwise what was stored of it is removed again. Payloads are
+        checked (count, size, dtype) before anything is sent.
+        """
+        if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+            raise ArgumentError(f"first_block must be an int >= 0, got {first_block!r}")
+        try:
+            count = len(payloads)
+        except TypeError:
+            raise ArgumentError(
+                f"payloads must be a sequence of buffers or a 2-d uint8 array, got "
+                f"{type(payloads).__name__}"
+            ) from None
+        all_keys = _keys(namespace, tokens, first_block + count)
+        if len(all_keys) < first_block + count:
+            raise ArgumentError(
+                f"{count} payloads from block {first_block} need {first_block + count} full "
+                f"blocks of tokens; the prompt has {len(all_keys)}"
+            )
+        return self._store(
+            all_keys[first_block:],
+            payloads,
+            payload_len=namespace.layout.payload_bytes,
+            traffic_class=traffic_class,
+            first_block=first_block,
+        )
+
+    def store_keys(
+        self,
+        keys: Sequence[BlockKey],
+        payloads: Payloads,
+        *,
+        payload_len: int,
+        traffic_class: str | None = None,
+    ) -> StoreResult:
+        """:meth:`store` for blocks named by caller-computed keys (one payload per key)."""
+        return self._store(keys, payloads, payload_len=payload_len, traffic_class=traffic_class)
+
+    def _store(
+        self,
+        keys: Sequence[BlockKey],
+        payloads: Payloads,
+        *,
+        payload_len: int,
+        traffic_class: str | None,
+        first_block: int = 0,
+    ) -> StoreResult:
+        pool = self._pool
+        if (
+            pool is not None
+            and isinstance(payloads, np.ndarray)
+            and payloads.ndim == 2
+            and payloads.dtype == np.uint8
+            and payloads.flags.c_contiguous
+            and isinstance(payload_len, int)
+            and payloads.shape == (len(keys), payload_len)
+            and len(keys) >= 2
+            and all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+        ):
+            region = pool.region(payloads)
+            if region is not None:
+                return pool.store(
+                    list(keys),
+                    region,
+                    payload_len=payload_len,
+                    traffic_class=self._core.traffic_class(traffic_class),
+                    first_block=first_block,
+                    chunk_blocks=self.config.chunk_blocks(payload_len),
+                )
+        return store_keys(
+            self._core,
+            keys,
+            payloads,
+            payload_len=payload_len,
+            traffic_class=traffic_class,
+            first_block=first_block,
+            encoder=self._encoder,
+        )
+
+    def touch(
+        self, namespace: Namespace, tokens: Tokens, *, traffic_class: str | None = None
+    ) -> int:
+        """Refresh retention of every stored full block of ``tokens``; returns blocks touched."""
+        cls = self._core.traffic_class(traffic_class)
+        return touch_or_delete(self._core, Op.TOUCH, _keys(namespace, tokens), cls)
+
+    def delete(self, namespace: Namespace, tokens: Tokens) -> int:
+        """Remove every shard of every full block of ``tokens``; returns blocks found."""
+        return touch_or_delete(self._core, Op.DELETE, _keys(namespace, tokens), "")
+
+    def stats(self) -> dict[str, Any]:
+        """Each node's STATS answer (or its error), by node id."""
+        import json
+
+        from kvcache.client.driver import Pump, PumpedExchange
+        from kvcache.wire import make_items
+
+        core = self._core
+        pump = Pump(core.transport, core.health, core.clock)
+        nodes = core.placement.nodes
+        for i in range(len(nodes)):
+            pump.submit(
+                PumpedExchange(pump, i + 1, i, Op.STATS, make_items(Op.STATS, 0, reply=False))
+            )
+        out: dict[str, Any] = {node.id: {"error": "no answer"} for node in nodes}
+        deadline = core.clock() + core.config.timeout_s
+        while pump.outstanding and core.clock() < deadline:
+            for event in pump.wait(deadline):
+                node = nodes[event.exchange.node].id
+                if event.reply is None:
+                    out[node] = {"error": str(event.error)}
+                    continue
+                try:
+                    out[node] = json.loads(bytes(event.reply.data))
+                except ValueError:
+                    out[node] = {"error": "unreadable stats"}
+        pump.abandon(core.config.timeout_s)
+        return out
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Stop the I/O threads and close every connection (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+        self._encoder.shutdown(wait=True)
+        self._core.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """:class:`Client` for asyncio code: every call runs on a worker thread, never the loop."""
+
+    def __init__(self, config: ClientConfig, *, cluster: ClusterMap | None = None) -> None:
+        self.client = Client(config, cluster=cluster)
+
+    @property
+    def config(self) -> ClientConfig:
+        """The client's configuration."""
+        return self.client.config
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """See :attr:`Client.counters`."""
+        return self.client.counters
+
+    async def match_prefix(
+        self, namespace: Namespace, tokens: Tokens, *, max_blocks: int | None = None
+    ) -> MatchResult:
+        """See :meth:`Client.match_prefix`."""
+        return await asyncio.to_thread(
+            self.client.match_prefix, namespace, tokens, max_blocks=max_blocks
+        )
+
+    async def match_keys(
+        self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1
+    ) -> MatchResult:
+        """See :meth:`Client.match_keys`."""
+        return await asyncio.to_thread(
+            self.client.match_keys, keys, tokens_per_block=tokens_per_block
+        )
+
+    async def load(self, namespace: Namespace, match: MatchResult, **kwargs: Any) -> LoadResult:
+        """See :meth:`Client.load`."""
+        return await asyncio.to_thread(self.client.load, namespace, match, **kwargs)
+
+    async def load_keys(self, match: MatchResult, **kwargs: Any) -> LoadResult:
+        """See :meth:`Client.load_keys`."""
+        return await asyncio.to_thread(self.client.load_keys, match, **kwargs)
+
+    async def load_prefix(self, namespace: Namespace, tokens: Tokens, **kwargs: Any) -> LoadResult:
+        """See :meth:`Client.load_prefix`."""
+        return await asyncio.to_thread(self.client.load_prefix, namespace, tokens, **kwargs)
+
+    async def store(
+        self, namespace: Namespace, tokens: Tokens, payloads: Payloads, **kwargs: Any
+    ) -> StoreResult:
+        """See :meth:`Client.store`."""
+        return await asyncio.to_thread(self.client.store, namespace, tokens, payloads, **kwargs)
+
+    async def store_keys(
+        self, keys: Sequence[BlockKey], payloads: Payloads, **kwargs: Any
+    ) -> StoreResult:
+        """See :meth:`Client.store_keys`."""
+        return await asyncio.to_thread(self.client.store_keys, keys, payloads, **kwargs)
+
+    async def touch(self, namespace: Namespace, tokens: Tokens, **kwargs: Any) -> int:
+        """See :meth:`Client.touch`."""
+        return await asyncio.to_thread(self.client.touch, namespace, tokens, **kwargs)
+
+    async def delete(self, namespace: Namespace, tokens: Tokens) -> int:
+        """See :meth:`Client.delete`."""
+        return await asyncio.to_thread(self.client.delete, namespace, tokens)
+
+    async def stats(self) -> dict[str, Any]:
+        """See :meth:`Client.stats`."""
+        return await asyncio.to_thread(self.client.stats)
+
+    async def aclose(self) -> None:
+        """Close the client."""
+        await asyncio.to_thread(self.client.close)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,219 @@
+"""The thin loop between the rounds (decisions) and the transport (bytes).
+
+An operation creates a :class:`Pump`, submits exchanges through it and waits
+for their outcomes as :class:`Event` s, up to the time its round says it must
+be woken (:meth:`Pump.wait`). Exchanges finish on the transport's I/O
+threads; the pump hands the outcome to the operation's thread through a
+queue, so rounds and assemblies are only ever touched by that one thread.
+The pump also keeps node health current: a failed exchange marks its node
+down; a node that answers is up again.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.assembly import LoadAssembly
+from kvcache.client.health import NodeHealth
+from kvcache.client.rounds import Send
+from kvcache.client.transport import Exchange, RemoteStatusError, Transport
+from kvcache.errors import NodeError
+from kvcache.wire import Frame, Header, Message, Op
+
+__all__ = ["Event", "GetExchange", "Pump", "Watchdog"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """The outcome of one exchange: its reply, or the error it failed with."""
+
+    ticket: int
+    exchange: Exchange
+    reply: Message | None
+    error: BaseException | None
+
+
+class PumpedExchange(Exchange):
+    """An exchange whose outcome goes to a :class:`Pump`."""
+
+    def __init__(
+        self,
+        pump: Pump,
+        ticket: int,
+        node: int,
+        op: Op,
+        items: npt.NDArray[np.void],
+        data: Sequence[Frame] = (),
+        *,
+        traffic_class: str = "",
+    ) -> None:
+        super().__init__(node, op, items, data, traffic_class=traffic_class)
+        self.pump = pump
+        self.ticket = ticket
+        self.submitted = 0.0
+
+    def finish(self, reply: Message | None, error: BaseException | None) -> None:
+        self.pump.deliver(Event(self.ticket, self, reply, error))
+
+
+class GetExchange(PumpedExchange):
+    """A GET whose reply data lands in a :class:`LoadAssembly`."""
+
+    def __init__(
+        self, pump: Pump, send: Send, items: npt.NDArray[np.void], assembly: LoadAssembly, cls: str
+    ) -> None:
+        super().__init__(pump, send.ticket, send.node, Op.GET, items, traffic_class=cls)
+        self.send = send
+        self.assembly = assembly
+        self._claimed = False
+
+    def landing(self, header: Header, items: npt.NDArray[np.void]) -> list[memoryview] | None:
+        if len(items) != len(self.send.blocks):
+            return None
+        views = self.assembly.landing(
+            self.send.blocks, self.send.indices, items["status"], items["length"].astype(np.int64)
+        )
+        self._claimed = views is not None
+        return views
+
+    def finish(self, reply: Message | None, error: BaseException | None) -> None:
+        if self._claimed:
+            self._claimed = False
+            if error is not None:
+                # Whatever landed is incomplete: never accept it.
+                reply = None
+            self.assembly.landed()
+        super().finish(reply, error)
+
+
+class Pump:
+    """Submits one operation's exchanges and collects their outcomes (see the module docstring)."""
+
+    def __init__(
+        self, transport: Transport, health: NodeHealth, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.transport = transport
+        self.health = health
+        self.clock = clock
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.outstanding: dict[int, PumpedExchange] = {}
+        self.node_errors = 0
+
+    def submit(self, exchange: PumpedExchange) -> None:
+        """Send ``exchange``; its outcome comes back from :meth:`wait`."""
+        exchange.submitted = self.clock()
+        self.outstanding[exchange.ticket] = exchange
+        self.transport.submit(exchange)
+
+    def deliver(self, event: Event) -> None:
+        """Called on an I/O thread when an exchange finished."""
+        self._events.put(event)
+
+    def wait(self, until: float | None) -> list[Event]:
+        """Outcomes that arrived, waiting at most until ``until`` (None: for one)."""
+        events: list[Event] = []
+        timeout = None if until is None else max(0.0, until - self.clock())
+        try:
+            events.append(self._events.get(timeout=timeout))
+        except queue.Empty:
+            return events
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        for event in events:
+            self._account(event)
+        return events
+
+    def _account(self, event: Event) -> None:
+        self.outstanding.pop(event.ticket, None)
+        node_id = self.transport.nodes[event.exchange.node].id
+        if event.error is None:
+            self.health.mark_up(node_id)
+        elif isinstance(event.error, NodeError) and not isinstance(event.error, RemoteStatusError):
+            self.node_errors += 1
+            self.health.mark_down(node_id, str(event.error))
+
+    def abandon(self, timeout_s: float | None = None) -> list[PumpedExchange]:
+        """Forget exchanges still out (their outcomes are dropped); returns them.
+
+        With ``timeout_s``, a node whose exchange has been out that long is marked
+        down and its connections reset (it did not answer in time), so nothing more
+        queues behind it.
+        """
+        left = list(self.outstanding.values())
+        self.outstanding.clear()
+        if timeout_s is not None:
+            now = self.clock()
+            late = {ex.node for ex in left if now - ex.submitted >= timeout_s}
+            for node in late:
+                self.node_errors += 1
+                self.health.mark_down(
+                    self.transport.nodes[node].id, f"no answer within {timeout_s:.3f}s"
+                )
+                self.transport.reset(node)
+        return left
+
+
+class Watchdog:
+    """Marks down and resets nodes whose exchanges hang past ``timeout_s``.
+
+    A stopped daemon keeps its TCP connections open and answers nothing, so
+    an exchange to it would wait forever and everything queued behind it
+    with it; rounds hedge around it, and this thread frees the connection.
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        health: NodeHealth,
+        timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        every_s: float = 0.05,
+    ) -> None:
+        self._transport = transport
+        self._health = health
+        self._timeout = timeout_s
+        self._clock = clock
+        self._every = every_s
+        self._stop = threading.Event()
+        self.resets = 0
+        self._thread = threading.Thread(target=self._run, name="kvcache-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            now = self._clock()
+            for node, since in self._transport.busy_since().items():
+                if now - since > self._timeout:
+                    node_id = self._transport.nodes[node].id
+                    self._health.mark_down(
+                        node_id, f"no answer within {self._timeout:.3f}s: connections reset"
+                    )
+                    self._transport.reset(node)
+                    self.resets += 1
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def gather_abort(transport: Transport, exchanges: Sequence[Exchange]) -> Callable[[], None]:
+    """A callable that aborts every exchange of ``exchanges`` still being received."""
+
+    def abort() -> None:
+        for exchange in exchanges:
+            transport.abort(exchange)
+
+    return abort

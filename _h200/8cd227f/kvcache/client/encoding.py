@@ -1,0 +1,166 @@
+"""The write path's bytes, without I/O: payloads → shards and headers → per-node PUT sections.
+
+Zero copy where it can be: a block's data shards are slices of the caller's
+payload buffer (only rows that cross the payload's end are copied, padded
+with zeros, into a small scratch), parity is computed into its own array by
+:meth:`kvcache.erasure.Codec.encode_rows` reading the rows where they are,
+and a node's PUT is a list of views (``header, body, header, body, ...``)
+that the transport hands to ``sendmsg``. Headers come from
+:func:`kvcache.shard.build_headers`, the one vectorised home of the header
+layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvcache.erasure import Codec
+from kvcache.errors import ConfigError
+from kvcache.keys import BlockKey
+from kvcache.shard import HEADER_BYTES, build_headers, new_stripe_id, shard_len_for
+from kvcache.wire import Op, make_items
+
+__all__ = ["EncodedBatch", "as_payload_rows", "encode_batch"]
+
+Payloads = Sequence[Any] | npt.NDArray[np.uint8]
+
+
+def as_payload_rows(payloads: Payloads, payload_len: int) -> list[npt.NDArray[np.uint8]]:
+    """Each payload as a flat, contiguous uint8 array of exactly ``payload_len`` bytes.
+
+    Raises ConfigError (before any I/O) for a payload of another size, dtype or layout.
+    """
+    if isinstance(payloads, np.ndarray):
+        if payloads.ndim != 2 or payloads.dtype != np.uint8 or not payloads.flags.c_contiguous:
+            raise ConfigError(
+                "payloads as an array must be a C-contiguous uint8 array of shape "
+                f"(blocks, {payload_len}); got {payloads.dtype} {payloads.shape}"
+            )
+        if payloads.shape[1] != payload_len:
+            raise ConfigError(
+                f"payload rows are {payloads.shape[1]} bytes, the layout needs {payload_len}"
+            )
+        return list(payloads)
+    rows = []
+    for b, payload in enumerate(payloads):
+        try:
+            view = memoryview(payload)
+        except TypeError:
+            raise ConfigError(
+                f"payload {b} is a {type(payload).__name__}, not a bytes-like object or array"
+            ) from None
+        if not view.contiguous:
+            raise ConfigError(f"payload {b} is not contiguous in memory")
+        if view.nbytes != payload_len:
+            raise ConfigError(f"payload {b} is {view.nbytes} bytes, the layout needs {payload_len}")
+        rows.append(np.frombuffer(view.cast("B"), np.uint8))
+    return rows
+
+
+@dataclass(slots=True)
+class EncodedBatch:
+    """A batch of encoded blocks: every shard's header and body, ready to be sent."""
+
+    keys: list[BlockKey]
+    stripe_ids: npt.NDArray[np.uint64]
+    #: (blocks, n) shard headers, one HEADER_DTYPE record each.
+    headers: npt.NDArray[np.void]
+    #: bodies[b][i]: the bytes of shard i of block b.
+    bodies: list[list[memoryview]]
+    shard_len: int
+    #: Arrays the views point into (kept alive with the batch).
+    keepalive: list[Any]
+
+    def node_sections(
+        self, blocks: npt.NDArray[np.int64], indices: npt.NDArray[np.int64], expect: Any = 0
+    ) -> tuple[npt.NDArray[np.void], list[memoryview]]:
+        """PUT items and data sections for the shards (blocks[j], indices[j]) of one node."""
+        items = make_items(Op.PUT, len(blocks), reply=False)
+        key_words = np.frombuffer(b"".join(self.keys), "V16")
+        items["key"] = key_words[blocks] if len(blocks) else b""
+        items["index"] = indices
+        items["length"] = HEADER_BYTES + self.shard_len
+        items["expect"] = expect
+        raw_headers = self.headers.view(np.uint8).reshape(*self.headers.shape, HEADER_BYTES)
+        data: list[memoryview] = []
+        for b, i in zip(blocks.tolist(), indices.tolist(), strict=True):
+            data.append(raw_headers[b, i].data)
+            data.append(self.bodies[b][i])
+        return items, data
+
+
+def encode_batch(
+    codec: Codec,
+    keys: Sequence[BlockKey],
+    rows: Sequence[npt.NDArray[np.uint8]],
+    *,
+    payload_len: int,
+    traffic_class: str,
+    now_ms: int,
+    ttl_ms: int = 0,
+) -> EncodedBatch:
+    """Encode blocks whose payloads are ``rows`` (see :func:`as_payload_rows`)."""
+    k, n = codec.params.k, codec.params.n
+    blocks = len(keys)
+    length = shard_len_for(payload_len, k)
+    inside = payload_len // length  # data rows wholly inside the payload
+    copied = k - inside  # rows that cross (or lie past) the payload's end
+    tail = payload_len - inside * length
+    scratch = np.zeros((blocks, max(copied, 1), length), np.uint8)
+    parity = np.empty((blocks, n - k, length), np.uint8)
+    addresses = np.empty((blocks, n), np.uint64)
+    scratch_base = scratch.ctypes.data
+    parity_base = parity.ctypes.data
+    payload_hashes = np.empty(blocks, "V16")
+    digest128 = xxhash.xxh3_128_digest
+    for b, row in enumerate(rows):
+        base = row.ctypes.data
+        addresses[b, :inside] = base + np.arange(inside, dtype=np.uint64) * length
+        if copied:
+            scratch[b].reshape(-1)[:tail] = row[inside * length :]
+            addresses[b, inside:k] = (
+                scratch_base + (b * copied + np.arange(copied, dtype=np.uint64)) * length
+            )
+        payload_hashes[b] = digest128(row.data)
+    addresses[:, k:] = (
+        parity_base
+        + (np.arange(blocks, dtype=np.uint64)[:, None] * (n - k) + np.arange(n - k)) * length
+    )
+    codec.encode_rows(addresses, length, keepalive=(rows, scratch, parity))
+    bodies: list[list[memoryview]] = []
+    shard_hashes = np.empty((blocks, n), np.uint64)
+    digest64 = xxhash.xxh3_64_intdigest
+    for b, row in enumerate(rows):
+        views = [row[i * length : (i + 1) * length].data for i in range(inside)]
+        views += [scratch[b, j].data for j in range(copied)]
+        views += [parity[b, j].data for j in range(n - k)]
+        for i, view in enumerate(views):
+            shard_hashes[b, i] = digest64(view)
+        bodies.append(views)
+    stripe_ids = np.array([new_stripe_id() for _ in range(blocks)], np.uint64)
+    headers = build_headers(
+        keys=np.frombuffer(b"".join(keys), "V16") if blocks else np.zeros(0, "V16"),
+        stripe_ids=stripe_ids,
+        k=k,
+        m=n - k,
+        payload_len=payload_len,
+        payload_hashes=payload_hashes,
+        shard_hashes=shard_hashes,
+        traffic_class=traffic_class,
+        created_ms=now_ms,
+        expiry_ms=now_ms + ttl_ms,
+    )
+    return EncodedBatch(
+        keys=list(keys),
+        stripe_ids=stripe_ids,
+        headers=headers,
+        bodies=bodies,
+        shard_len=length,
+        keepalive=[list(rows), scratch, parity],
+    )

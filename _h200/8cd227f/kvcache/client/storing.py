@@ -1,0 +1,276 @@
+"""Quorum stores: encode, send every holder its shards, keep what reached the write quorum.
+
+A store first asks the holders what they have (HAS): a block that is
+readable (k shards of one stripe) is only touched, the rest is written, a
+chunk at a time with ``window`` chunks in flight while the next ones are
+encoded on a small thread pool (ISA-L and xxh3 release the GIL). A block
+counts as written when ``min_write_shards`` shards of *its* stripe were
+stored; otherwise the shards it did store are deleted again.
+
+Racing writers: a daemon never replaces a live shard of another stripe
+unless the PUT names that stripe (``expect``) and it is old enough that its
+writer has finished (``docs/spec/wire.md``). A store names a stripe only
+when it is not readable (fewer than k shards) or known broken. So two
+concurrent stores of one block cannot both be acknowledged: each node keeps
+the first, at most one writer reaches the quorum, the other rolls back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.client.core import ClientCore
+from kvcache.client.driver import Pump, PumpedExchange
+from kvcache.client.encoding import EncodedBatch, as_payload_rows, encode_batch
+from kvcache.client.matching import held_shards
+from kvcache.client.plan import HeldShards, best_counts
+from kvcache.client.rounds import PutRound
+from kvcache.errors import ArgumentError, ConfigError
+from kvcache.keys import BlockKey
+from kvcache.wire import NO_INDEX, Op, make_items
+
+__all__ = ["Payloads", "StoreResult", "store_keys", "touch_or_delete"]
+
+log = logging.getLogger(__name__)
+
+Payloads = Sequence[Any] | npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """Outcome of a store: blocks written, blocks already present (touched), blocks failed."""
+
+    written: int
+    touched: int
+    failed: int
+    failed_blocks: tuple[int, ...] = field(default=())
+
+
+def store_keys(
+    core: ClientCore,
+    keys: Sequence[BlockKey],
+    payloads: Payloads,
+    *,
+    payload_len: int,
+    traffic_class: str | None = None,
+    first_block: int = 0,
+    encoder: concurrent.futures.Executor | None = None,
+) -> StoreResult:
+    """Store one payload per key (see the module docstring)."""
+    cls = core.traffic_class(traffic_class)
+    keys = list(keys)
+    if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
+        raise ArgumentError(f"payload_len must be a positive int, got {payload_len!r}")
+    if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+        raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
+    try:
+        rows = as_payload_rows(payloads, payload_len)
+    except ConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+    if len(keys) != len(rows):
+        raise ArgumentError(f"{len(keys)} keys but {len(rows)} payloads")
+    if not keys:
+        return StoreResult(0, 0, 0)
+    config = core.config
+    k, n = config.k, config.n
+    held = held_shards(core, keys, settle=config.min_write_shards)
+    best = best_counts(held, len(keys), n=n)
+    suspects = core.suspects(keys)
+    present = best >= k
+    for i in suspects:
+        present[i] = False
+    touched = touch_or_delete(core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls)
+    todo = np.flatnonzero(~present)
+    placement_rows = core.placement.holders(keys)
+    expect = _replaceable(held, placement_rows, best, suspects, k=k)
+    chunk = config.chunk_blocks(payload_len)
+    groups = [todo[s : s + chunk] for s in range(0, len(todo), chunk)]
+    now_ms = int(time.time() * 1000)
+
+    def encode(group: npt.NDArray[np.int64]) -> EncodedBatch:
+        return encode_batch(
+            core.codec,
+            [keys[i] for i in group],
+            [rows[i] for i in group],
+            payload_len=payload_len,
+            traffic_class=cls,
+            now_ms=now_ms,
+        )
+
+    written = 0
+    failed: list[int] = []
+    pending: list[concurrent.futures.Future[EncodedBatch]] = []
+    own_pool = encoder is None
+    pool = encoder or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcache-encode")
+    try:
+        ahead = config.window + 1
+        pending = [pool.submit(encode, g) for g in groups[:ahead]]
+        flights: list[tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]] = []
+        next_group = len(pending)
+        done_groups = 0
+        while done_groups < len(groups):
+            while pending and len(flights) < config.window:
+                g_index = len(flights) + done_groups
+                batch = pending.pop(0).result()
+                flights.append(_start_put(core, groups[g_index], batch, placement_rows, expect))
+                if next_group < len(groups):
+                    pending.append(pool.submit(encode, groups[next_group]))
+                    next_group += 1
+            group, batch, round_, pump = flights[0]
+            _drive_put(core, round_, pump)
+            flights.pop(0)
+            done_groups += 1
+            ok = round_.written
+            written += int(ok.sum())
+            failed.extend((first_block + group[~ok]).tolist())
+            for i in group[ok].tolist():
+                core.clear_suspect(keys[i])
+            if not ok.all():
+                _rollback(core, batch, round_, ~ok)
+    finally:
+        for future in pending:
+            future.cancel()
+        if own_pool:
+            pool.shutdown(wait=True)
+    core.count("blocks_written", written)
+    core.count("blocks_touched", touched)
+    core.count("write_failures", len(failed))
+    return StoreResult(
+        written=written, touched=touched, failed=len(failed), failed_blocks=tuple(failed)
+    )
+
+
+def _replaceable(
+    held: list[HeldShards],
+    placement_rows: npt.NDArray[np.int64],
+    best: npt.NDArray[np.int64],
+    suspects: dict[int, int],
+    *,
+    k: int,
+) -> npt.NDArray[np.uint64]:
+    """``expect[b, i]``: the stripe a PUT of shard i of block b may replace on its holder.
+
+    Only stripes that cannot be read (fewer than k shards found) or are known
+    broken; the daemon still refuses if that shard is younger than its
+    ``replace_after_s`` (its writer may be at work).
+    """
+    expect = np.zeros(placement_rows.shape, np.uint64)
+    for h in held:
+        if not len(h.ordinal):
+            continue
+        on_holder = placement_rows[h.ordinal, h.index] == h.node
+        weak = best[h.ordinal] < k
+        broken = np.array(
+            [suspects.get(int(b)) == int(s) for b, s in zip(h.ordinal, h.stripe, strict=True)],
+            bool,
+        )
+        sel = on_holder & (weak | broken)
+        expect[h.ordinal[sel], h.index[sel]] = h.stripe[sel]
+    return expect
+
+
+def _start_put(
+    core: ClientCore,
+    group: npt.NDArray[np.int64],
+    batch: EncodedBatch,
+    placement_rows: npt.NDArray[np.int64],
+    expect: npt.NDArray[np.uint64],
+) -> tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]:
+    config = core.config
+    holders = placement_rows[group]
+    round_ = PutRound(
+        holders,
+        core.node_up_mask(holders, config.min_write_shards),
+        min_write=config.min_write_shards,
+        hedge_s=core.hedge_s(core.read_latency),
+        timeout_s=config.timeout_s,
+    )
+    pump = Pump(core.transport, core.health, core.clock)
+    for send in round_.start(core.clock()):
+        items, data = batch.node_sections(
+            send.blocks, send.indices, expect[group[send.blocks], send.indices]
+        )
+        pump.submit(PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data))
+    return group, batch, round_, pump
+
+
+def _drive_put(core: ClientCore, round_: PutRound, pump: Pump) -> None:
+    while not round_.done:
+        for event in pump.wait(round_.next_wakeup()):
+            now = core.clock()
+            if event.reply is None:
+                round_.on_failure(event.ticket, now)
+                continue
+            statuses = event.reply.items["status"]
+            core.count("write_conflicts", int(np.count_nonzero(statuses == 7)))
+            round_.on_reply(event.ticket, statuses == 0, now)
+        round_.tick(core.clock())
+    pump.abandon(core.config.timeout_s)
+    core.count("node_errors", pump.node_errors)
+
+
+def _rollback(
+    core: ClientCore, batch: EncodedBatch, round_: PutRound, failed: npt.NDArray[np.bool_]
+) -> None:
+    """Delete the shards of failed blocks that did get stored (only this write's stripe)."""
+    mask = round_.acks & failed[:, None]
+    if not mask.any():
+        return
+    key_words = np.frombuffer(b"".join(batch.keys), dtype="V16")
+    pump = Pump(core.transport, core.health, core.clock)
+    for tickets, node in enumerate(np.unique(round_.holders[mask]).tolist(), start=1):
+        b = np.unique(np.nonzero(mask & (round_.holders == node))[0])
+        items = make_items(Op.DELETE, len(b), reply=False)
+        items["key"] = key_words[b]
+        items["stripe"] = batch.stripe_ids[b]
+        items["index"] = NO_INDEX
+        pump.submit(PumpedExchange(pump, -tickets, int(node), Op.DELETE, items))
+    deadline = core.clock() + core.config.timeout_s
+    while pump.outstanding and core.clock() < deadline:
+        for event in pump.wait(deadline):
+            if event.error is not None:
+                log.warning("rollback of a failed write incomplete: %s", event.error)
+    pump.abandon(core.config.timeout_s)
+
+
+def touch_or_delete(core: ClientCore, op: Op, keys: list[BlockKey], cls: str) -> int:
+    """Send TOUCH (or DELETE of every shard) for ``keys`` to their holders; keys any node knew."""
+    if not keys:
+        return 0
+    rows = core.placement.holders(keys)
+    key_words = np.frombuffer(b"".join(keys), dtype="V16")
+    up = core.node_up_mask()
+    found = np.zeros(len(keys), bool)
+    pump = Pump(core.transport, core.health, core.clock)
+    blocks_of: dict[int, npt.NDArray[np.int64]] = {}
+    for node in np.unique(rows).tolist():
+        if not up[node]:
+            continue
+        blocks = np.nonzero((rows == node).any(axis=1))[0]
+        items = make_items(op, len(blocks), reply=False)
+        items["key"] = key_words[blocks]
+        if op is Op.DELETE:
+            items["stripe"] = 0
+            items["index"] = NO_INDEX
+        ticket = len(blocks_of) + 1
+        blocks_of[ticket] = blocks
+        pump.submit(
+            PumpedExchange(
+                pump, ticket, int(node), op, items, traffic_class=cls if op is Op.TOUCH else ""
+            )
+        )
+    deadline = core.clock() + core.config.timeout_s
+    while pump.outstanding and core.clock() < deadline:
+        for event in pump.wait(deadline):
+            if event.reply is not None:
+                found[blocks_of[event.ticket][event.reply.items["status"] == 0]] = True
+    pump.abandon(core.config.timeout_s)
+    return int(found.sum())

@@ -1,0 +1,253 @@
+"""``kvcache retention`` (also installed as ``kvcache-retention``): show, change and simulate
+the retention policy of a cluster.
+
+    kvcache retention show     --cluster cluster.toml
+    kvcache retention set      --cluster cluster.toml --classes agent=3d,chat=7d,default=3d
+    kvcache retention reset    --cluster cluster.toml
+    kvcache retention usage    --cluster cluster.toml
+    kvcache retention simulate --trace trace.jsonl --classes agent=3d,chat=7d [--sweep 1h,1d,3d,7d]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcache.cluster import ClusterMap
+from kvcache.credentials import Credentials
+from kvcache.errors import ConfigError, KVCacheError
+from kvcache.retention.policy import RetentionPolicy, parse_duration
+from kvcache.retention.simulate import simulate
+
+__all__ = ["main", "register"]
+
+DEFAULT_CLUSTER = Path("kvcache-local/cluster.toml")
+
+
+def register(sub: Any) -> None:
+    """Add ``retention`` and its subcommands to the ``kvcache`` parser."""
+    parser = sub.add_parser("retention", help="show, change and simulate the retention policy")
+    _add_subcommands(parser)
+
+
+def _add_subcommands(parser: argparse.ArgumentParser) -> None:
+    rsub = parser.add_subparsers(dest="retention_command", metavar="ACTION", required=True)
+
+    def with_cluster(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument(
+            "--cluster",
+            type=Path,
+            default=DEFAULT_CLUSTER,
+            help="cluster file (default %(default)s)",
+        )
+        p.add_argument(
+            "--credentials",
+            type=Path,
+            help="credentials file with the admin token (default: credentials.toml next to the "
+            "cluster file, when there is one)",
+        )
+        p.add_argument(
+            "--token",
+            default=os.environ.get("KVCACHE_ADMIN_TOKEN", ""),
+            help="admin token, instead of a credentials file (env KVCACHE_ADMIN_TOKEN)",
+        )
+        return p
+
+    with_cluster(rsub.add_parser("show", help="each node's policy")).set_defaults(func=_show)
+    setp = with_cluster(rsub.add_parser("set", help="set the policy on every node"))
+    setp.add_argument("--classes", required=True, help="e.g. agent=3d,chat=7d,default=3d")
+    setp.add_argument(
+        "--default-class",
+        help="class for unknown names (default: 'default' if listed, else the longest)",
+    )
+    setp.set_defaults(func=_set)
+    with_cluster(
+        rsub.add_parser("reset", help="back to each node's configured policy")
+    ).set_defaults(func=_reset)
+    with_cluster(
+        rsub.add_parser("usage", help="shards and bytes per class across the cluster")
+    ).set_defaults(func=_usage)
+    sim = rsub.add_parser("simulate", help="hit rate and capacity of a policy on a request trace")
+    sim.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    sim.add_argument("--trace-class", default="chat", help="class of trace records without one")
+    sim.add_argument("--classes", default="agent=3d,chat=7d,default=3d", help="policy to simulate")
+    sim.add_argument("--sweep", help="also try one TTL for every class: e.g. 10m,1h,1d,3d,7d")
+    sim.add_argument(
+        "--block-bytes", type=int, default=112 * 1024, help="payload bytes per 512-token block"
+    )
+    sim.add_argument("--json", action="store_true", help="print JSON")
+    sim.set_defaults(func=_simulate)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvcache-retention``."""
+    parser = argparse.ArgumentParser(
+        prog="kvcache-retention",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_subcommands(parser)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KVCacheError as exc:
+        print(f"kvcache-retention: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _policy(classes: str, default_class: str | None) -> RetentionPolicy:
+    table: dict[str, Any] = {"classes": classes}
+    if default_class:
+        table["default_class"] = default_class
+    return RetentionPolicy.from_mapping(table, source="--classes")
+
+
+def _call(url: str, method: str, token: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise KVCacheError(f"{method} {url}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise KVCacheError(f"{method} {url}: {exc}") from None
+
+
+def _token(args: argparse.Namespace, method: str) -> str:
+    """The admin token: --token, else the credentials file's (needed for changes only)."""
+    if args.token:
+        return str(args.token)
+    path = args.credentials or Path(args.cluster).parent / "credentials.toml"
+    if args.credentials is None and not path.exists():
+        if method != "GET":
+            raise KVCacheError(
+                "changing the policy needs the admin token: pass --credentials FILE (the "
+                "cluster's credentials.toml) or --token"
+            )
+        return ""
+    token = Credentials.load(path).admin_token
+    if token is None and method != "GET":
+        raise KVCacheError(f"{path} holds no admin_token")
+    return token or ""
+
+
+def _each_node(
+    args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None
+) -> list[tuple[str, Any]]:
+    cluster = ClusterMap.load(args.cluster)
+    _token(args, method)  # a missing token is one clear error, not one per node
+    out: list[tuple[str, Any]] = []
+    for node in cluster.nodes:
+        if not node.admin:
+            out.append((node.id, KVCacheError("no admin address in the cluster file")))
+            continue
+        try:
+            out.append((node.id, _call(node.admin + path, method, _token(args, method), body)))
+        except KVCacheError as exc:
+            out.append((node.id, exc))
+    return out
+
+
+def _print_policies(results: list[tuple[str, Any]]) -> int:
+    seen = set()
+    for node, res in results:
+        if isinstance(res, Exception):
+            print(f"{node:<12} error: {res}")
+            continue
+        classes = ", ".join(f"{k}={_human(v)}" for k, v in sorted(res["classes"].items()))
+        print(f"{node:<12} {classes}  (default class: {res['default_class']})")
+        seen.add(json.dumps(res, sort_keys=True))
+    if len(seen) > 1:
+        print("warning: nodes disagree on the policy", file=sys.stderr)
+    return 0 if all(not isinstance(r, Exception) for _, r in results) else 1
+
+
+def _show(args: argparse.Namespace) -> int:
+    return _print_policies(_each_node(args, "GET", "/retention"))
+
+
+def _set(args: argparse.Namespace) -> int:
+    policy = _policy(args.classes, args.default_class)
+    return _print_policies(_each_node(args, "PUT", "/retention", policy.to_dict()))
+
+
+def _reset(args: argparse.Namespace) -> int:
+    return _print_policies(_each_node(args, "DELETE", "/retention"))
+
+
+def _usage(args: argparse.Namespace) -> int:
+    totals: dict[str, dict[str, int]] = {}
+    failed = 0
+    for node, res in _each_node(args, "GET", "/stats"):
+        if isinstance(res, Exception):
+            print(f"{node}: error: {res}", file=sys.stderr)
+            failed += 1
+            continue
+        for name, c in res.get("usage", {}).get("classes", {}).items():
+            t = totals.setdefault(name, {"shards": 0, "bytes": 0})
+            t["shards"] += int(c.get("shards", 0))
+            t["bytes"] += int(c.get("bytes", 0))
+    print(f"{'class':<16} {'shards':>10} {'bytes':>16}")
+    for name, t in sorted(totals.items()):
+        print(f"{name:<16} {t['shards']:>10} {t['bytes']:>16,}")
+    return 1 if failed else 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvcache.workload import read_trace
+
+    requests = list(read_trace(args.trace, traffic_class=args.trace_class))
+    if not requests:
+        raise ConfigError(f"{args.trace} holds no requests")
+    candidates: list[tuple[str, RetentionPolicy]] = [(args.classes, _policy(args.classes, None))]
+    for ttl in args.sweep.split(",") if args.sweep else []:
+        seconds = parse_duration(ttl.strip(), what="--sweep")
+        names = {r.traffic_class for r in requests} | {"default"}
+        policy = RetentionPolicy(classes={n: seconds for n in names}, default_class="default")
+        candidates.append((f"all={ttl.strip()}", policy))
+    rows: list[dict[str, Any]] = []
+    for label, policy in candidates:
+        res = simulate(requests, policy)
+        rows.append(
+            {
+                "policy": label,
+                "hit_rate": res.hit_rate,
+                "peak_blocks": res.peak_blocks,
+                "peak_stored_bytes": res.stored_bytes(args.block_bytes),
+                "mean_stored_bytes": res.stored_bytes(args.block_bytes, peak=False),
+                "expirations": res.expirations,
+            }
+        )
+    span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000
+    if args.json:
+        print(json.dumps({"requests": len(requests), "span_s": span_s, "results": rows}, indent=2))
+        return 0
+    print(f"{len(requests)} requests over {_human(int(span_s))} of trace time")
+    print(
+        f"{'policy':<34} {'hit rate':>9} {'peak blocks':>12} {'peak stored':>12} {'mean stored':>12}"
+    )
+    for r in rows:
+        print(
+            f"{r['policy']:<34} {r['hit_rate']:>9.1%} {r['peak_blocks']:>12,} "
+            f"{r['peak_stored_bytes'] / 1e9:>10.2f}GB {r['mean_stored_bytes'] / 1e9:>10.2f}GB"
+        )
+    return 0
+
+
+def _human(seconds: int) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

@@ -1,0 +1,205 @@
+"""The admin HTTP server (aiohttp) on its own port and thread.
+
+Reads: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /stats``
+(JSON), ``GET /retention``. Writes always need the admin token from the
+cluster credentials (``Authorization: Bearer <token>``); without one
+configured they are refused: ``PUT /retention`` (a policy as JSON),
+``DELETE /retention`` (back to the configured policy) and, only with
+``allow_clock_override``, ``POST /debug/clock``.
+
+The admin thread never touches LMDB: reads use the store's thread-safe
+snapshots, writes run on the loop thread through ``DataServer.submit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvcache.errors import ConfigError
+from kvcache.retention.policy import RetentionPolicy
+from kvcache.server.config import ServerConfig, parse_admin_listen
+from kvcache.server.loop import DataServer
+from kvcache.server.metrics import render_prometheus
+
+__all__ = ["AdminServer", "OffsetClock", "build_app"]
+
+log = logging.getLogger(__name__)
+
+_JSON_LIMIT = 64 << 10
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class OffsetClock:
+    """``time.time()`` plus an offset a test may move (``POST /debug/clock``)."""
+
+    def __init__(self, base: Callable[[], float]) -> None:
+        self._base = base
+        self.offset_s = 0.0
+
+    def __call__(self) -> float:
+        return self._base() + self.offset_s
+
+
+def build_app(
+    service: DataServer,
+    config: ServerConfig,
+    *,
+    admin_token: str | None,
+    configured_policy: RetentionPolicy,
+    clock: OffsetClock | None = None,
+) -> web.Application:
+    """The admin application; ``clock`` enables ``/debug/clock`` when the config allows it."""
+    store = service.handler.store
+
+    def guarded(handler: _Handler) -> _Handler:
+        async def check(request: web.Request) -> web.StreamResponse:
+            if admin_token is None:
+                service.metrics.error("admin_unauthorized")
+                return _json(
+                    {"error": "no admin_token in this daemon's credentials: changes are refused"},
+                    status=403,
+                )
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
+                service.metrics.error("admin_unauthorized")
+                return _json({"error": "missing or wrong admin token"}, status=401)
+            return await handler(request)
+
+        return check
+
+    async def healthz(request: web.Request) -> web.Response:
+        ok = service.serving.is_set()
+        body = {"status": "ok" if ok else "starting", "node_id": config.node_id}
+        return _json(body, status=200 if ok else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = render_prometheus(
+            service.metrics,
+            node_id=config.node_id,
+            usage=store.usage(service.handler.tenant_names),
+            store_counters=dict(store.counters),
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def stats(request: web.Request) -> web.Response:
+        return _json(service.handler.stats())
+
+    async def get_retention(request: web.Request) -> web.Response:
+        return _json(store.policy.to_dict())
+
+    async def put_retention(request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        try:
+            policy = RetentionPolicy.from_mapping(body, source="PUT /retention")
+        except ConfigError as exc:
+            return _json({"error": str(exc)}, status=400)
+        await asyncio.wrap_future(service.submit(lambda: store.set_policy(policy)))
+        log.info("retention policy set through the admin API: %s", policy.to_dict())
+        return _json(policy.to_dict())
+
+    async def delete_retention(request: web.Request) -> web.Response:
+        await asyncio.wrap_future(service.submit(lambda: store.clear_policy(configured_policy)))
+        log.info("retention policy reset to the configured one: %s", configured_policy.to_dict())
+        return _json(configured_policy.to_dict())
+
+    async def set_clock(request: web.Request) -> web.Response:
+        if clock is None:
+            raise web.HTTPNotFound()
+        body = await _read_json(request)
+        offset = body.get("offset_s") if isinstance(body, dict) else None
+        if isinstance(offset, bool) or not isinstance(offset, int | float):
+            return _json({"error": 'body must be {"offset_s": seconds}'}, status=400)
+        clock.offset_s = float(offset)
+        service.wake()
+        log.warning("clock offset set to %.3f s (test override)", clock.offset_s)
+        return _json({"offset_s": clock.offset_s, "now": clock()})
+
+    app = web.Application(client_max_size=_JSON_LIMIT)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/retention", get_retention)
+    app.router.add_put("/retention", guarded(put_retention))
+    app.router.add_delete("/retention", guarded(delete_retention))
+    if clock is not None and config.allow_clock_override:
+        app.router.add_post("/debug/clock", guarded(set_clock))
+    return app
+
+
+class AdminServer:
+    """Runs the admin app on its own thread and event loop."""
+
+    def __init__(self, app: web.Application, listen: str) -> None:
+        self._app = app
+        self._host, self._port = parse_admin_listen(listen)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvcache-admin", daemon=True)
+        self._ready = threading.Event()
+        self._runner: web.AppRunner | None = None
+        self._error: BaseException | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Start serving; returns the base URL (port 0 resolved). Raises if it cannot bind."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise ConfigError(f"admin server did not start within {timeout_s} s")
+        if self._error is not None:
+            raise ConfigError(
+                f"cannot serve admin HTTP on {self._host}:{self._port}: {self._error}"
+            ) from self._error
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving and join the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._setup())
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            if self._runner is not None:
+                self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
+
+    async def _setup(self) -> None:
+        runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, self._host, self._port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{_url_host(host)}:{port}"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise web.HTTPBadRequest(text="body must be JSON") from None
+
+
+def _json(body: Any, *, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=lambda o: json.dumps(o, sort_keys=True))

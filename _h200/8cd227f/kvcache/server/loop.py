@@ -1,0 +1,510 @@
+"""The data path's socket loop: one thread, one selector, every TCP connection of a daemon.
+
+Each connection goes through the session handshake (:mod:`kvcache.session`;
+optionally inside TLS), then carries requests and replies
+(:mod:`kvcache.wire`) answered in order, one at a time: while a connection's
+reply is being sent it is not read, so a client that stops reading replies
+only stalls itself. Replies are sent with ``sendmsg`` straight from their
+sections: a GET reply's records are views into the store's read
+transaction, released when the last byte left (or the connection died).
+
+Bounds: at most ``max_connections`` connections; a handshake must finish
+within ``handshake_timeout_s``; a reply that makes no progress for
+``send_timeout_s`` closes its connection (and releases what it held); request
+data buffered across connections stays under ``max_inflight_bytes`` (plus one
+request in progress per connection). Anything malformed gets an error reply
+when it can be answered, and closes the connection when the stream cannot be
+resynchronised; it never stops the loop.
+
+Between requests the loop runs the store's bounded retention work and calls
+that other threads :meth:`DataServer.submit` (how the admin server reaches the
+store, which only this thread may touch).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import os
+import queue
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvcache.credentials import Credentials
+from kvcache.errors import KVCacheError, ProtocolError, StorageError
+from kvcache.server.handler import Reply, Request, RequestHandler
+from kvcache.session import AUTH_BYTES, ServerHandshake
+from kvcache.wire import Limits, MessageReader, Op, Status, parse_endpoint
+
+__all__ = ["DataServer"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: PUT requests of one loop turn share one write transaction (group commit) up to this many ...
+_GROUP_REQUESTS = 16
+#: ... and this many bytes.
+_GROUP_BYTES = 64 << 20
+#: Retention work runs at least this often, even under a steady request load.
+_MAINTAIN_EVERY_S = 0.05
+_IDLE_POLL_S = 0.2
+#: Most buffers per sendmsg call (Linux IOV_MAX is 1024).
+_IOV_MAX = 1024
+
+_HANDSHAKE, _AUTH, _READY, _CLOSING = range(4)
+
+
+class _Conn:
+    """One client connection's state (owned by the loop thread)."""
+
+    __slots__ = (
+        "addr",
+        "auth_buf",
+        "events",
+        "handshake",
+        "last_progress",
+        "opened",
+        "out",
+        "reader",
+        "reply",
+        "sock",
+        "state",
+        "tenant",
+        "tls_done",
+    )
+
+    def __init__(self, sock: socket.socket, addr: Any, limits: Limits, now: float) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.state = _HANDSHAKE
+        self.tls_done = not isinstance(sock, ssl.SSLSocket)
+        self.handshake: ServerHandshake | None = None
+        self.auth_buf = bytearray()
+        self.tenant: Any = None
+        self.reader = MessageReader(limits=limits, replies=False)
+        self.out: collections.deque[memoryview] = collections.deque()
+        self.reply: Reply | None = None
+        #: Selector events registered (0: not registered).
+        self.events = 0
+        self.opened = now
+        self.last_progress = now
+
+
+class DataServer:
+    """The TCP front end of one daemon's store; the thread that calls :meth:`serve` owns it."""
+
+    def __init__(
+        self,
+        handler: RequestHandler,
+        *,
+        listen: str,
+        credentials: Credentials,
+        limits: Limits,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = 1024,
+        handshake_timeout_s: float = 10.0,
+        send_timeout_s: float = 30.0,
+        max_inflight_bytes: int = 1 << 30,
+    ) -> None:
+        self.handler = handler
+        self.metrics = handler.metrics
+        self.listen = listen
+        self._credentials = credentials
+        self._limits = limits
+        self._ssl = ssl_context
+        self._max_connections = max_connections
+        self._handshake_timeout = handshake_timeout_s
+        self._send_timeout = send_timeout_s
+        self._max_inflight = max_inflight_bytes
+        self._selector = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._ready: list[tuple[_Conn, Request]] = []
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._calls = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.endpoint = ""
+        self.serving = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind(self) -> str:
+        """Create and bind the listening socket; returns ``tcp://host:port`` (port 0 resolved)."""
+        try:
+            host, port = parse_endpoint(self.listen)
+        except ValueError as exc:
+            raise KVCacheError(str(exc)) from None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(512)
+        except OSError as exc:
+            sock.close()
+            raise KVCacheError(f"cannot bind data endpoint {self.listen}: {exc.strerror}") from None
+        sock.setblocking(False)
+        self._listener = sock
+        self._selector.register(sock, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.endpoint = f"tcp://{shown}:{bound_port}"
+        return self.endpoint
+
+    def serve(self, stop: threading.Event) -> None:
+        """Answer requests until ``stop`` is set; the request in hand is finished first."""
+        if self._listener is None:
+            raise RuntimeError("bind() first")
+        self.serving.set()
+        more_work = True
+        last_maintain = 0.0
+        try:
+            while not stop.is_set():
+                timeout = 0.0 if (more_work or self._ready) else _IDLE_POLL_S
+                for key, mask in self._selector.select(timeout):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj == self._wake_r:
+                        self._drain_wake()
+                    else:
+                        self._event(key.data, mask)
+                self._pump()
+                self._run_calls()
+                now = time.monotonic()
+                self._expire(now)
+                if more_work or now - last_maintain >= _MAINTAIN_EVERY_S:
+                    last_maintain = now
+                    more_work = self._maintain()
+        finally:
+            self.serving.clear()
+            self._run_calls()
+            self.close()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the loop thread between requests (how other threads reach the store)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        self.wake()
+        return future
+
+    def wake(self) -> None:
+        """Interrupt the idle poll (thread- and signal-safe)."""
+        with contextlib.suppress(OSError):  # full pipe: already woken; closed: shutting down
+            os.write(self._wake_w, b"\0")
+
+    def close(self) -> None:
+        """Close every connection and the listening socket (idempotent)."""
+        for conn in list(self._conns.values()):
+            self._close(conn, "daemon stopping")
+        if self._listener is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        self._selector.close()
+
+    # ------------------------------------------------------------------ connections
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(64):
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
+                log.warning("accept failed: %s", exc)
+                self.metrics.error("accept")
+                return
+            if len(self._conns) >= self._max_connections:
+                self.metrics.error("too_many_connections")
+                sock.close()
+                continue
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            conn = _Conn(sock, addr, self._limits, time.monotonic())
+            self._conns[sock.fileno()] = conn
+            self.metrics.connections += 1
+            self._watch(conn, selectors.EVENT_READ)
+            if conn.tls_done:
+                self._start_session(conn)
+            else:
+                self._tls_step(conn)
+
+    def _start_session(self, conn: _Conn) -> None:
+        conn.handshake = ServerHandshake(self._credentials.tenant)
+        conn.state = _AUTH
+        self._send(conn, Reply([conn.handshake.hello()]))
+
+    def _tls_step(self, conn: _Conn) -> None:
+        sock = conn.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch(conn, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
+        except (ssl.SSLError, OSError) as exc:
+            self.metrics.error("tls")
+            self._close(conn, f"TLS handshake failed: {exc}")
+            return
+        conn.tls_done = True
+        self._start_session(conn)
+
+    def _event(self, conn: _Conn, mask: int) -> None:
+        if conn.sock.fileno() < 0:
+            return
+        if not conn.tls_done:
+            self._tls_step(conn)
+            return
+        if mask & selectors.EVENT_WRITE:
+            self._flush(conn)
+        if mask & selectors.EVENT_READ and not conn.out and conn.sock.fileno() >= 0:
+            self._read(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        """Receive what is there; hand over at most one complete request."""
+        while conn.state in (_AUTH, _READY) and not conn.out:
+            if conn.state == _AUTH:
+                want = AUTH_BYTES - len(conn.auth_buf)
+                buf = memoryview(bytearray(want))
+            else:
+                if conn.reader.idle and self._inflight() > self._max_inflight:
+                    self.metrics.error("inflight_paused")
+                    return  # read later, when buffered requests have been stored
+                buf = conn.reader.recv_buffer()
+            try:
+                n = conn.sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                return
+            except (ssl.SSLError, OSError) as exc:
+                self._close(conn, f"receive failed: {exc}")
+                return
+            if n == 0:
+                self._close(conn, "closed by peer")
+                return
+            conn.last_progress = time.monotonic()
+            if conn.state == _AUTH:
+                conn.auth_buf += buf[:n]
+                if len(conn.auth_buf) == AUTH_BYTES:
+                    self._authenticate(conn)
+                continue
+            conn.reader.commit(n)
+            if self._parse(conn):
+                return
+
+    def _parse(self, conn: _Conn) -> bool:
+        """Queue the connection's next complete request, if one is buffered."""
+        try:
+            message = conn.reader.next_message()
+        except ProtocolError as exc:
+            # The stream cannot be trusted past this point: answer, then close.
+            log.debug("closing %s after a malformed request: %s", conn.addr, exc)
+            reply = self.handler.fail(None, Status.BAD_REQUEST, "bad_request", exc)
+            conn.state = _CLOSING
+            self._send(conn, reply)
+            return True
+        if message is None:
+            return False
+        if message.header.status != Status.OK:
+            reply = self.handler.fail(
+                message.header, Status.BAD_REQUEST, "bad_request", "a request carries no status"
+            )
+            self._send(conn, reply)
+            return True
+        size = 48 + message.header.items_len + message.header.data_len
+        request = Request(conn.tenant.id, message, time.perf_counter(), size)
+        self._ready.append((conn, request))
+        self._watch(conn, 0)
+        return True
+
+    def _authenticate(self, conn: _Conn) -> None:
+        assert conn.handshake is not None
+        result, tenant = conn.handshake.answer(bytes(conn.auth_buf))
+        conn.auth_buf = bytearray()
+        if tenant is None:
+            self.metrics.error("unauthorized")
+            log.info("refused a data connection from %s: bad credentials", conn.addr)
+            conn.state = _CLOSING
+        else:
+            conn.tenant = tenant
+            conn.state = _READY
+        self._send(conn, Reply([result]))
+
+    # ------------------------------------------------------------------ requests
+
+    def _pump(self) -> None:
+        """Answer every queued request; PUTs of one turn share a transaction."""
+        while self._ready:
+            batch, self._ready = self._ready, []
+            puts = [(c, r) for c, r in batch if r.message.header.op is Op.PUT]
+            answers: list[tuple[_Conn, Reply]] = []
+            group: list[tuple[_Conn, Request]] = []
+            size = 0
+            for conn, request in puts:
+                if group and (len(group) >= _GROUP_REQUESTS or size + request.size > _GROUP_BYTES):
+                    answers += self._store_group(group)
+                    group, size = [], 0
+                group.append((conn, request))
+                size += request.size
+            if group:
+                answers += self._store_group(group)
+            for conn, request in batch:
+                if request.message.header.op is not Op.PUT:
+                    answers.append((conn, self.handler.handle(request)))
+            for conn, reply in answers:
+                if conn.sock.fileno() < 0:
+                    reply.done()
+                    continue
+                self._send(conn, reply)
+
+    def _store_group(self, group: list[tuple[_Conn, Request]]) -> list[tuple[_Conn, Reply]]:
+        replies = self.handler.handle_puts([r for _, r in group])
+        return [(c, reply) for (c, _), reply in zip(group, replies, strict=True)]
+
+    def _send(self, conn: _Conn, reply: Reply) -> None:
+        """Start sending ``reply`` on ``conn``; the connection is read again once it is out."""
+        conn.reply = reply
+        for frame in reply.frames:
+            view = memoryview(frame)
+            if view.nbytes:
+                conn.out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        sock = conn.sock
+        out = conn.out
+        tls = isinstance(sock, ssl.SSLSocket)
+        while out:
+            try:
+                sent = sock.send(out[0]) if tls else sock.sendmsg(list(_head(out)))
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+                self._watch(conn, selectors.EVENT_WRITE)
+                return
+            except (ssl.SSLError, OSError) as exc:
+                self._close(conn, f"send failed: {exc}")
+                return
+            conn.last_progress = time.monotonic()
+            while sent:
+                head = out[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    out.popleft()
+                else:
+                    out[0] = head[sent:]
+                    sent = 0
+        if conn.reply is not None:
+            conn.reply.done()
+            conn.reply = None
+        if conn.state == _CLOSING:
+            self._close(conn, "refused")
+            return
+        # Requests already buffered come first; then wait for more.
+        if conn.state == _READY and self._parse(conn):
+            return
+        self._watch(conn, selectors.EVENT_READ)
+        if conn.state == _READY and isinstance(sock, ssl.SSLSocket) and sock.pending():
+            self._read(conn)
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        """Wait for ``events`` on ``conn`` (0: none, while its request is being answered)."""
+        if conn.sock.fileno() < 0 or events == conn.events:
+            return
+        if not events:
+            self._selector.unregister(conn.sock)
+        elif not conn.events:
+            self._selector.register(conn.sock, events, conn)
+        else:
+            self._selector.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _close(self, conn: _Conn, why: str) -> None:
+        if conn.reply is not None:
+            conn.reply.done()
+            conn.reply = None
+        conn.out.clear()
+        fd = conn.sock.fileno()
+        if fd >= 0:
+            if conn.events:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(conn.sock)
+                conn.events = 0
+            self._conns.pop(fd, None)
+            self.metrics.connections = max(0, self.metrics.connections - 1)
+            self.metrics.disconnects += 1
+            log.debug("connection %s closed: %s", conn.addr, why)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        conn.state = _CLOSING
+
+    def _inflight(self) -> int:
+        return sum(c.reader.buffered_bytes for c in self._conns.values())
+
+    def _expire(self, now: float) -> None:
+        for conn in list(self._conns.values()):
+            if conn.state != _READY and now - conn.opened > self._handshake_timeout:
+                self.metrics.error("handshake_timeout")
+                self._close(conn, "no handshake in time")
+            elif conn.out and now - conn.last_progress > self._send_timeout:
+                self.metrics.error("send_timeout")
+                log.warning(
+                    "closing %s: its reply made no progress for %.0f s (peer not reading)",
+                    conn.addr,
+                    self._send_timeout,
+                )
+                self._close(conn, "send timeout")
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def _maintain(self) -> bool:
+        try:
+            return self.handler.store.maintain()
+        except (StorageError, OSError) as exc:
+            log.error("retention work failed: %s", exc)
+            self.metrics.error("gc")
+            return False
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+def _head(out: collections.deque[memoryview]) -> list[memoryview]:
+    if len(out) <= _IOV_MAX:
+        return list(out)
+    return [out[i] for i in range(_IOV_MAX)]

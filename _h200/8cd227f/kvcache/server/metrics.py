@@ -1,0 +1,293 @@
+"""Counters and latency histograms of one daemon, rendered in the Prometheus text format.
+
+The service thread records; the admin thread renders. Recording is per
+request (a batch), never per item, and takes one uncontended lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.wire import Op, Status
+
+__all__ = ["LATENCY_BUCKETS_S", "Metrics", "render_prometheus", "store_errors"]
+
+#: Upper bounds (seconds) of the request latency histogram.
+LATENCY_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_ITEM_STATUSES = [s for s in Status if s < 16]
+_OP_NAMES = {op: op.name.lower() for op in Op}
+_PREFIX = "kvcache_server"
+
+
+class _Histogram:
+    __slots__ = ("buckets", "count", "sum")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, value)] += 1
+        self.count += 1
+        self.sum += value
+
+
+class Metrics:
+    """What the data path did: requests, items by status, bytes, latency, errors by kind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.time()
+        ops = [op.name.lower() for op in Op]
+        self._requests = dict.fromkeys(ops, 0)
+        self._bytes_in = dict.fromkeys(ops, 0)
+        self._bytes_out = dict.fromkeys(ops, 0)
+        self._items = {op: np.zeros(16, dtype=np.int64) for op in ops}
+        self._latency = {op: _Histogram() for op in ops}
+        self._errors: dict[str, int] = {}
+        #: Shards served by GET and keys refreshed by TOUCH, by (kind, traffic class).
+        self._hits: dict[tuple[str, str], int] = {}
+        #: Data-path peers connected now, and connections closed so far (by the
+        #: peer, or by the daemon after a protocol or auth error). Loop thread only.
+        self.connections = 0
+        self.disconnects = 0
+
+    def observe(
+        self,
+        op: Op,
+        seconds: float,
+        *,
+        bytes_in: int,
+        bytes_out: int,
+        statuses: npt.NDArray[np.uint8] | None = None,
+        counts: npt.NDArray[np.int64] | None = None,
+    ) -> None:
+        """Record one answered request: its per-item outcomes as ``statuses``, or
+        already counted per status value as ``counts`` (16 entries)."""
+        name = _OP_NAMES[op]
+        if counts is None and statuses is not None:
+            counts = np.bincount(statuses, minlength=16)[:16]
+        with self._lock:
+            self._requests[name] += 1
+            self._bytes_in[name] += bytes_in
+            self._bytes_out[name] += bytes_out
+            self._latency[name].observe(seconds)
+            if counts is not None:
+                self._items[name] += counts
+
+    def error(self, kind: str, count: int = 1) -> None:
+        """Count a failure of ``kind`` (bad_request, unauthorized, too_large, internal, ...)."""
+        with self._lock:
+            self._errors[kind] = self._errors.get(kind, 0) + count
+
+    def hit(self, kind: str, traffic_class: str, count: int) -> None:
+        """Count ``count`` hits of ``kind`` ("get" shards, "touch" keys) for a class."""
+        with self._lock:
+            key = (kind, traffic_class)
+            self._hits[key] = self._hits.get(key, 0) + count
+
+    def errors(self) -> dict[str, int]:
+        """Errors counted so far, by kind."""
+        with self._lock:
+            return dict(self._errors)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain counters for ``/stats`` and the STATS op."""
+        with self._lock:
+            return {
+                "uptime_s": round(time.time() - self.started, 3),
+                "requests": dict(self._requests),
+                "bytes_in": dict(self._bytes_in),
+                "bytes_out": dict(self._bytes_out),
+                "items": {
+                    op: {Status(s).name.lower(): int(c[s]) for s in _ITEM_STATUSES if c[s]}
+                    for op, c in self._items.items()
+                },
+                "errors": dict(self._errors),
+                "hits": {
+                    kind: {c: n for (k, c), n in sorted(self._hits.items()) if k == kind}
+                    for kind in ("get", "touch")
+                },
+                "connections": self.connections,
+                "disconnects": self.disconnects,
+            }
+
+    def render(self, extra_errors: Mapping[str, int] | None = None) -> list[str]:
+        """Prometheus lines for the request metrics (``extra_errors``: counted elsewhere)."""
+        with self._lock:
+            errors = dict(self._errors)
+            for kind, n in (extra_errors or {}).items():
+                errors[kind] = errors.get(kind, 0) + n
+            lines = _family(
+                "requests_total",
+                "counter",
+                "Requests answered, by op.",
+                ((f'op="{op}"', n) for op, n in self._requests.items()),
+            )
+            lines += _family(
+                "items_total",
+                "counter",
+                "Items answered, by op and status.",
+                (
+                    (f'op="{op}",status="{Status(s).name.lower()}"', int(c[s]))
+                    for op, c in self._items.items()
+                    for s in _ITEM_STATUSES
+                    if c[s]
+                ),
+            )
+            lines += _family(
+                "received_bytes_total",
+                "counter",
+                "Request bytes received, by op.",
+                ((f'op="{op}"', n) for op, n in self._bytes_in.items()),
+            )
+            lines += _family(
+                "sent_bytes_total",
+                "counter",
+                "Reply bytes sent, by op.",
+                ((f'op="{op}"', n) for op, n in self._bytes_out.items()),
+            )
+            lines += _family(
+                "errors_total",
+                "counter",
+                "Failed requests and items, by kind.",
+                ((f'kind="{k}"', n) for k, n in sorted(errors.items()) if n),
+            )
+            lines += _family(
+                "hits_total",
+                "counter",
+                "Shards served by GET and keys refreshed by TOUCH, by traffic class.",
+                (
+                    (f'kind="{kind}",class="{_esc(cls)}"', n)
+                    for (kind, cls), n in sorted(self._hits.items())
+                ),
+            )
+            lines += _family(
+                "connections", "gauge", "Connected data-path peers.", [("", self.connections)]
+            )
+            lines += _family(
+                "disconnects_total",
+                "counter",
+                "Data-path connections closed (by peers, or by the daemon after a protocol error).",
+                [("", self.disconnects)],
+            )
+            lines.append(f"# HELP {_PREFIX}_request_seconds Request handling time, by op.")
+            lines.append(f"# TYPE {_PREFIX}_request_seconds histogram")
+            for op, hist in self._latency.items():
+                running = 0
+                for bound, n in zip((*LATENCY_BUCKETS_S, float("inf")), hist.buckets, strict=True):
+                    running += n
+                    le = "+Inf" if bound == float("inf") else repr(bound)
+                    lines.append(
+                        f'{_PREFIX}_request_seconds_bucket{{op="{op}",le="{le}"}} {running}'
+                    )
+                lines.append(f'{_PREFIX}_request_seconds_sum{{op="{op}"}} {hist.sum!r}')
+                lines.append(f'{_PREFIX}_request_seconds_count{{op="{op}"}} {hist.count}')
+        return lines
+
+
+def render_prometheus(
+    metrics: Metrics,
+    *,
+    node_id: str,
+    usage: Mapping[str, Any],
+    store_counters: Mapping[str, int],
+) -> str:
+    """The whole ``/metrics`` page: request metrics, storage usage per class, GC counters."""
+    classes: Mapping[str, Mapping[str, int]] = usage["classes"]
+    lines = _family("info", "gauge", "Daemon identity.", [(f'node_id="{_esc(node_id)}"', 1)])
+    lines += metrics.render(store_errors(store_counters))
+    lines += _family("used_bytes", "gauge", "Bytes of shards stored.", [("", usage["used_bytes"])])
+    lines += _family(
+        "capacity_bytes", "gauge", "Configured capacity.", [("", usage["capacity_bytes"])]
+    )
+    lines += _family("shards", "gauge", "Shards stored.", [("", usage["shards"])])
+    lines += _family(
+        "class_bytes",
+        "gauge",
+        "Bytes stored, by traffic class (the class holding each shard's expiry).",
+        ((f'class="{c}"', v["bytes"]) for c, v in classes.items()),
+    )
+    lines += _family(
+        "class_shards",
+        "gauge",
+        "Shards stored, by traffic class.",
+        ((f'class="{c}"', v["shards"]) for c, v in classes.items()),
+    )
+    tenants: Mapping[str, Mapping[str, Any]] = usage.get("tenants", {})
+    lines += _family(
+        "tenant_bytes",
+        "gauge",
+        "Bytes stored, by tenant and traffic class.",
+        (
+            (f'tenant="{_esc(t)}",class="{c}"', v["bytes"])
+            for t, entry in tenants.items()
+            for c, v in entry["classes"].items()
+        ),
+    )
+    lines += _family(
+        "tenant_shards",
+        "gauge",
+        "Shards stored, by tenant and traffic class.",
+        (
+            (f'tenant="{_esc(t)}",class="{c}"', v["shards"])
+            for t, entry in tenants.items()
+            for c, v in entry["classes"].items()
+        ),
+    )
+    for name, help_text in (
+        ("expired_shards", "Shards deleted by the sweeper after their expiry."),
+        ("expired_bytes", "Bytes deleted by the sweeper after their expiry."),
+        ("evicted_shards", "Shards evicted early under capacity pressure."),
+        ("evicted_bytes", "Bytes evicted early under capacity pressure."),
+        ("quota_evicted_shards", "Shards a tenant's own PUTs evicted to stay within its quota."),
+        ("quota_evicted_bytes", "Bytes a tenant's own PUTs evicted to stay within its quota."),
+        ("touches_written", "Expiry slides written after hits."),
+        ("put_conflicts", "PUT items refused because another stripe of the block is stored."),
+    ):
+        lines += _family(f"{name}_total", "counter", help_text, [("", store_counters[name])])
+    return "\n".join(lines) + "\n"
+
+
+def store_errors(store_counters: Mapping[str, int]) -> dict[str, int]:
+    """The store's ``error_<kind>`` counters as {kind: count}."""
+    return {k[6:]: v for k, v in store_counters.items() if k.startswith("error_")}
+
+
+def _family(
+    name: str, kind: str, help_text: str, samples: Iterable[tuple[str, int | float]]
+) -> list[str]:
+    lines = [f"# HELP {_PREFIX}_{name} {help_text}", f"# TYPE {_PREFIX}_{name} {kind}"]
+    for labels, value in samples:
+        label_text = f"{{{labels}}}" if labels else ""
+        lines.append(f"{_PREFIX}_{name}{label_text} {value}")
+    return lines
+
+
+def _esc(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole GPU measurement of the engine path in one call, on the lent H200 machine (its
+# python3 has torch + CUDA, numpy, xxhash and aiohttp; nothing can be downloaded there).
+# Beforehand, on a machine with PyPI, fill .whl/ with the cp312 wheel of lmdb and .whl/lib
+# with libisal.so.2 (docs/benchmarks.md, "Engine on a GPU", says how); carry .whl.
+# Usage: bash scripts/engine-gpu.sh [bench/engine_gpu.py flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site=/tmp/kvcache-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+export PYTHONPATH="$site:$(pwd)"
+export LD_LIBRARY_PATH="$(pwd)/.whl/lib:${LD_LIBRARY_PATH:-}"
+export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+nproc; free -g | head -2
+python3 -c 'import torch, numpy, xxhash, aiohttp, lmdb, kvcache.erasure as e; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "numpy", numpy.__version__, "erasure backend", e.get_codec().backend)'
+out="${OUT:-bench/results}"
+mkdir -p "$out"
+python3 bench/engine_gpu.py --json "$out/engine_gpu.json" "$@" 2>&1 | tee "$out/engine_gpu.txt"

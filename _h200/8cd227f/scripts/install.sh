@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install kvcache and everything its tests and benchmarks need, on Debian as root.
+# Idempotent: re-running skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+for pkg in libisal2 redis-server; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing system packages: ${need[*]}"
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+# The redis-server package may start a system-wide server; the project starts its own.
+if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+# CPU torch for the engine adapter's tests: this machine kind keeps the 2.13.0 CPU wheel on disk
+# (PIP_FIND_LINKS); a bare `torch` requirement would pull a multi-GB CUDA build from PyPI.
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q 'torch==2.13.0'
+.venv/bin/python -m pip install -q -e '.[dev,engine]'
+echo "kvcache installed in $(pwd)/.venv"

@@ -1,0 +1,337 @@
+"""The client against a real 12-daemon cluster on loopback: round trips, dead and
+paused nodes, racing writers, holes in the prefix."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from vllm_e2e.damage import damage_block
+
+from kvcache.client import Client, ClientConfig
+from kvcache.client.localcluster import LocalCluster
+from kvcache.errors import ArgumentError, ConfigError
+from kvcache.keys import Namespace, block_keys
+from kvcache.layout import DType, KVLayout
+from kvcache.workload import payload_for_key
+
+LAYOUT = KVLayout(
+    tokens_per_block=64, bytes_per_token=1792, dtype=DType.BFLOAT16, layers_in_block=7
+)
+P = LAYOUT.payload_bytes  # 112 KiB
+
+
+def ns(name: str) -> Namespace:
+    return Namespace(model=name, revision="1", layout=LAYOUT)
+
+
+def prompt(blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, blocks * 64 + 17).astype(np.uint32)
+
+
+def payloads_for(space: Namespace, tokens: np.ndarray) -> list[np.ndarray]:
+    return [payload_for_key(k, P) for k in block_keys(space, tokens)]
+
+
+def client_for(cluster: LocalCluster, **kw: object) -> Client:
+    return Client(cluster.client_config(**kw))
+
+
+def assert_loads(client: Client, space: Namespace, tokens: np.ndarray, blocks: int) -> None:
+    result = client.load_prefix(space, tokens)
+    assert result.blocks == blocks
+    expected = payloads_for(space, tokens)
+    for got, want in zip(result.payloads, expected, strict=False):
+        assert np.array_equal(got, want)
+
+
+def test_round_trip_and_touch(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("round-trip"), prompt(20, 1)
+    with client_for(shared_cluster) as client:
+        assert client.match_prefix(space, tokens).hit_blocks == 0
+        stored = client.store(space, tokens, payloads_for(space, tokens), traffic_class="chat")
+        assert (stored.written, stored.failed) == (20, 0)
+        match = client.match_prefix(space, tokens)
+        assert match.hit_blocks == 20 and match.hit_tokens == 20 * 64
+        out = np.zeros((20, P), np.uint8)
+        result = client.load(space, match, out=out, traffic_class="chat")
+        assert result.blocks == 20 and result.bytes_loaded == 20 * P
+        assert all(np.array_equal(out[i], p) for i, p in enumerate(payloads_for(space, tokens)))
+        again = client.store(space, tokens, payloads_for(space, tokens), traffic_class="agent")
+        assert (again.written, again.touched) == (0, 20)
+
+
+def test_longer_prompt_hits_only_shared_prefix(shared_cluster: LocalCluster) -> None:
+    space = ns("prefix")
+    base = prompt(8, 2)
+    longer = np.concatenate([base[: 5 * 64], prompt(6, 3)])
+    with client_for(shared_cluster) as client:
+        client.store(space, base, payloads_for(space, base))
+        assert client.match_prefix(space, longer).hit_blocks == 5
+        assert_loads(client, space, longer, 5)
+
+
+def test_missing_middle_block_ends_the_hit(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("hole"), prompt(8, 4)
+    pay = payloads_for(space, tokens)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, pay[:3])
+        client.store(space, tokens, pay[4:], first_block=4)
+        assert client.match_prefix(space, tokens).hit_blocks == 3
+        assert_loads(client, space, tokens, 3)
+
+
+def test_delete_removes_blocks(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("delete"), prompt(4, 5)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        assert client.delete(space, tokens) == 4
+        assert client.match_prefix(space, tokens).hit_blocks == 0
+
+
+@pytest.mark.parametrize("dead", [1, 2])
+def test_loads_survive_dead_daemons(
+    cluster_factory: Callable[..., LocalCluster], dead: int
+) -> None:
+    cluster = cluster_factory()
+    space, tokens = ns("dead"), prompt(24, 6)
+    with client_for(cluster, timeout_s=2.0) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        for i in range(dead):
+            cluster.kill(i)
+        for _ in range(2):  # the first call discovers the dead nodes, the second skips them
+            assert_loads(client, space, tokens, 24)
+
+
+def test_three_dead_daemons_give_clean_misses(cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = cluster_factory()
+    space, tokens = ns("three-dead"), prompt(10, 7)
+    with client_for(cluster, timeout_s=1.0) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        for i in range(3):
+            cluster.kill(i)
+        result = client.load_prefix(space, tokens)
+        assert result.blocks == 0 and result.payloads == []
+        stored = client.store(space, tokens, payloads_for(space, tokens))
+        assert stored.failed == 10 and stored.written == 0
+
+
+def test_paused_daemon_costs_no_wait(cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = cluster_factory()
+    space, tokens = ns("paused"), prompt(32, 8)
+    timeout = 5.0
+    with client_for(cluster, timeout_s=timeout) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        cluster.pause(0)
+        try:
+            for _ in range(3):
+                started = time.monotonic()
+                assert_loads(client, space, tokens, 32)
+                assert time.monotonic() - started < timeout / 2
+        finally:
+            cluster.resume(0)
+
+
+def test_racing_writers_never_mix(shared_cluster: LocalCluster) -> None:
+    """Two writers delete and store different bytes under the same keys while a reader
+    loads: every block ever returned equals one writer's bytes, never a mix."""
+    space, tokens = ns("race"), prompt(6, 9)
+    keys = block_keys(space, tokens)
+    variants = [
+        [payload_for_key(k, P) for k in keys],
+        [np.bitwise_not(payload_for_key(k, P)) for k in keys],
+    ]
+    clients = [client_for(shared_cluster) for _ in range(3)]
+    bad: list[int] = []
+    writing = threading.Event()
+    writing.set()
+    try:
+        barrier = threading.Barrier(3)
+
+        def write(i: int) -> None:
+            barrier.wait()
+            for _ in range(6):
+                clients[i].delete(space, tokens)
+                clients[i].store(space, tokens, variants[i])
+
+        def read() -> None:
+            barrier.wait()
+            while writing.is_set():
+                result = clients[2].load_prefix(space, tokens)
+                for b, got in enumerate(result.payloads):
+                    if not (
+                        np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])
+                    ):
+                        bad.append(b)
+
+        writers = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+        reader = threading.Thread(target=read)
+        for t in [*writers, reader]:
+            t.start()
+        for t in writers:
+            t.join(timeout=60)
+        writing.clear()
+        reader.join(timeout=60)
+        assert bad == []
+        # Deleting and storing again gives whole blocks.
+        clients[0].delete(space, tokens)
+        clients[0].store(space, tokens, variants[0])
+        final = clients[2].load_prefix(space, tokens)
+        assert final.blocks == len(keys)
+        for b, got in enumerate(final.payloads):
+            assert np.array_equal(got, variants[0][b])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_concurrent_stores_never_ack_an_unreadable_block(shared_cluster: LocalCluster) -> None:
+    """Two writers store different bytes for the same fresh blocks at the same moment: a
+    block either writer was told is stored (written or already there) must load, whole."""
+    clients = [client_for(shared_cluster) for _ in range(3)]
+    unreadable = 0
+    both_written = 0
+    try:
+        for race in range(12):
+            space, tokens = ns(f"store-race-{race}"), prompt(4, 100 + race)
+            keys = block_keys(space, tokens)
+            variants = [
+                [payload_for_key(k, P) for k in keys],
+                [np.bitwise_not(payload_for_key(k, P)) for k in keys],
+            ]
+            results: list[object] = [None, None]
+            barrier = threading.Barrier(2)
+
+            def write(
+                i: int,
+                variants: list[list[np.ndarray]] = variants,
+                barrier: threading.Barrier = barrier,
+                results: list[object] = results,
+                space: Namespace = space,
+                tokens: np.ndarray = tokens,
+            ) -> None:
+                barrier.wait()
+                results[i] = clients[i].store(space, tokens, variants[i])
+
+            threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            acked = [
+                set(range(len(keys))) - set(r.failed_blocks)  # type: ignore[attr-defined]
+                for r in results
+            ]
+            written = [
+                set(range(len(keys))) - set(r.failed_blocks)  # type: ignore[attr-defined]
+                if r.touched == 0  # type: ignore[attr-defined]
+                else set()
+                for r in results
+            ]
+            both_written += len(written[0] & written[1])
+            loaded = clients[2].load_prefix(space, tokens)
+            for b in acked[0] | acked[1]:
+                if b >= loaded.blocks:
+                    unreadable += 1
+                    continue
+                got = loaded.payloads[b]
+                assert np.array_equal(got, variants[0][b]) or np.array_equal(got, variants[1][b])
+        assert unreadable == 0
+        assert both_written == 0
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_node_marked_down_is_probed_when_others_die(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A node marked down (it was paused) is still asked once skipping it would leave
+    fewer than k holders: after it resumes and two others die, loads stay whole."""
+    cluster = cluster_factory()
+    space, tokens = ns("probe"), prompt(12, 10)
+    with client_for(cluster, timeout_s=0.5, down_retry_s=600.0) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        cluster.pause(5)
+        try:
+            client.match_prefix(space, tokens)
+            client.stats()  # waits out the timeout on the paused node: it is marked down
+        finally:
+            cluster.resume(5)
+        assert "node-05" in client.core.health.down_nodes()
+        cluster.kill(0)
+        cluster.kill(1)
+        assert_loads(client, space, tokens, 12)
+
+
+def test_damaged_block_ends_the_load_and_the_next_store_repairs_it(
+    shared_cluster: LocalCluster,
+) -> None:
+    """Three shards of block 2 replaced by wrong bytes with self-consistent checksums: a
+    match still counts 12 shards, the load refuses the block (never wrong bytes), and the
+    next store rewrites it instead of merely touching it."""
+    space, tokens = ns("damaged"), prompt(5, 11)
+    pay = payloads_for(space, tokens)
+    keys = block_keys(space, tokens)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, pay)
+        damage_block(shared_cluster, keys[2])
+        assert client.match_prefix(space, tokens).hit_blocks == 5
+        assert_loads(client, space, tokens, 2)
+        assert client.counters["blocks_corrupt"] == 1
+        again = client.store(space, tokens, pay, traffic_class="chat")
+        assert again.written == 1 and again.touched == 4
+        assert_loads(client, space, tokens, 5)
+
+
+def test_a_corrupt_or_forged_shard_costs_no_hit(shared_cluster: LocalCluster) -> None:
+    """One shard's body damaged with a recomputed checksum (forged) in every block: every load
+    is whole and byte-identical, and read repair puts the right shard back."""
+    space, tokens = ns("forged"), prompt(6, 12)
+    pay = payloads_for(space, tokens)
+    keys = block_keys(space, tokens)
+    with client_for(shared_cluster) as client:
+        client.store(space, tokens, pay)
+        for key in keys:
+            damage_block(shared_cluster, key, shards=1)
+        assert_loads(client, space, tokens, 6)
+        counters = client.counters
+        assert counters["bad_shards_found"] == 6 and counters["blocks_corrupt"] == 0
+
+
+def test_client_refuses_bad_arguments_before_any_io(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("args"), prompt(2, 13)
+    with client_for(shared_cluster) as client:
+        bad_calls = [
+            lambda: client.match_prefix("not a namespace", tokens),  # type: ignore[arg-type]
+            lambda: client.match_prefix(space, "abc"),  # type: ignore[arg-type]
+            lambda: client.match_prefix(space, [1.5, 2.5]),  # type: ignore[list-item]
+            lambda: client.store(space, tokens, [b"short", b"short"]),
+            lambda: client.store(space, tokens, np.zeros((2, P), np.float32)),  # type: ignore[arg-type]
+            lambda: client.store(space, tokens, 42),  # type: ignore[arg-type]
+            lambda: client.store(space, tokens, payloads_for(space, tokens), traffic_class="BAD!"),
+            lambda: client.load(space, "match"),  # type: ignore[arg-type]
+            lambda: client.load_prefix(space, tokens, out=np.zeros((2, P), np.float32)),  # type: ignore[arg-type]
+            lambda: client.store_keys([b"short"], [b"x"], payload_len=1),
+            lambda: client.store(space, tokens, payloads_for(space, tokens), first_block=-1),
+        ]
+        for call in bad_calls:
+            with pytest.raises(ArgumentError):
+                call()
+        assert client.match_prefix(space, tokens).hit_blocks == 0  # nothing was stored
+
+
+def test_clients_without_the_right_credentials_get_nothing(shared_cluster: LocalCluster) -> None:
+    space, tokens = ns("creds"), prompt(2, 14)
+    with client_for(shared_cluster) as owner:
+        owner.store(space, tokens, payloads_for(space, tokens))
+    with pytest.raises(ConfigError, match="no credentials"):
+        Client(ClientConfig(cluster_file=shared_cluster.cluster_file))
+    stranger_config = ClientConfig(cluster_file=shared_cluster.cluster_file, secret="ab" * 32)
+    with Client(stranger_config) as stranger:
+        errors = [entry.get("error", "") for entry in stranger.stats().values()]
+        assert len(errors) == 12 and all("refused" in e for e in errors)
+        assert stranger.match_prefix(space, tokens).hit_blocks == 0

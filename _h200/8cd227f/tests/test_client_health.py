@@ -1,0 +1,51 @@
+"""Node health and latency bookkeeping with a stepped clock."""
+
+from __future__ import annotations
+
+from kvcache.client.health import LatencyTracker, NodeHealth
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_down_node_is_skipped_until_retry() -> None:
+    clock = Clock()
+    health = NodeHealth(retry_s=5.0, clock=clock)
+    assert health.is_up("a")
+    health.mark_down("a", "timeout")
+    assert not health.is_up("a") and health.down_nodes() == ["a"]
+    clock.now += 4.9
+    assert not health.is_up("a")
+    clock.now += 0.2
+    assert health.is_up("a")  # its retry time came: normal traffic probes it
+    health.mark_up("a")
+    assert health.down_nodes() == []
+
+
+def test_early_probes_are_rate_limited() -> None:
+    clock = Clock()
+    health = NodeHealth(retry_s=60.0, clock=clock, probe_every_s=1.0)
+    health.mark_down("a", "refused")
+    assert health.may_probe("a")
+    assert not health.may_probe("a")
+    clock.now += 1.01
+    assert health.may_probe("a")
+
+
+def test_hedge_deadline_follows_recent_latency() -> None:
+    tracker = LatencyTracker(floor_s=0.002, ceiling_s=0.25)
+    assert tracker.hedge_after() == 0.05  # no history yet: a fifth of the ceiling
+    for _ in range(50):
+        tracker.record(0.004)
+    assert tracker.hedge_after() == 0.008
+    for _ in range(256):
+        tracker.record(1.0)
+    assert tracker.hedge_after() == 0.25
+    for _ in range(256):
+        tracker.record(0.0001)
+    assert tracker.hedge_after() == 0.002

@@ -1,0 +1,327 @@
+"""Pure client logic: prefix matching, read planning, encoding, and load assembly with repair."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.client.assembly import LoadAssembly
+from kvcache.client.encoding import as_payload_rows, encode_batch
+from kvcache.client.plan import HeldShards, match_from_held, plan_reads
+from kvcache.erasure import Backend, ErasureParams, get_codec
+from kvcache.errors import ConfigError
+from kvcache.keys import BlockKey
+from kvcache.shard import HEADER_BYTES, ShardHeader, split_shard
+from kvcache.workload import payload_for_key
+
+K, N = 10, 12
+P = 114688
+
+
+def keys(count: int, seed: int = 1) -> list[BlockKey]:
+    rng = np.random.default_rng(seed)
+    return [BlockKey(rng.bytes(16)) for _ in range(count)]
+
+
+def held_for(stripes_per_block: list[dict[int, int]]) -> list[HeldShards]:
+    """HAS answers where node j holds shard j of the given stripe of each block."""
+    out = []
+    for node in range(N):
+        ordinal, stripe = [], []
+        for b, shard_map in enumerate(stripes_per_block):
+            if node in shard_map:
+                ordinal.append(b)
+                stripe.append(shard_map[node])
+        out.append(
+            HeldShards(
+                node=node,
+                ordinal=np.array(ordinal, np.int64),
+                index=np.full(len(ordinal), node, np.int64),
+                stripe=np.array(stripe, np.uint64),
+            )
+        )
+    return out
+
+
+def test_match_stops_at_first_block_without_k_shards() -> None:
+    full = {i: 7 for i in range(N)}
+    nine = {i: 7 for i in range(9)}
+    blocks = [full, full, nine, full]
+    m = match_from_held(keys(4), held_for(blocks), k=K, n=N, tokens_per_block=512)
+    assert m.hit_blocks == 2
+    assert m.hit_tokens == 1024
+    assert list(m.best_count) == [12, 12, 9, 12]
+    assert (m.holders == np.arange(N)).all()
+
+
+def test_match_never_mixes_stripes() -> None:
+    mixed = {i: (1 if i < 6 else 2) for i in range(N)}
+    eleven_of_one = {i: (5 if i else 9) for i in range(N)}
+    m = match_from_held(
+        keys(3), held_for([eleven_of_one, mixed, eleven_of_one]), k=K, n=N, tokens_per_block=16
+    )
+    assert m.hit_blocks == 1
+    assert int(m.stripe[0]) == 5
+    assert m.holders[0, 0] == -1 and (m.holders[0, 1:] >= 0).all()
+
+
+def test_match_with_no_answers() -> None:
+    m = match_from_held(keys(3), [], k=K, n=N, tokens_per_block=16)
+    assert m.hit_blocks == 0 and list(m.best_count) == [0, 0, 0]
+
+
+def test_plan_asks_data_and_one_rotating_parity() -> None:
+    holders = np.tile(np.arange(N), (4, 1))
+    plan = plan_reads(holders, np.ones(N, bool), k=K)
+    asked = {(int(b), int(i)) for _n, bl, ix in plan.first for b, i in zip(bl, ix, strict=True)}
+    later = {(int(b), int(i)) for _n, bl, ix in plan.later for b, i in zip(bl, ix, strict=True)}
+    for b in range(4):
+        parity = {i for (bb, i) in asked if bb == b and i >= K}
+        assert {i for (bb, i) in asked if bb == b and i < K} == set(range(K))
+        assert parity == {K + b % 2}
+        assert {i for (bb, i) in later if bb == b} == {K + (b + 1) % 2}
+
+
+def test_plan_avoids_down_nodes() -> None:
+    holders = np.tile(np.arange(N), (3, 1))
+    up = np.ones(N, bool)
+    up[3] = False
+    plan = plan_reads(holders, up, k=K)
+    first_nodes = {n for n, _b, _i in plan.first}
+    assert 3 not in first_nodes
+    assert sum(len(b) for _n, b, _i in plan.first) == 3 * (K + 1)
+
+
+# ---------------------------------------------------------------------- encoding
+
+
+def encoded(
+    count: int, backend: Backend = Backend.NUMPY, payload_len: int = P, seed: int = 1
+) -> tuple[list[BlockKey], dict[tuple[int, int], bytes], np.ndarray, list[np.ndarray]]:
+    """Blocks encoded the way a store does, as node j's PUT record of shard j."""
+    codec = get_codec(ErasureParams(k=K, m=N - K), backend)
+    ks = keys(count, seed)
+    payloads = [payload_for_key(k, payload_len) for k in ks]
+    batch = encode_batch(
+        codec,
+        ks,
+        as_payload_rows(payloads, payload_len),
+        payload_len=payload_len,
+        traffic_class="chat",
+        now_ms=5,
+    )
+    records = {}
+    for node in range(N):
+        b = np.arange(count)
+        i = np.full(count, node)
+        items, data = batch.node_sections(b, i)
+        shard_len = batch.shard_len
+        assert list(items["length"]) == [HEADER_BYTES + shard_len] * count
+        raw = b"".join(bytes(v) for v in data)
+        for row, (bb, ii) in enumerate(zip(b, i, strict=True)):
+            rec = raw[row * (HEADER_BYTES + shard_len) : (row + 1) * (HEADER_BYTES + shard_len)]
+            header, _body = split_shard(rec)  # every record is a valid shard
+            assert header.stripe_id == batch.stripe_ids[bb]
+            records[(int(bb), int(ii))] = rec
+    return ks, records, batch.stripe_ids, payloads
+
+
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.ISAL])
+@pytest.mark.parametrize("payload_len", [P, 64, 640, 1000, 2 << 20])
+def test_encoding_matches_the_reference_codec(backend: Backend, payload_len: int) -> None:
+    """Zero-copy encoding from payload rows gives exactly the stripes of the plain codec."""
+    from kvcache.erasure import encode_payloads, isal_available
+
+    if backend is Backend.ISAL and not isal_available():
+        pytest.skip("libisal.so.2 not installed")
+    _ks, records, _ids, payloads = encoded(3, backend, payload_len)
+    reference = encode_payloads(get_codec(ErasureParams(k=K, m=N - K), Backend.NUMPY), payloads)
+    for (b, i), rec in records.items():
+        assert rec[HEADER_BYTES:] == reference[b, i].tobytes()
+
+
+def test_payload_rows_are_checked_before_any_io() -> None:
+    with pytest.raises(ConfigError, match="1000 bytes"):
+        as_payload_rows([b"x" * 1000], 1024)
+    with pytest.raises(ConfigError, match="not a bytes-like"):
+        as_payload_rows([123], 1024)
+    with pytest.raises(ConfigError, match="uint8"):
+        as_payload_rows(np.zeros((2, 256), np.float32), 1024)
+    assert len(as_payload_rows(np.zeros((2, 1024), np.uint8), 1024)) == 2
+
+
+# ---------------------------------------------------------------------- assembly
+
+
+def assembly_for(ks: list[BlockKey], stripe_ids: np.ndarray, out: np.ndarray) -> LoadAssembly:
+    return LoadAssembly(
+        key_words=np.frombuffer(b"".join(ks), "V16"),
+        stripes=stripe_ids,
+        out=out,
+        k=K,
+        n=N,
+        payload_len=P,
+        codec=get_codec(ErasureParams(k=K, m=N - K), Backend.NUMPY),
+    )
+
+
+def deliver(asm: LoadAssembly, records: dict[tuple[int, int], bytes], count: int) -> None:
+    """Node j answers a GET of shard j of every block: land the bytes as a socket would."""
+    for node in range(N):
+        blocks, idx = np.arange(count), np.full(count, node)
+        have = [(int(b), int(i)) in records for b, i in zip(blocks, idx, strict=True)]
+        status = np.array([0 if h else 1 for h in have], np.uint8)
+        lengths = np.array(
+            [len(records[(b, node)]) if h else 0 for b, h in enumerate(have)], np.int64
+        )
+        data = b"".join(records[(b, node)] for b, h in enumerate(have) if h)
+        views = asm.landing(blocks, idx, status, lengths)
+        assert views is not None
+        at = 0
+        for view in views:
+            view[:] = data[at : at + view.nbytes]
+            at += view.nbytes
+        assert at == len(data)
+        asm.landed()
+        asm.accept(blocks, idx, status, lengths)
+
+
+def good_prefix(asm: LoadAssembly, count: int) -> int:
+    good = 0
+    for v in asm.verify(list(range(count))):
+        if not v.good:
+            break
+        good += 1
+    return good
+
+
+@pytest.mark.parametrize("lost", [(), (0,), (3, 9), (10,), (2, 11)])
+def test_assembly_round_trip(lost: tuple[int, ...]) -> None:
+    ks, records, stripe_ids, payloads = encoded(5)
+    for b in range(5):
+        for i in lost:
+            records.pop((b, i))
+    out = np.zeros((5, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, 5)
+    verdicts = asm.verify(list(range(5)))
+    assert all(v.good for v in verdicts)
+    assert all(v.rebuilt == any(i < K for i in lost) for v in verdicts)
+    for b in range(5):
+        assert np.array_equal(out[b], payloads[b])
+
+
+def test_assembly_ignores_shards_of_another_stripe_and_key() -> None:
+    ks, records, stripe_ids, payloads = encoded(2)
+    _other, other_records, _ids, _pl = encoded(2, seed=9)
+    # Node 0 answers block 0 with a shard of another key: it must count as missing.
+    records[(0, 0)] = other_records[(0, 0)]
+    out = np.zeros((2, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, 2)
+    assert not asm.got[0, 0] and asm.got[1, 0]
+    assert good_prefix(asm, 2) == 2
+    assert np.array_equal(out[0], payloads[0])
+
+
+@pytest.mark.parametrize("where", ["data", "parity"])
+def test_corrupt_body_is_located_and_reported(where: str) -> None:
+    ks, records, stripe_ids, payloads = encoded(3)
+    index = 4 if where == "data" else 10
+    bad = bytearray(records[(1, index)])
+    bad[HEADER_BYTES + 100] ^= 0x5A  # body damaged, header intact
+    records[(1, index)] = bytes(bad)
+    out = np.zeros((3, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, 3)
+    verdicts = asm.verify([0, 1, 2])
+    assert all(v.good for v in verdicts)
+    if where == "data":
+        assert verdicts[1].bad_indices == (index,)
+    assert np.array_equal(out[1], payloads[1])
+    # The repair copy is the shard the writer stored, byte for byte.
+    (repair,) = asm.repair_shards(1, (index,))
+    header, _body = split_shard(repair.header + repair.body)
+    assert header.stripe_id == stripe_ids[1] and header.shard_index == index
+    clean = bytearray(records[(1, index)])
+    clean[HEADER_BYTES + 100] ^= 0x5A
+    assert repair.header + repair.body == bytes(clean)
+
+
+def test_forged_self_consistent_shard_is_located() -> None:
+    """A shard whose header and body checksums agree but whose bytes are not the stripe's."""
+    ks, records, stripe_ids, payloads = encoded(2)
+    header = ShardHeader.unpack(records[(0, 3)])
+    body = bytes(b ^ 0xFF for b in records[(0, 3)][HEADER_BYTES:])
+    from kvcache.shard import shard_hash
+
+    forged = ShardHeader(
+        **{
+            **{f: getattr(header, f) for f in header.__dataclass_fields__},
+            "shard_hash": shard_hash(body),
+        }
+    )
+    records[(0, 3)] = forged.pack() + body
+    out = np.zeros((2, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, 2)
+    verdicts = asm.verify([0, 1])
+    assert verdicts[0].good and verdicts[0].bad_indices == (3,)
+    assert np.array_equal(out[0], payloads[0])
+
+
+def test_unrepairable_block_ends_the_prefix() -> None:
+    ks, records, stripe_ids, _payloads = encoded(3)
+    for i in (0, 1):
+        bad = bytearray(records[(1, i)])
+        bad[-1] ^= 1
+        records[(1, i)] = bytes(bad)
+    records.pop((1, 11))  # 11 shards, 2 of them bad: only 9 good
+    asm = assembly_for(ks, stripe_ids, np.zeros((3, P), np.uint8))
+    deliver(asm, records, 3)
+    assert good_prefix(asm, 3) == 1
+
+
+@settings(derandomize=True, max_examples=30, deadline=None)
+@given(st.lists(st.sets(st.integers(0, N - 1), max_size=3), min_size=1, max_size=4))
+def test_any_loss_pattern_loads_or_stops_cleanly(losses: list[set[int]]) -> None:
+    count = len(losses)
+    ks, records, stripe_ids, payloads = encoded(count)
+    for b, lost in enumerate(losses):
+        for i in lost:
+            records.pop((b, i))
+    out = np.zeros((count, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, count)
+    good = good_prefix(asm, count)
+    expected = next((b for b, lost in enumerate(losses) if len(lost) > N - K), count)
+    assert good == expected
+    for b in range(good):
+        assert np.array_equal(out[b], payloads[b])
+
+
+@settings(derandomize=True, max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, N - 1), st.integers(HEADER_BYTES, HEADER_BYTES + 11519)),
+        min_size=1,
+        max_size=2,
+        unique_by=lambda t: t[0],
+    )
+)
+def test_one_or_two_corrupt_bodies_never_cost_the_block(damage: list[tuple[int, int]]) -> None:
+    """With all 12 shards, any one or two damaged bodies are located; wrong bytes never pass."""
+    ks, records, stripe_ids, payloads = encoded(1)
+    for index, pos in damage:
+        bad = bytearray(records[(0, index)])
+        bad[pos] ^= 0x01
+        records[(0, index)] = bytes(bad)
+    out = np.zeros((1, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, 1)
+    (verdict,) = asm.verify([0])
+    assert verdict.good
+    assert np.array_equal(out[0], payloads[0])
+    assert set(verdict.bad_indices) <= {i for i, _ in damage}

@@ -1,0 +1,31 @@
+"""Each subpackage's public names are pinned: removing or renaming one is a visible decision."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "kvcache": ["BlockKey", "DType", "KVLayout", "Namespace", "REFERENCE_LAYOUT", "block_keys"],
+    "kvcache.client": ["AsyncClient", "Client", "ClientConfig", "LoadResult", "MatchResult", "StoreResult"],
+    "kvcache.engine": ["PagedKVAdapter", "TransferHandle", "kv_dtype"],
+    "kvcache.retention": ["DAY_S", "DEFAULT_CLASSES", "DEFAULT_CLASS_NAME", "RetentionPolicy", "merged_expiry", "parse_duration"],
+    "kvcache.server": ["Clock", "DaemonInfo", "DaemonThread", "DataServer", "RequestHandler", "ServerConfig", "ShardStore", "SyncMode", "load_server_config", "run_daemon"],
+    "kvcache.erasure": ["Backend", "Codec", "ErasureParams", "alloc_stripes", "encode_payloads", "get_codec", "isal_available", "payload_view"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_public_names(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(PUBLIC[module])
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.{name} is listed but missing"
+
+
+def test_engine_package_does_not_import_vllm() -> None:
+    import sys
+
+    importlib.import_module("kvcache.engine")
+    assert "vllm" not in sys.modules

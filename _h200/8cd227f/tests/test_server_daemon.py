@@ -1,0 +1,463 @@
+"""Real ``kvcache server`` processes on loopback with real LMDB directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from server_fixtures import (
+    DaemonProcess,
+    block_records,
+    get_items,
+    http,
+    put_items,
+    wait_until,
+)
+
+from kvcache.errors import AuthError
+from kvcache.retention import DAY_S
+from kvcache.server.probe import NodeRefusedError, Probe
+from kvcache.session import HELLO_BYTES
+from kvcache.shard import split_shard
+from kvcache.wire import (
+    NO_INDEX,
+    Header,
+    Message,
+    Op,
+    Status,
+    encode,
+    join,
+    make_items,
+    parse_endpoint,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def good_client_served(daemon: DaemonProcess, n: int = 7) -> None:
+    """A well-behaved client must still be served after whatever came before."""
+    with daemon.probe(timeout_s=10) as probe:
+        shards = block_records(key(10_000 + n), indices=[0, 1])
+        assert probe.put(shards).tolist() == [Status.OK, Status.OK]
+        status, records = probe.get([(k, i) for k, i, _ in shards])
+        assert status.tolist() == [Status.OK, Status.OK]
+        assert records == [r for _, _, r in shards]
+    assert daemon.alive()
+
+
+def error_count(daemon: DaemonProcess, kind: str) -> int:
+    return int(daemon.stats()["errors"].get(kind, 0))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon for the tests that do not harm it; small limits make bad input cheap."""
+    root = tmp_path_factory.mktemp("daemon")
+    proc = DaemonProcess(root, server={"max_data_bytes": 1 << 20, "max_items": 512})
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_batched_round_trip(daemon: DaemonProcess) -> None:
+    keys = [key(n) for n in range(32)]
+    shards = [s for k in keys for s in block_records(k, body_len=1024)]
+    with daemon.probe() as probe:
+        assert probe.put(shards).tolist() == [Status.OK] * len(shards)
+        status, records = probe.get([(k, i) for k, i, _ in shards] + [(key(999), 0)])
+        assert status.tolist() == [Status.OK] * len(shards) + [Status.NOT_FOUND]
+        assert records[:-1] == [r for _, _, r in shards]
+        held = probe.has([*keys, key(999)])
+        stripe = split_shard(shards[0][2])[0].stripe_id
+        assert held[keys[0]] == dict.fromkeys(range(12), stripe)
+        assert held[key(999)] == {}
+        assert probe.touch([*keys[:2], key(999)], traffic_class="chat").tolist() == [0, 0, 1]
+        assert probe.delete([(keys[0], 0, NO_INDEX), (keys[1], 0, 3)]).tolist() == [0, 0]
+        assert probe.has(keys[:2]) == {
+            keys[0]: {},
+            keys[1]: {i: held[keys[1]][i] for i in range(12) if i != 3},
+        }
+        stats = probe.stats()
+    assert stats["node_id"] == "test-node"
+    assert stats["usage"]["tenants"]["default"]["shards"] == stats["usage"]["shards"]
+    assert stats["usage"]["shards"] >= len(shards) - 13
+    assert stats["requests"]["put"] >= 1
+    status_code, body = http("GET", daemon.admin + "/metrics")
+    text = body.decode()
+    assert status_code == 200
+    for name in (
+        'kvcache_server_requests_total{op="get"}',
+        'kvcache_server_request_seconds_bucket{op="put",le="+Inf"}',
+        'kvcache_server_class_bytes{class="chat"}',
+        "kvcache_server_expired_shards_total",
+        "kvcache_server_evicted_shards_total",
+        'kvcache_server_items_total{op="get",status="not_found"}',
+        'kvcache_server_tenant_bytes{tenant="default",class="chat"}',
+    ):
+        assert name in text, name
+
+
+def test_pipelined_requests_are_answered_in_order(daemon: DaemonProcess) -> None:
+    """Several requests in flight on one socket: PUTs queued together share a transaction."""
+    blocks = [block_records(key(7000 + n), body_len=4096) for n in range(6)]
+    with daemon.probe() as probe:
+        for n, shards in enumerate(blocks):
+            items, data = put_items(shards)
+            probe.send_raw(
+                join(encode(Header(op=Op.PUT, request_id=100 + n, count=12), items, data))
+            )
+        wanted = [(k, i) for shards in blocks for k, i, _ in shards]
+        get = get_items(wanted)
+        probe.send_raw(join(encode(Header(op=Op.GET, request_id=200, count=len(get)), get)))
+        replies: list[Message] = []
+        for _ in range(len(blocks) + 1):
+            reply = probe.recv_message()
+            assert reply is not None
+            replies.append(reply)
+    assert [r.header.request_id for r in replies] == [*range(100, 106), 200]
+    for reply in replies[:-1]:
+        assert reply.header.status == Status.OK
+        assert reply.items["status"].tolist() == [Status.OK] * 12
+    assert replies[-1].items["status"].tolist() == [Status.OK] * len(wanted)
+    assert bytes(replies[-1].data) == b"".join(r for shards in blocks for _, _, r in shards)
+
+
+def _exchange(daemon: DaemonProcess, raw: bytes, *, timeout_s: float = 5.0) -> Message | None:
+    """Send ``raw`` on an authenticated connection, close our side, and read one reply."""
+    with daemon.probe() as probe:
+        probe.send_raw(raw)
+        probe.sock.shutdown(socket.SHUT_WR)
+        reply = probe.recv_message(timeout_s)
+        # After a message it could not parse, the daemon closes the connection.
+        assert probe.recv_message(timeout_s) is None
+        return reply
+
+
+def _valid_has() -> bytes:
+    items = make_items(Op.HAS, 1, reply=False)
+    return join(encode(Header(op=Op.HAS, request_id=77, count=1), items))
+
+
+def _mutate(offset: int, value: bytes) -> bytes:
+    raw = bytearray(_valid_has())
+    raw[offset : offset + len(value)] = value
+    return bytes(raw)
+
+
+def _bad_put_lengths() -> bytes:
+    items = make_items(Op.PUT, 2, reply=False)
+    items["length"] = [4, 4]
+    raw = bytearray(join(encode(Header(op=Op.PUT, request_id=1, count=2), items, b"x" * 8)))
+    items["length"] = [4, 5]  # the header says 8 bytes of data, the items 9
+    raw[48 : 48 + items.nbytes] = items.tobytes()
+    return bytes(raw)
+
+
+BAD_MESSAGES = {
+    "wrong_magic": lambda: _mutate(0, b"XX"),
+    "wrong_version": lambda: _mutate(2, b"\x07"),
+    "unknown_op": lambda: _mutate(3, b"\x42"),
+    "unknown_flags": lambda: _mutate(4, b"\x80"),
+    "reserved_field": lambda: _mutate(20, b"\x01"),
+    "bad_class_field": lambda: _mutate(32, b"\x05AB"),
+    "reply_flag_on_request": lambda: _mutate(4, b"\x01"),
+    "too_many_items": lambda: join(
+        encode(Header(op=Op.HAS, request_id=77, count=513), make_items(Op.HAS, 513, reply=False))
+    ),
+    "oversized_data": lambda: Header(op=Op.PUT, request_id=1, count=0, data_len=2 << 20).pack(),
+    "lengths_disagree": _bad_put_lengths,
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
+def test_bad_message_gets_error_reply_and_counter(daemon: DaemonProcess, case: str) -> None:
+    before = error_count(daemon, "bad_request")
+    reply = _exchange(daemon, BAD_MESSAGES[case]())
+    assert reply is not None, "no reply to a bad message"
+    assert reply.header.status is Status.BAD_REQUEST
+    assert reply.error_text().startswith("bad_request")
+    wait_until(lambda: error_count(daemon, "bad_request") == before + 1, what="the counter")
+    good_client_served(daemon)
+
+
+@pytest.mark.parametrize("cut", [10, 47, 48 + 8])
+def test_truncated_message_costs_only_its_connection(daemon: DaemonProcess, cut: int) -> None:
+    before = daemon.stats()["disconnects"]
+    assert _exchange(daemon, _valid_has()[:cut], timeout_s=2.0) is None
+    wait_until(lambda: daemon.stats()["disconnects"] > before, what="the disconnect")
+    good_client_served(daemon)
+
+
+def test_clients_without_credentials_are_refused(daemon: DaemonProcess) -> None:
+    """No handshake, a wrong secret, another tenant's name: nothing is served or stored."""
+    before = error_count(daemon, "unauthorized")
+    host, port = parse_endpoint(daemon.data)
+    # A client that skips the handshake and just sends requests.
+    shards = block_records(key(4242), indices=[0])
+    items, data = put_items(shards)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        assert len(sock.recv(HELLO_BYTES, socket.MSG_WAITALL)) == HELLO_BYTES
+        sock.sendall(join(encode(Header(op=Op.PUT, request_id=1, count=1), items, data)))
+        answer = sock.recv(4096)
+        assert answer[:4] == b"KVNO"
+        try:
+            rest = sock.recv(4096)
+        except ConnectionResetError:  # closed with our unread request still in its buffer
+            rest = b""
+        assert rest == b""
+    with pytest.raises(AuthError):
+        Probe(daemon.data, tenant="default", secret=b"w" * 32)
+    with pytest.raises(AuthError):
+        Probe(daemon.data, tenant="mallory", secret=b"w" * 32)
+    wait_until(lambda: error_count(daemon, "unauthorized") == before + 3, what="the refusals")
+    with daemon.probe() as probe:
+        assert probe.has([key(4242)])[key(4242)] == {}
+    good_client_served(daemon)
+
+
+def test_tenants_never_see_each_other(daemon: DaemonProcess) -> None:
+    shards = block_records(key(777))
+    with daemon.probe("default") as owner, daemon.probe("alice") as other:
+        assert owner.put(shards).tolist() == [0] * 12
+        # The other tenant knows the key: it can neither see, read, delete nor overwrite it.
+        assert other.has([key(777)])[key(777)] == {}
+        assert other.get([(key(777), 0)])[0].tolist() == [Status.NOT_FOUND]
+        assert other.delete([(key(777), 0, NO_INDEX)]).tolist() == [Status.NOT_FOUND]
+        forged = block_records(key(777), seed=5)
+        assert other.put(forged).tolist() == [0] * 12  # stored, but as alice's own block
+        status, records = owner.get([(k, i) for k, i, _ in shards])
+        assert status.tolist() == [0] * 12 and records == [r for _, _, r in shards]
+    tenants = daemon.stats()["usage"]["tenants"]
+    assert tenants["default"]["shards"] >= 12 and tenants["alice"]["shards"] >= 12
+
+
+def test_bad_items_fail_alone_and_are_counted(daemon: DaemonProcess) -> None:
+    good = block_records(key(500), indices=[0, 1, 2])
+    corrupt = bytearray(good[1][2])
+    corrupt[-5] ^= 0xFF
+    foreign = block_records(key(501), indices=[2])[0][2]
+    before = {k: error_count(daemon, k) for k in ("checksum", "wrong_key", "bad_item")}
+    with daemon.probe() as probe:
+        status = probe.put(
+            [good[0], (key(500), 1, bytes(corrupt)), (key(500), 2, foreign), (key(500), 3, b"junk")]
+        )
+        assert status.tolist() == [Status.OK, Status.CHECKSUM, Status.WRONG_KEY, Status.BAD_ITEM]
+        status, _ = probe.get([(key(500), 0), (key(500), 300)])
+        assert status.tolist() == [Status.OK, Status.BAD_ITEM]
+        assert set(probe.has([key(500)])[key(500)]) == {0}
+    after = {k: error_count(daemon, k) for k in before}
+    assert after == {
+        "checksum": before["checksum"] + 1,
+        "wrong_key": before["wrong_key"] + 1,
+        "bad_item": before["bad_item"] + 2,
+    }
+    good_client_served(daemon)
+
+
+def test_reply_over_the_data_limit_is_refused(daemon: DaemonProcess) -> None:
+    shards = block_records(key(600), body_len=128 << 10)  # 12 x 128 KiB > 1 MiB limit
+    with daemon.probe() as probe:
+        assert probe.put(shards[:6]).tolist() == [0] * 6
+        assert probe.put(shards[6:]).tolist() == [0] * 6
+        with pytest.raises(NodeRefusedError) as refused:
+            probe.get([(k, i) for k, i, _ in shards])
+        assert refused.value.status is Status.TOO_LARGE
+    good_client_served(daemon)
+
+
+def test_admin_changes_need_the_admin_token(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path) as daemon:
+        token = daemon.admin_token
+        policy = {"classes": {"agent": "1d", "chat": "2d"}, "default_class": "chat"}
+        assert http("PUT", daemon.admin + "/retention", policy)[0] == 401
+        assert http("PUT", daemon.admin + "/retention", policy, token="nope-nope")[0] == 401
+        assert http("DELETE", daemon.admin + "/retention")[0] == 401
+        status, body = http("PUT", daemon.admin + "/retention", policy, token=token)
+        assert status == 200 and json.loads(body)["classes"] == {"agent": DAY_S, "chat": 2 * DAY_S}
+        assert json.loads(http("GET", daemon.admin + "/retention")[1])["default_class"] == "chat"
+        assert http("PUT", daemon.admin + "/retention", {"classes": {}}, token=token)[0] == 400
+        assert http("POST", daemon.admin + "/debug/clock", {"offset_s": 1}, token=token)[0] == 404
+        assert error_count(daemon, "admin_unauthorized") == 3
+        assert daemon.stop() == 0
+
+
+def test_without_an_admin_token_admin_changes_are_refused(tmp_path: Path) -> None:
+    from kvcache.credentials import Credentials
+
+    creds = Credentials(tenants=Credentials.generate().tenants)
+    with DaemonProcess(tmp_path, credentials=creds) as daemon:
+        policy = {"classes": {"agent": "1s"}}
+        assert http("PUT", daemon.admin + "/retention", policy, token="anything-at-all")[0] == 403
+        assert daemon.stop() == 0
+
+
+def test_default_daemon_generates_private_credentials(tmp_path: Path) -> None:
+    """`kvcache server` with no credentials configured makes its own, readable by root only."""
+    with DaemonProcess(tmp_path, server={"credentials_file": ""}) as daemon:
+        path = daemon.data_dir / "credentials.toml"
+        assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
+        from kvcache.credentials import Credentials
+
+        generated = Credentials.load(path)
+        with Probe(daemon.data, tenant="default", secret=generated.tenant("default").secret) as p:  # type: ignore[union-attr]
+            assert p.has([key(1)])[key(1)] == {}
+        with pytest.raises(AuthError):
+            daemon.probe()  # the fixture's own credentials are not the daemon's
+        assert daemon.stop() == 0
+
+
+def test_map_full_refuses_the_batch_and_keeps_serving(tmp_path: Path) -> None:
+    server = {"capacity_bytes": 1 << 30, "map_size_bytes": 2 << 20}
+    with DaemonProcess(tmp_path, server=server) as daemon, daemon.probe() as probe:
+        big = block_records(key(2), body_len=256 << 10)
+        assert probe.put(big).tolist() == [Status.NO_SPACE] * 12
+        assert probe.has([key(2)])[key(2)] == {}
+        assert error_count(daemon, "map_full") == 1
+        assert error_count(daemon, "no_space") == 12
+        good_client_served(daemon)
+        assert daemon.stop() == 0
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_disk_full_refuses_the_batch_and_keeps_serving(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE makes LMDB's writes past 4 MiB fail the way a full disk does."""
+    with DaemonProcess(tmp_path, preexec=_limit_file_size) as daemon, daemon.probe() as probe:
+        small = block_records(key(1), body_len=1024)
+        assert probe.put(small).tolist() == [Status.OK] * 12
+        big = block_records(key(2), body_len=512 << 10)  # 6 MiB in one batch
+        assert probe.put(big).tolist() == [Status.NO_SPACE] * 12
+        assert probe.has([key(2)])[key(2)] == {}
+        # LMDB reports a short write as EIO, else ENOSPC: either refuses the batch.
+        assert error_count(daemon, "disk_full") + error_count(daemon, "disk_io") == 1
+        status, records = probe.get([(k, i) for k, i, _ in small])
+        assert status.tolist() == [Status.OK] * 12 and records == [r for _, _, r in small]
+        good_client_served(daemon)
+        assert daemon.stop() == 0
+
+
+def test_kill_9_under_write_load_keeps_every_acknowledged_shard(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, server={"sync": "none"}).start()
+    acked: list[tuple[bytes, int, bytes]] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with daemon.probe(timeout_s=2) as probe:
+                n = 0
+                while not stop.is_set():
+                    batch = [
+                        s for b in range(8) for s in block_records(key(n * 8 + b), body_len=4096)
+                    ]
+                    n += 1
+                    try:
+                        status = probe.put(batch)
+                    except Exception:
+                        return  # the daemon died under us: what was acknowledged is in `acked`
+                    acked.extend(
+                        s for s, st in zip(batch, status.tolist(), strict=True) if st == Status.OK
+                    )
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    wait_until(lambda: len(acked) >= 96 * 20, timeout_s=60, what="20 acknowledged batches")
+    daemon.kill()
+    stop.set()
+    thread.join(30)
+    assert not errors
+    count = len(acked)
+    daemon.start()
+    try:
+        with daemon.probe() as probe:
+            for start in range(0, count, 480):
+                chunk = acked[start : start + 480]
+                status, records = probe.get([(k, i) for k, i, _ in chunk])
+                assert status.tolist() == [Status.OK] * len(chunk)
+                for (_, _, expected), got in zip(chunk, records, strict=True):
+                    assert got == expected
+                    assert got is not None
+                    split_shard(got)
+            usage = probe.stats()["usage"]
+        assert usage["shards"] >= count
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_retention_end_to_end_with_a_stepped_clock(tmp_path: Path) -> None:
+    server = {"allow_clock_override": True}
+    with DaemonProcess(tmp_path, server=server) as daemon, daemon.probe() as probe:
+        token = daemon.admin_token
+        agent = block_records(key(1), traffic_class="agent")
+        chat = block_records(key(2), traffic_class="chat")
+        hot = block_records(key(3), traffic_class="agent")
+        assert probe.put(agent + chat + hot).tolist() == [0] * 36
+
+        def step(seconds: float) -> None:
+            status, body = http(
+                "POST", daemon.admin + "/debug/clock", {"offset_s": seconds}, token=token
+            )
+            assert status == 200, body
+
+        step(2 * DAY_S)
+        assert probe.touch([key(3)], traffic_class="agent").tolist() == [0]  # slides to day 5
+        step(3 * DAY_S + 60)
+        held = probe.has([key(1), key(2), key(3)])
+        assert held[key(1)] == {} and len(held[key(2)]) == 12 and len(held[key(3)]) == 12
+        assert probe.get([(key(1), 0)])[0].tolist() == [Status.NOT_FOUND]
+        wait_until(lambda: daemon.stats()["gc"]["expired_shards"] >= 12, what="the sweeper")
+        step(5 * DAY_S + 60)
+        assert probe.has([key(3)])[key(3)] == {}
+        step(7 * DAY_S + 60)
+        assert probe.has([key(2)])[key(2)] == {}
+        wait_until(lambda: daemon.stats()["gc"]["expired_shards"] == 36, what="the sweeper")
+        assert daemon.stats()["usage"]["shards"] == 0
+        assert http("POST", daemon.admin + "/debug/clock", {"offset_s": 0})[0] == 401
+        assert daemon.stop() == 0
+
+
+def test_sigterm_during_requests_exits_zero(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path).start()
+    shards = block_records(key(1), body_len=64 << 10)
+    with daemon.probe(timeout_s=2) as probe:
+        assert probe.put(shards).tolist() == [0] * 12
+        probe.send_raw(join(encode(Header(op=Op.GET, request_id=5, count=12), _get_items(shards))))
+        assert daemon.stop() == 0
+    assert "LMDB closed" in daemon.log()
+    # Restart: what was written is there.
+    with daemon, daemon.probe() as probe:
+        assert probe.get([(k, i) for k, i, _ in shards])[1] == [r for _, _, r in shards]
+
+
+def _get_items(shards: list[tuple[bytes, int, bytes]]) -> np.ndarray:
+    items = make_items(Op.GET, len(shards), reply=False)
+    items["key"] = [s[0] for s in shards]
+    items["index"] = [s[1] for s in shards]
+    return items
+
+
+def test_second_daemon_on_the_same_directory_refuses(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path) as daemon:
+        other = DaemonProcess(tmp_path)
+        with pytest.raises(AssertionError, match="exited with 1"):
+            other.start()
+        assert "in use" in other.log()
+        assert daemon.alive()
+    assert os.path.exists(tmp_path / "data" / "data.mdb")

@@ -1,0 +1,102 @@
+"""The vectorised PUT checks agree with ``split_shard`` + the key check, record by record."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_fixtures import put_items
+
+from kvcache.credentials import tenant_id
+from kvcache.errors import IntegrityError, ShardFormatError
+from kvcache.server.probe import fake_shard
+from kvcache.server.records import (
+    PARTITION_LEN,
+    check_put,
+    expiry_key,
+    partition,
+    split_expiry_key,
+    split_store_key,
+    store_keys,
+)
+from kvcache.shard import HEADER_BYTES, split_shard
+from kvcache.wire import Status
+
+TENANT = tenant_id("default")
+
+
+def reference_status(key: bytes, index: int, record: bytes) -> Status:
+    try:
+        header, _body = split_shard(record)
+    except ShardFormatError:
+        return Status.BAD_ITEM
+    except IntegrityError:
+        return Status.CHECKSUM
+    if header.block_key != key or header.shard_index != index:
+        return Status.WRONG_KEY
+    return Status.OK
+
+
+@st.composite
+def mutated_records(draw: st.DrawFn) -> tuple[bytes, int, bytes]:
+    key = draw(st.binary(min_size=16, max_size=16))
+    index = draw(st.integers(0, 11))
+    body = draw(st.binary(min_size=64, max_size=64)) * draw(st.integers(1, 3))
+    cls = draw(st.sampled_from(["chat", "agent", "a", "x-y_z", "abcdefghijklmno"]))
+    record = bytearray(fake_shard(key, index, body, traffic_class=cls))
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["flip", "cut", "extend", "header_byte"]))
+        if kind == "flip" and record:
+            pos = draw(st.integers(0, len(record) - 1))
+            record[pos] ^= draw(st.integers(1, 255))
+        elif kind == "header_byte" and len(record) >= HEADER_BYTES:
+            pos = draw(st.integers(0, HEADER_BYTES - 1))
+            record[pos] = draw(st.integers(0, 255))
+        elif kind == "cut":
+            record = record[: draw(st.integers(0, len(record)))]
+        elif kind == "extend":
+            record += draw(st.binary(min_size=1, max_size=70))
+    item_key = key if draw(st.booleans()) else draw(st.binary(min_size=16, max_size=16))
+    item_index = index if draw(st.booleans()) else draw(st.integers(0, 300))
+    return item_key, item_index, bytes(record)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.lists(mutated_records(), min_size=1, max_size=8))
+def test_check_put_agrees_with_split_shard(batch: list[tuple[bytes, int, bytes]]) -> None:
+    items, data = put_items(batch)
+    checked = check_put(TENANT, items, data)
+    expected = [reference_status(*t) for t in batch]
+    assert checked.status.tolist() == [int(s) for s in expected]
+    ok = [i for i, s in enumerate(expected) if s == Status.OK]
+    assert checked.positions == ok
+    assert [bytes(r) for r in checked.records] == [batch[i][2] for i in ok]
+    assert checked.keys == [TENANT + batch[i][0] + batch[i][1].to_bytes(2, "big") for i in ok]
+
+
+def test_store_keys_round_trip() -> None:
+    keys = [os.urandom(16) for _ in range(5)]
+    indices = np.array([0, 1, 255, 256, 65535], dtype=np.uint16)
+    packed = store_keys(TENANT, np.array(keys, dtype="V16"), indices)
+    assert [split_store_key(k) for k in packed] == [
+        (TENANT, key, int(i)) for key, i in zip(keys, indices, strict=True)
+    ]
+    # Big-endian index: one key's shards sort in index order.
+    three = store_keys(TENANT, np.array([keys[0]] * 3, dtype="V16"), np.array([256, 2, 1]))
+    assert sorted(three) == [
+        TENANT + keys[0] + b"\x00\x01",
+        TENANT + keys[0] + b"\x00\x02",
+        TENANT + keys[0] + b"\x01\x00",
+    ]
+    assert store_keys(TENANT, np.zeros(0, dtype="V16"), np.zeros(0, dtype=np.uint16)) == []
+
+
+def test_expiry_keys_sort_by_partition_then_time() -> None:
+    key = os.urandom(16)
+    skey = TENANT + key + b"\x00\x03"
+    early, late = expiry_key(skey, "chat", 5), expiry_key(skey, "chat", 6)
+    other_class = expiry_key(skey, "agent", 1)
+    assert early < late and split_expiry_key(late) == (6, skey)
+    assert early[:PARTITION_LEN] == partition(TENANT, "chat") != other_class[:PARTITION_LEN]
