@@ -34,6 +34,7 @@ per position over a (keys, nodes) array).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -121,7 +122,11 @@ class Placement:
         self.domain_of = np.array([self.domain_names.index(d) for d in domains], np.int64)
         self._distinct_domains = len(self.domain_names) == len(nodes)
         self._equal_weights = bool(np.all(self._weights == self._weights[0]))
-        self._cache: dict[BlockKey, IntArray] = {}
+        # Placement rows remembered per key: key -> slot of ``_table``.
+        self._slot: dict[BlockKey, int] = {}
+        self._table = np.zeros((0, width + spill), np.int64)
+        self._used = 0
+        self._lock = threading.Lock()
         self._salts = np.array(
             [
                 xxhash.xxh3_64_intdigest(POSITION_TAG + p.to_bytes(2, "little"))
@@ -166,18 +171,38 @@ class Placement:
         count = len(keys)
         if count == 0:
             return np.zeros((0, depth), np.int64)
-        cache = self._cache
-        rows = [cache.get(k) for k in keys]
-        missing = [i for i, row in enumerate(rows) if row is None]
-        if missing:
-            computed = self._compute([keys[i] for i in missing])
-            if len(cache) + len(missing) > _CACHE_KEYS:
-                cache.clear()
-            for j, i in enumerate(missing):
-                rows[i] = computed[j]
-                cache[keys[i]] = computed[j]
-        out = np.stack(rows)  # type: ignore[arg-type]  # every row filled above
-        return out[:, :depth] if depth < self.depth else out
+        rows = self._rows_of(keys)
+        return rows[:, :depth] if depth < self.depth else rows
+
+    def _rows_of(self, keys: Sequence[BlockKey]) -> IntArray:
+        """Full-depth rows for ``keys``, from the cache (computed and added where missing)."""
+        with self._lock:
+            return self._rows_locked(keys)
+
+    def _rows_locked(self, keys: Sequence[BlockKey]) -> IntArray:
+        slot_of = self._slot
+        slots = np.fromiter((slot_of.get(k, -1) for k in keys), np.int64, len(keys))
+        missing = np.flatnonzero(slots < 0)
+        if len(missing):
+            computed = self._compute([keys[i] for i in missing.tolist()])
+            if self._used + len(missing) > len(self._table):
+                if self._used + len(missing) > _CACHE_KEYS:
+                    slot_of.clear()
+                    self._used = 0
+                    slots = np.full(len(keys), -1, np.int64)
+                    missing = np.arange(len(keys))
+                    computed = self._compute(keys)
+                size = max(len(self._table) * 2, self._used + len(missing), 1024)
+                table = np.zeros((size, self.depth), np.int64)
+                table[: self._used] = self._table[: self._used]
+                self._table = table
+            new = np.arange(self._used, self._used + len(missing))
+            self._table[new] = computed
+            for i, slot in zip(missing.tolist(), new.tolist(), strict=True):
+                slot_of[keys[i]] = slot
+            slots[missing] = new
+            self._used += len(missing)
+        return self._table[slots]
 
     def _compute(self, keys: Sequence[BlockKey], *, general: bool = False) -> IntArray:
         """Rows for ``keys`` (``general``: never the one-domain-per-node shortcut; tests

@@ -144,8 +144,7 @@ class HasRound:
         # Distinct indices: a shard can sit on two nodes (sent on after a node failed
         # that stored it anyway, or put back by a read repair), and counts once.
         self._seen[blocks[same], indices[same]] = True
-        touched = np.unique(blocks)
-        self._count[touched] = self._seen[touched].sum(axis=1)
+        self._count[blocks] = self._seen[blocks].sum(axis=1)
         self._check(now)
 
     def on_failure(self, ticket: int, now: float) -> None:

@@ -101,6 +101,17 @@ class ClusterView:
             if u >= 0:
                 self._domain[u] = int(placement.domain_of[local])
                 self.placeable[u] = True
+        self._placeable_count = int(self.placeable.sum())
+        # Every placeable node indexed, and no more of them than a block has shards.
+        self._covers_all = bool((self._u >= 0).all()) and len(placement.nodes) <= self.width
+
+    def _all_listed(self, targets: IntArray) -> bool:
+        """Whether every row of ``targets`` names every placeable node."""
+        if targets.shape[1] < self._placeable_count or (targets < 0).any():
+            return False
+        seen = np.zeros((len(targets), len(self.nodes)), bool)
+        seen[np.arange(len(targets))[:, None], targets] = True
+        return bool(seen[:, self.placeable].all())
 
     @property
     def node_cap(self) -> int:
@@ -184,6 +195,10 @@ class ClusterView:
         nodes, each once."""
         if targets is None:
             targets = self.holders(keys)
+        # One map, no more placeable nodes than the width, every node indexed, and every
+        # row already naming every one of them: the order adds nothing.
+        if not self._others and self._covers_all and self._all_listed(targets):
+            return targets
         parts = [targets, self.order(keys)]
         for placement, u in zip(self._others, self._u_others, strict=True):
             parts.append(u[placement.holders(keys)])
