@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -151,12 +155,12 @@ def test_repair_moves_the_shards_of_a_node_set_out(
     out_node = 4
     before = held(cluster, out_node)
     assert before  # it holds shards of some blocks
+    epoch = ClusterMap.load(cluster.cluster_file).epoch
+    node_id = cluster.nodes[out_node].id
+    assert main(["node", "out", node_id, "--cluster-file", str(cluster.cluster_file)]) == 0
     cmap = ClusterMap.load(cluster.cluster_file)
-    nodes = tuple(
-        n if i != out_node else type(n)(**{**_fields(n), "state": NodeState.OUT})
-        for i, n in enumerate(cmap.nodes)
-    )
-    cluster.cluster_file.write_text(ClusterMap(epoch=cmap.epoch + 1, nodes=nodes).to_toml())
+    assert cmap.epoch == epoch + 1
+    assert {n.id: n.state for n in cmap.nodes}[node_id] is NodeState.OUT
     moved = misplaced(cluster, keys, skip=frozenset({out_node}))
     # At least the out node's shards need new holders (placement may shift other positions).
     assert moved >= sum(len(v) for k, v in before.items() if k in set(keys)) > 0
@@ -165,6 +169,15 @@ def test_repair_moves_the_shards_of_a_node_set_out(
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["shards_written"] == moved
     assert misplaced(cluster, keys, skip=frozenset({out_node})) == 0
+    # A second pass finds every block complete and prunes the copies left off their
+    # holders: the node that is out keeps none of these blocks' shards.
+    assert repair(cluster, "--json", "--prune") == 0
+    pruned = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert pruned["blocks_repaired"] == 0 and pruned["strays_deleted"] >= len(
+        [k for k in before if k in set(keys)]
+    )
+    assert not set(held(cluster, out_node)) & set(keys)
+    assert misplaced(cluster, keys, skip=frozenset({out_node})) == 0
     # The node that is out goes away entirely; two more fail; loads still byte-identical.
     cluster.kill(out_node)
     cluster.kill(0 if out_node != 0 else 1)
@@ -172,8 +185,48 @@ def test_repair_moves_the_shards_of_a_node_set_out(
     loads_intact(cluster, tokens, keys)
 
 
-def _fields(node: object) -> dict[str, object]:
-    return {f: getattr(node, f) for f in ("id", "data", "admin", "domain", "weight", "state")}
+def test_repair_follow_repairs_a_node_wiped_while_it_runs_and_stops_on_sigterm(
+    cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """The background repairer (`kvcache repair --follow`) as a process: a node wiped
+    after it started is repaired by a later pass, and SIGTERM stops it cleanly."""
+    cluster = cluster_factory(12)
+    tokens, keys = store_blocks(cluster, 30, seed=3)
+    log = tmp_path / "follow.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "kvcache.cli", "repair",
+                "--cluster-file", str(cluster.cluster_file),
+                "--credentials", str(cluster.credentials_file),
+                "--rate", "0", "--follow", "--interval", "0.5", "--json",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        # Its first pass finds everything whole.
+        deadline = time.monotonic() + 60
+        while '"done": true' not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "no finished pass"
+            time.sleep(0.05)
+        cluster.kill(6)
+        shutil.rmtree(cluster.data_dir(6))
+        cluster.data_dir(6).mkdir()
+        cluster.restart(6)
+        deadline = time.monotonic() + 60
+        while misplaced(cluster, keys) != 0:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the follower did not repair the wiped node"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    loads_intact(cluster, tokens, keys)
 
 
 def test_repair_reports_user_mistakes_without_a_traceback(

@@ -332,7 +332,10 @@ class Topology:
                 others.append(Placement(old, width=self.width, spill=0))
             except ConfigError:  # a kept map with nothing placeable
                 continue
-        # Every node of every placement gets an index before the live mask is sized.
+        # Every node of the map (out and drained ones too: the repairer lists and prunes
+        # them) and of every placement gets an index before the live mask is sized.
+        for node in cluster.nodes:
+            self._index_of(node)
         for p in (placement, *others):
             for node in p.nodes:
                 self._index_of(node)

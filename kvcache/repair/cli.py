@@ -124,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
             core.topology.subscribe(lambda _m: changed.set())
         while True:
             changed.clear()
+            # With --follow the exit status is the last pass's: a node that was down
+            # during one pass and repaired by the next is not a failure.
+            ok = True
             for name, core in cores.items():
                 if stop.is_set():
                     break
