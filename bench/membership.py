@@ -66,7 +66,10 @@ def failover(root: Path, ttl_s: int, kills: int) -> dict[str, Any]:
                 time.sleep(0.01)
             times.append(time.monotonic() - t0)
             c.restart(node)
+            back = time.monotonic() + 60
             while not node_live(client, node_id):
+                if time.monotonic() > back:
+                    raise RuntimeError(f"{node_id} not live 60 s after its restart")
                 time.sleep(0.01)
     return {
         "lease_ttl_s": ttl_s,
