@@ -14,6 +14,12 @@ export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc; free -g | head -2
 python3 -c 'import torch, numpy, xxhash, aiohttp, lmdb, kvcache.erasure as e; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "numpy", numpy.__version__, "erasure backend", e.get_codec().backend)'
+# What memory the host has not touched lately costs on first use (a VM's lazily backed RAM):
+# it explains the gap between a store into an empty cluster and into a full one.
+python3 -c 'import numpy as np, time
+for i in range(3):
+    t = time.perf_counter(); a = np.ones(2 << 30, np.uint8); dt = time.perf_counter() - t; del a
+    print(f"touching 2 GiB of new memory, pass {i + 1}: {dt / 2.147:.3f} s/GB")'
 out="${OUT:-bench/results}"
 mkdir -p "$out"
 python3 bench/engine_gpu.py --json "$out/engine_gpu.json" "$@" 2>&1 | tee "$out/engine_gpu.txt"
