@@ -13,7 +13,7 @@ export LD_LIBRARY_PATH="$(pwd)/.whl/lib:${LD_LIBRARY_PATH:-}"
 export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc; free -g | head -2
-python3 -c 'import torch, numpy, xxhash, aiohttp, lmdb, kvcache.erasure as e; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "numpy", numpy.__version__, "erasure backend", e.get_codec().backend)'
+python3 -c 'import torch, numpy, xxhash, aiohttp, lmdb, kvcache.erasure as e; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "numpy", numpy.__version__, "xxhash", xxhash.VERSION, "lmdb", lmdb.__version__, "erasure backend", e.get_codec().backend)'
 # What memory the host has not touched lately costs on first use (a VM's lazily backed RAM):
 # it explains the gap between a store into an empty cluster and into a full one.
 python3 -c 'import numpy as np, time
