@@ -14,12 +14,25 @@ export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc; free -g | head -2
 python3 -c 'import torch, numpy, xxhash, aiohttp, lmdb, kvcache.erasure as e; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "numpy", numpy.__version__, "xxhash", xxhash.VERSION, "lmdb", lmdb.__version__, "erasure backend", e.get_codec().backend)'
-# What memory the host has not touched lately costs on first use (a VM's lazily backed RAM):
-# it explains the gap between a store into an empty cluster and into a full one.
-python3 -c 'import numpy as np, time
-for i in range(3):
-    t = time.perf_counter(); a = np.ones(2 << 30, np.uint8); dt = time.perf_counter() - t; del a
-    print(f"touching 2 GiB of new memory, pass {i + 1}: {dt / 2.147:.3f} s/GB")'
+# A host in service has used its RAM before; this one may have just booted, and a VM's
+# lazily backed RAM costs more on first use (the daemons' page cache included). Touch
+# WARM_HOST_GB of it first, in parallel (0 skips this), and print what first use cost.
+python3 - "${WARM_HOST_GB:-64}" <<'PY'
+import multiprocessing as mp, sys, time
+import numpy as np
+def touch(gb: float) -> float:
+    t = time.perf_counter(); a = np.ones(int(gb * 2**30), np.uint8); dt = time.perf_counter() - t
+    del a
+    return dt / (gb * 2**30 / 1e9)
+total = float(sys.argv[1])
+if total > 0:
+    with mp.Pool(16) as pool:
+        for attempt in (1, 2):
+            t = time.perf_counter()
+            costs = pool.map(touch, [total / 16] * 16)
+            print(f"touching {total:.0f} GiB of host memory, pass {attempt}: "
+                  f"{max(costs):.3f} s/GB per process, {time.perf_counter() - t:.1f} s")
+PY
 out="${OUT:-bench/results}"
 mkdir -p "$out"
 python3 bench/engine_gpu.py --json "$out/engine_gpu.json" "$@" 2>&1 | tee "$out/engine_gpu.txt"
