@@ -100,6 +100,12 @@ def cpu_seconds(client: Client | None = None) -> float:
     return r.ru_utime + r.ru_stime + workers
 
 
+def host_cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs: time a VM's CPUs were ready but not run."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
 def process_cpu(pids: list[int]) -> float:
     """User + system seconds of processes (the daemons) from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -304,6 +310,7 @@ def main() -> None:
     e2e_bytes = (4 << 20) if args.tiny else 4 * GIB
     repeat = 3 if (args.quick or args.tiny) else 5
     figures: dict[str, Any] = {"commit": commit(), "machine": machine(), "device": str(device)}
+    steal0, total0 = host_cpu_times()
     if device.type == "cuda":
         figures["gpu"] = torch.cuda.get_device_name()
     shm = os.statvfs("/dev/shm")
@@ -541,6 +548,10 @@ def main() -> None:
             [[str(r["processes"]), f"{r['gbps']:.2f}", f"{r['cpu_s_per_gb']:.2f}"]
              for r in figures["scaling"]],
         )  # fmt: skip
+    steal1, total1 = host_cpu_times()
+    # Other tenants of a shared host show up here; runs with much steal are slower throughout.
+    figures["host_cpu_steal_fraction"] = (steal1 - steal0) / max(1, total1 - total0)
+    print(f"host CPU steal during the run: {figures['host_cpu_steal_fraction']:.1%}")
     write_json(args.json, figures)
 
 
