@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -30,13 +31,26 @@ from kvcache.client.storing import Payloads, StoreResult, store_keys, touch_or_d
 from kvcache.client.transport import Transport
 from kvcache.cluster import ClusterMap
 from kvcache.errors import ArgumentError, ConfigError
+from kvcache.gc_pause import gc_paused
 from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.wire import Op
 
 __all__ = ["AsyncClient", "Client"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 Tokens = Sequence[int] | npt.NDArray[np.integer]
+
+
+def _data_call(method: Callable[Concatenate[Client, P], T]) -> Callable[Concatenate[Client, P], T]:
+    """A data-path call: runs with the cyclic GC held off (``pause_gc``, kvcache.gc_pause)."""
+
+    @functools.wraps(method)
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        with gc_paused(self._core.config.pause_gc):
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 def _keys(namespace: object, tokens: Tokens, max_blocks: int | None = None) -> list[BlockKey]:
@@ -121,6 +135,7 @@ class Client:
 
     # -------------------------------------------------------------- reads
 
+    @_data_call
     def match_prefix(
         self, namespace: Namespace, tokens: Tokens, *, max_blocks: int | None = None
     ) -> MatchResult:
@@ -128,6 +143,7 @@ class Client:
         keys = _keys(namespace, tokens, max_blocks)
         return match_keys(self._core, keys, tokens_per_block=namespace.tokens_per_block)
 
+    @_data_call
     def match_keys(self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1) -> MatchResult:
         """Like :meth:`match_prefix` for block keys computed by the caller (e.g. an engine's own
         prefix hashes mapped to keys); ``keys`` must be a prefix chain, first block first."""
@@ -136,6 +152,7 @@ class Client:
             raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
         return match_keys(self._core, keys, tokens_per_block=tokens_per_block)
 
+    @_data_call
     def match_with_directory(
         self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1
     ) -> tuple[MatchResult, list[DirectoryAnswer]]:
@@ -146,6 +163,7 @@ class Client:
             raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
         return match_with_directory(self._core, keys, tokens_per_block=tokens_per_block)
 
+    @_data_call
     def load(
         self,
         namespace: Namespace,
@@ -175,6 +193,7 @@ class Client:
             on_ready=on_ready,
         )
 
+    @_data_call
     def load_keys(
         self,
         match: MatchResult,
@@ -236,6 +255,7 @@ class Client:
             bytes_loaded=good * payload_len,
         )
 
+    @_data_call
     def load_prefix(
         self,
         namespace: Namespace,
@@ -250,6 +270,7 @@ class Client:
 
     # -------------------------------------------------------------- writes
 
+    @_data_call
     def store(
         self,
         namespace: Namespace,
@@ -289,6 +310,7 @@ class Client:
             first_block=first_block,
         )
 
+    @_data_call
     def store_keys(
         self,
         keys: Sequence[BlockKey],
@@ -341,6 +363,7 @@ class Client:
             encoder=self._encoder,
         )
 
+    @_data_call
     def touch(
         self, namespace: Namespace, tokens: Tokens, *, traffic_class: str | None = None
     ) -> int:
@@ -348,6 +371,7 @@ class Client:
         cls = self._core.traffic_class(traffic_class)
         return touch_or_delete(self._core, Op.TOUCH, _keys(namespace, tokens), cls)
 
+    @_data_call
     def delete(self, namespace: Namespace, tokens: Tokens) -> int:
         """Remove every shard of every full block of ``tokens``; returns blocks found."""
         return touch_or_delete(self._core, Op.DELETE, _keys(namespace, tokens), "")

@@ -60,6 +60,9 @@ class ClientConfig:
     read_repair: bool = True
     #: Let glibc reuse large freed buffers instead of mmap/munmap per batch (see kvcache.memtune).
     tune_malloc: bool = True
+    #: Hold Python's cyclic garbage collector off while a load, store or match runs; it is
+    #: switched back on when the last call ends (see kvcache.gc_pause).
+    pause_gc: bool = True
 
     def __post_init__(self) -> None:
         if not self.k >= 1 or not self.m >= 0 or self.k + self.m > 255:
