@@ -52,6 +52,7 @@ __all__ = [
     "holders_for",
     "max_redirect",
     "write_targets",
+    "write_targets_many",
 ]
 
 NODE_TAG = b"kvcache:node:v1\x00"
@@ -278,14 +279,14 @@ def write_targets(
     :func:`max_redirect`): every target is then -1.
     """
     holders = list(order[:width])
-    targets = [h if live[h] else -1 for h in holders]
+    targets = [h if h >= 0 and live[h] else -1 for h in holders]
     missing = [i for i, t in enumerate(targets) if t < 0]
     if not missing:
         return targets, 0
     if len(missing) > limit:
         return [-1] * width, len(missing)
     used = set(targets)
-    spills = [x for x in order[width:] if live[x] and x not in used]
+    spills = [x for x in order[width:] if x >= 0 and live[x] and x not in used]
     for i in missing:
         if spills:
             node = spills.pop(0)
@@ -296,6 +297,84 @@ def write_targets(
         targets[i] = node
         used.add(node)
     return targets, len(missing)
+
+
+def write_targets_many(
+    order: IntArray,
+    live: npt.NDArray[np.bool_],
+    domain_of: IntArray,
+    *,
+    width: int,
+    limit: int,
+) -> tuple[IntArray, IntArray]:
+    """:func:`write_targets` for many keys at once: ``order`` is (keys, positions), -1 for
+    a node the caller cannot address (never live); returns (targets (keys, width),
+    redirected (keys,)). Same rules, same choices, computed on columns: a client whose
+    cluster has a holder of every key down (12 nodes, one stopped) places every block
+    of every call this way."""
+    order = np.asarray(order, np.int64)
+    positions = order.shape[1]
+    nodes = len(live)
+    live = np.asarray(live, bool)
+    holders = order[:, :width]
+    up = (holders >= 0) & live[np.maximum(holders, 0)]
+    targets = np.where(up, holders, -1)
+    missing = ~up
+    redirected = missing.sum(axis=1).astype(np.int64)
+    refused = redirected > limit
+    targets[refused] = -1
+    todo = (redirected > 0) & ~refused
+    if not todo.any():
+        return targets, redirected
+    rows = np.flatnonzero(todo)
+    t = targets[rows]
+    miss = missing[rows]
+    # Spill nodes: live, not a live holder of the key; the k-th missing shard (in index
+    # order) takes the k-th of them.
+    spill = order[rows, width:]
+    ok_spill = (spill >= 0) & live[np.maximum(spill, 0)]
+    if spill.shape[1]:
+        ok_spill &= ~(spill[:, :, None] == np.where(t >= 0, t, -2)[:, None, :]).any(axis=2)
+    miss_rank = np.cumsum(miss, axis=1) - 1
+    spills_available = ok_spill.sum(axis=1)
+    usable_first = np.argsort(~ok_spill, axis=1, kind="stable")  # usable spills, in order
+    rr, ii = np.nonzero(miss & (miss_rank < spills_available[:, None]))
+    t[rr, ii] = spill[rr, usable_first[rr, miss_rank[rr, ii]]]
+    # The rest, one shard per row at a time in index order: the least loaded live node.
+    left = miss & (miss_rank >= spills_available[:, None])
+    if left.any():
+        base = max(nodes, positions, width) + 2
+        domains = np.asarray(domain_of, np.int64)
+        dom_ids = np.unique(domains, return_inverse=True)[1].reshape(-1)
+        n_dom = int(dom_ids.max()) + 1 if len(dom_ids) else 1
+        first_seen = np.full((len(rows), nodes), positions, np.int64)
+        for p in range(positions - 1, -1, -1):
+            col = order[rows, p]
+            valid = (col >= 0) & (col < nodes)
+            first_seen[np.flatnonzero(valid), col[valid]] = p
+        node_ids = np.arange(nodes, dtype=np.int64)
+        failed = np.zeros(len(rows), bool)
+        while left.any():
+            r_idx = np.flatnonzero(left.any(axis=1))
+            i_idx = left[r_idx].argmax(axis=1)
+            sub = t[r_idx]
+            placed = sub >= 0
+            flat = (np.arange(len(r_idx))[:, None] * nodes + np.maximum(sub, 0))[placed]
+            node_load = np.bincount(flat, minlength=len(r_idx) * nodes).reshape(-1, nodes)
+            dflat = (np.arange(len(r_idx))[:, None] * n_dom + dom_ids[np.maximum(sub, 0)])[placed]
+            dom_load = np.bincount(dflat, minlength=len(r_idx) * n_dom).reshape(-1, n_dom)
+            score = (
+                (node_load * base + dom_load[:, dom_ids]) * base + first_seen[r_idx]
+            ) * base + node_ids
+            score[:, ~live] = np.iinfo(np.int64).max
+            best = score.argmin(axis=1)
+            none = ~live[best]
+            failed[r_idx[none]] = True
+            t[r_idx, i_idx] = np.where(none, -1, best)
+            left[r_idx, i_idx] = False
+        t[failed] = -1
+    targets[rows] = t
+    return targets, redirected
 
 
 def least_loaded(

@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from kvcache.cluster import ClusterMap, NodeInfo, NodeState
 from kvcache.errors import ConfigError
 from kvcache.keys import BlockKey
-from kvcache.placement import Placement, holders_for, max_redirect, write_targets
+from kvcache.placement import (
+    Placement,
+    holders_for,
+    max_redirect,
+    write_targets,
+    write_targets_many,
+)
 
 
 def cmap(n: int, *, domains: int | None = None, weights: list[float] | None = None) -> ClusterMap:
@@ -185,6 +191,35 @@ def test_write_targets_rules(nodes: int, domains: int, data: st.DataObject) -> N
         # Not enough distinct live nodes: shards pile up evenly on the live ones.
         counts = np.bincount(targets, minlength=nodes)[[i for i in range(nodes) if live[i]]]
         assert counts.max() - counts.min() <= 1
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(
+    st.integers(3, 24),
+    st.integers(0, 4),
+    st.sampled_from([0, 2, 4]),
+    st.integers(0, 6),
+    st.data(),
+)
+def test_write_targets_many_equals_write_targets(
+    nodes: int, domains: int, spill: int, limit: int, data: st.DataObject
+) -> None:
+    """The columnar placement of a batch makes exactly the per-key choices, row by row:
+    unaddressable (-1) entries, refusals, spills, doubling up, domains, no live node."""
+    width = 12
+    p = Placement(cmap(nodes, domains=domains or None), width=width, spill=spill)
+    order = p.order(keys(data.draw(st.integers(1, 40)), data.draw(st.integers(0, 10_000))))
+    if data.draw(st.booleans()):  # nodes the caller cannot address
+        holes = data.draw(st.lists(st.integers(0, order.size - 1), max_size=6))
+        order.reshape(-1)[holes] = -1
+    down = data.draw(st.sets(st.integers(0, nodes - 1), max_size=nodes))
+    live = np.array([i not in down for i in range(nodes)])
+    got, moved = write_targets_many(order, live, p.domain_of, width=width, limit=limit)
+    for row, got_row, got_moved in zip(order.tolist(), got.tolist(), moved.tolist(), strict=True):
+        want, want_moved = write_targets(
+            row, live.tolist(), p.domain_of, width=width, limit=limit
+        )
+        assert (got_row, got_moved) == (want, want_moved)
 
 
 def test_twelve_nodes_two_down_doubles_up_two_live_nodes() -> None:

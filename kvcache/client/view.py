@@ -10,7 +10,8 @@ Where shards are, and who is asked (``docs/membership.md`` has the why):
 
 * **Writes** go to :meth:`ClusterView.targets`: shard ``i`` to its holder under
   the current map, or, when that holder is down, to the key's next live node
-  in rendezvous order (:func:`kvcache.placement.write_targets`).
+  in rendezvous order (:func:`kvcache.placement.write_targets`, for whole batches
+  :func:`~kvcache.placement.write_targets_many`).
 * **Reads** (HAS) ask :meth:`ClusterView.read_rows`: those write targets, the
   holders that are down (probed only when a block would be short without
   them), the holders under the maps of the last ``history`` changes (a join
@@ -33,7 +34,13 @@ from kvcache.cluster import ClusterMap, NodeInfo, NodeState
 from kvcache.errors import ConfigError
 from kvcache.keys import BlockKey
 from kvcache.membership.model import Membership
-from kvcache.placement import DEFAULT_SPILL, Placement, least_loaded, max_redirect, write_targets
+from kvcache.placement import (
+    DEFAULT_SPILL,
+    Placement,
+    least_loaded,
+    max_redirect,
+    write_targets_many,
+)
 
 __all__ = ["ClusterView", "MapHistory", "Topology"]
 
@@ -158,14 +165,11 @@ class ClusterView:
         ok = (holders >= 0) & usable[np.maximum(holders, 0)]
         targets = holders.copy()
         redirected = np.zeros(len(keys), np.int64)
-        for b in np.flatnonzero(~ok.all(axis=1)).tolist():
-            row = [int(x) for x in order[b]]
-            live = [usable[x] if x >= 0 else False for x in range(len(self.nodes))]
-            got, moved = write_targets(
-                row, live, self._domain, width=width, limit=self.redirect_limit
+        off = np.flatnonzero(~ok.all(axis=1))
+        if len(off):
+            targets[off], redirected[off] = write_targets_many(
+                order[off], usable, self._domain, width=width, limit=self.redirect_limit
             )
-            targets[b] = got
-            redirected[b] = moved
         return targets, redirected, order
 
     def respill(
