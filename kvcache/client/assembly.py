@@ -293,9 +293,10 @@ class LoadAssembly:
         """Good copies of shards ``indices`` of verified block ``b``, with their headers."""
         stripe = self._reencode(b)
         ref = self.headers[b, int(np.flatnonzero(self.got[b])[0])]
-        hashes = np.array(
-            [xxhash.xxh3_64_intdigest(stripe[i].data) for i in range(self.n)], np.uint64
-        )
+        # Only the shards put back need their hash (each header carries its own shard's).
+        hashes = np.zeros(self.n, np.uint64)
+        for i in indices:
+            hashes[i] = xxhash.xxh3_64_intdigest(stripe[i].data)
         headers = build_headers(
             keys=self.key_words[b : b + 1],
             stripe_ids=self.stripes[b : b + 1],
