@@ -104,6 +104,10 @@ def test_loads_survive_dead_daemons(
             cluster.kill(i)
         for _ in range(2):  # the first call discovers the dead nodes, the second skips them
             assert_loads(client, space, tokens, 24)
+        # The dead holders' shards were rebuilt for the loads, never copied onto stand-ins
+        # (read repair waits for "out"; see kvcache.client.loading._repair).
+        assert client.counters["blocks_rebuilt"] > 0
+        assert client.counters["shards_repaired"] == 0
 
 
 def test_three_dead_daemons_give_clean_misses(cluster_factory: Callable[..., LocalCluster]) -> None:

@@ -55,8 +55,9 @@ class ClientConfig:
     #: With N > 0, buffers from ``Client.alloc_buffer`` are written and read by the workers
     #: directly (shared memory); see kvcache.client.pool.
     io_processes: int = 0
-    #: Put back shards a load found bad or missing on their holders (read repair), and drop a
-    #: stripe that no k of its shards rebuild, so that any client's next store rewrites it.
+    #: Put back shards a load found bad or missing on their holders while those are up (read
+    #: repair; never on a stand-in for a down holder), and drop a stripe that no k of its
+    #: shards rebuild, so that any client's next store rewrites it.
     read_repair: bool = True
     #: Let glibc reuse large freed buffers instead of mmap/munmap per batch (see kvcache.memtune).
     tune_malloc: bool = True

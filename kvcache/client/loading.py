@@ -109,7 +109,7 @@ def load_keys(
     )
     view = core.view()
     up = core.up_mask(view)
-    placement_rows = view.targets(keys, up)[0]
+    placement_rows, _redirected, order = view.targets(keys, up)
     # A match stops listening once every block has k shards, so it may not know every
     # holder; where it does not, ask the node a writer with this view would have put the
     # shard on (the GET names the stripe, so a node without it just answers NOT_FOUND).
@@ -209,7 +209,7 @@ def load_keys(
         if end < total and end in verdicts:
             rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
             _drop_broken(core, assembly, match, rows, end)
-        _repair(core, assembly, match, placement_rows, verdicts, good)
+        _repair(core, assembly, match, placement_rows, order, verdicts, good)
     return LoadResult(
         blocks=good,
         tokens=good * match.tokens_per_block,
@@ -264,16 +264,34 @@ def _repair(
     assembly: LoadAssembly,
     match: MatchResult,
     placement_rows: npt.NDArray[np.int64],
+    order: npt.NDArray[np.int64],
     verdicts: dict[int, BlockVerdict],
     good: int,
 ) -> None:
-    """Write back shards of verified blocks that a holder had bad or did not have."""
+    """Write back shards of verified blocks that a holder had bad or did not have.
+
+    Only onto the shard's holder under the current map, and only while that holder is
+    up: the shard of a holder that is down is not rebuilt on a stand-in, since a node
+    down for a while comes back with its shards, and one that is gone for good is
+    taken out of the map and then rebuilt by the repairer (``kvcache repair``), as
+    Ceph waits for "down" to become "out". Re-encoding and writing a stand-in copy of
+    every block a load touches while a node is down cost the first loads after it
+    was marked down about half their time, for copies nobody needs once it is back.
+    """
+    width = placement_rows.shape[1]
     per_node: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
     for b in range(good):
         verdict = verdicts[b]
         wanted = assembly.bad_shards(b, verdict) | set(
             np.flatnonzero(assembly.not_found[b]).tolist()
         )
+        # A shard found where the match saw it is put back there; otherwise only on
+        # its live holder, never on a stand-in for a down one.
+        wanted = {
+            i
+            for i in wanted
+            if match.holders[b, i] >= 0 or (i < width and placement_rows[b, i] == order[b, i])
+        }
         if not wanted:
             continue
         for shard in assembly.repair_shards(b, tuple(sorted(wanted))):
