@@ -216,9 +216,7 @@ def test_write_targets_many_equals_write_targets(
     live = np.array([i not in down for i in range(nodes)])
     got, moved = write_targets_many(order, live, p.domain_of, width=width, limit=limit)
     for row, got_row, got_moved in zip(order.tolist(), got.tolist(), moved.tolist(), strict=True):
-        want, want_moved = write_targets(
-            row, live.tolist(), p.domain_of, width=width, limit=limit
-        )
+        want, want_moved = write_targets(row, live.tolist(), p.domain_of, width=width, limit=limit)
         assert (got_row, got_moved) == (want, want_moved)
 
 
