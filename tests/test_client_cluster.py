@@ -110,6 +110,31 @@ def test_loads_survive_dead_daemons(
         assert client.counters["shards_repaired"] == 0
 
 
+def test_read_repair_rebuilds_a_gone_holders_shards_on_stand_ins(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """With ``repair_down_after_s=0`` a dead holder counts as gone at once: the first load
+    puts its shards on stand-ins, and the next one reads them there instead of rebuilding."""
+    cluster = cluster_factory()
+    space, tokens = ns("stand-in"), prompt(24, 9)
+    with client_for(cluster, timeout_s=2.0, repair_down_after_s=0.0) as client:
+        client.store(space, tokens, payloads_for(space, tokens))
+        cluster.kill(3)
+        assert_loads(client, space, tokens, 24)  # discovers the dead node
+        assert_loads(client, space, tokens, 24)  # rebuilds, and repairs onto stand-ins
+        repaired = client.counters["shards_repaired"]
+        assert repaired > 0
+        rebuilt = client.counters["blocks_rebuilt"]
+        assert_loads(client, space, tokens, 24)
+        assert client.counters["blocks_rebuilt"] == rebuilt  # every shard found again
+        assert client.counters["shards_repaired"] == repaired
+
+
+def test_repair_down_after_s_must_not_be_negative(shared_cluster: LocalCluster) -> None:
+    with pytest.raises(ConfigError, match="repair_down_after_s"):
+        shared_cluster.client_config(repair_down_after_s=-1)
+
+
 def test_three_dead_daemons_give_clean_misses(cluster_factory: Callable[..., LocalCluster]) -> None:
     cluster = cluster_factory()
     space, tokens = ns("three-dead"), prompt(10, 7)

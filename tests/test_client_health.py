@@ -27,6 +27,19 @@ def test_down_node_is_skipped_until_retry() -> None:
     assert health.down_nodes() == []
 
 
+def test_down_for_counts_from_the_first_mark_until_the_node_answers() -> None:
+    clock = Clock()
+    health = NodeHealth(retry_s=5.0, clock=clock)
+    assert health.down_for("a") is None
+    health.mark_down("a", "timeout")
+    clock.now += 7.0
+    health.mark_down("a", "its probe failed too")  # a failed probe does not restart it
+    clock.now += 3.0
+    assert health.down_for("a") == 10.0
+    health.mark_up("a")
+    assert health.down_for("a") is None
+
+
 def test_early_probes_are_rate_limited() -> None:
     clock = Clock()
     health = NodeHealth(retry_s=60.0, clock=clock, probe_every_s=1.0)

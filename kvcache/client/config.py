@@ -55,10 +55,16 @@ class ClientConfig:
     #: With N > 0, buffers from ``Client.alloc_buffer`` are written and read by the workers
     #: directly (shared memory); see kvcache.client.pool.
     io_processes: int = 0
-    #: Put back shards a load found bad or missing on their holders while those are up (read
-    #: repair; never on a stand-in for a down holder), and drop a stripe that no k of its
+    #: Put back shards a load found bad or missing on their holders (read repair; see
+    #: repair_down_after_s for holders that are down), and drop a stripe that no k of its
     #: shards rebuild, so that any client's next store rewrites it.
     read_repair: bool = True
+    #: How long a holder must have been marked down (without answering since) before read
+    #: repair rebuilds its shards on stand-in nodes; a node the membership source reports
+    #: dead (its lease ran out) qualifies at once. 0: at once. Shorter outages (a restart,
+    #: a pause) leave no stand-in copies behind; the down holder's shards are rebuilt from
+    #: parity for each load meanwhile.
+    repair_down_after_s: float = 60.0
     #: Let glibc reuse large freed buffers instead of mmap/munmap per batch (see kvcache.memtune).
     tune_malloc: bool = True
     #: Hold Python's cyclic garbage collector off while a load, store or match runs; it is
@@ -76,6 +82,10 @@ class ClientConfig:
         check_class_name(self.traffic_class)
         if self.timeout_s <= 0 or self.down_retry_s < 0:
             raise ConfigError("timeout_s must be > 0 and down_retry_s >= 0")
+        if not self.repair_down_after_s >= 0:
+            raise ConfigError(
+                f"repair_down_after_s must be >= 0 seconds, got {self.repair_down_after_s!r}"
+            )
         if self.hedge_ms is not None and self.hedge_ms < 0:
             raise ConfigError("hedge_ms must be >= 0")
         if not 1 <= self.max_batch_blocks <= 4096:

@@ -171,6 +171,15 @@ class ClientCore:
         up = np.array([self.health.is_up(node.id) for node in view.nodes], bool)
         return up & view.live[: len(up)]
 
+    def gone_mask(self, view: ClusterView) -> npt.NDArray[np.bool_]:
+        """Per node of ``view``: down long enough that read repair may rebuild its shards on
+        stand-ins: dead by the membership source (its lease ran out), or marked down here
+        ``repair_down_after_s`` ago or more without answering since."""
+        after = self.config.repair_down_after_s
+        down_for = [self.health.down_for(node.id) for node in view.nodes]
+        gone = np.array([t is not None and t >= after for t in down_for], bool)
+        return gone | ~view.live[: len(gone)]
+
     def node_up_mask(
         self,
         holders: npt.NDArray[np.int64] | None = None,

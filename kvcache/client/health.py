@@ -26,6 +26,7 @@ class NodeHealth:
         self._clock = clock
         self._probe_every_s = probe_every_s
         self._down_until: dict[str, float] = {}
+        self._down_since: dict[str, float] = {}
         self._probed_at: dict[str, float] = {}
 
     def is_up(self, node: str) -> bool:
@@ -37,6 +38,7 @@ class NodeHealth:
         """Skip ``node`` for the retry interval."""
         if node not in self._down_until:
             log.warning("node %s marked down: %s", node, reason)
+            self._down_since[node] = self._clock()
         self._down_until[node] = self._clock() + self._retry_s
 
     def may_probe(self, node: str) -> bool:
@@ -50,8 +52,15 @@ class NodeHealth:
 
     def mark_up(self, node: str) -> None:
         """``node`` answered: use it again."""
+        self._down_since.pop(node, None)
         if self._down_until.pop(node, None) is not None:
             log.info("node %s is back", node)
+
+    def down_for(self, node: str) -> float | None:
+        """Seconds since ``node`` was first marked down, if it has not answered since;
+        None if it is not marked down."""
+        since = self._down_since.get(node)
+        return None if since is None else self._clock() - since
 
     def down_nodes(self) -> list[str]:
         """Nodes currently skipped."""

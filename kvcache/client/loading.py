@@ -209,7 +209,8 @@ def load_keys(
         if end < total and end in verdicts:
             rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
             _drop_broken(core, assembly, match, rows, end)
-        _repair(core, assembly, match, placement_rows, order, verdicts, good)
+        gone = core.gone_mask(view)
+        _repair(core, assembly, match, placement_rows, order, gone, verdicts, good)
     return LoadResult(
         blocks=good,
         tokens=good * match.tokens_per_block,
@@ -265,32 +266,35 @@ def _repair(
     match: MatchResult,
     placement_rows: npt.NDArray[np.int64],
     order: npt.NDArray[np.int64],
+    gone: npt.NDArray[np.bool_],
     verdicts: dict[int, BlockVerdict],
     good: int,
 ) -> None:
     """Write back shards of verified blocks that a holder had bad or did not have.
 
-    Only onto the shard's holder under the current map, and only while that holder is
-    up: the shard of a holder that is down is not rebuilt on a stand-in, since a node
-    down for a while comes back with its shards, and one that is gone for good is
-    taken out of the map and then rebuilt by the repairer (``kvcache repair``), as
-    Ceph waits for "down" to become "out". Re-encoding and writing a stand-in copy of
-    every block a load touches while a node is down cost the first loads after it
-    was marked down about half their time, for copies nobody needs once it is back.
+    Onto the shard's holder under the current map while that holder is up. The shard
+    of a holder that is down goes to its stand-in (the node a writer would use) only
+    once the holder is ``gone`` (:meth:`ClientCore.gone_mask`: down for
+    ``repair_down_after_s``, or dead by the membership source), as Ceph waits for
+    "down" to become "out": a node down for a moment comes back with its shards, and
+    copying every block a load touches onto stand-ins cost the first loads after a
+    node was marked down about half their time, for copies nobody needed once it was
+    back.
     """
-    width = placement_rows.shape[1]
     per_node: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
     for b in range(good):
         verdict = verdicts[b]
         wanted = assembly.bad_shards(b, verdict) | set(
             np.flatnonzero(assembly.not_found[b]).tolist()
         )
-        # A shard found where the match saw it is put back there; otherwise only on
-        # its live holder, never on a stand-in for a down one.
+        # A shard found where the match saw it is put back there; otherwise on its
+        # holder, or on the holder's stand-in once the holder is gone.
         wanted = {
             i
             for i in wanted
-            if match.holders[b, i] >= 0 or (i < width and placement_rows[b, i] == order[b, i])
+            if match.holders[b, i] >= 0
+            or placement_rows[b, i] == order[b, i]
+            or (order[b, i] >= 0 and gone[order[b, i]])
         }
         if not wanted:
             continue
