@@ -94,6 +94,28 @@ def test_plan_avoids_down_nodes() -> None:
     assert sum(len(b) for _n, b, _i in plan.first) == 3 * (K + 1)
 
 
+def test_plan_asks_unlikely_holders_after_likely_ones_and_before_down_ones() -> None:
+    """Two holders down, their shards guessed on stand-ins (nodes 4 and 7, which the
+    match did not see holding them): the 10 known holders are asked first, and the
+    stand-ins before the down nodes."""
+    holders = np.tile(np.arange(N), (3, 1))
+    up = np.ones(N, bool)
+    up[[2, 5]] = False
+    holders[:, 2], holders[:, 5] = 4, 7  # stand-ins for the down holders' shards
+    unlikely = np.zeros((3, N), bool)
+    unlikely[:, [2, 5]] = True
+    plan = plan_reads(holders, up, k=K, unlikely=unlikely)
+    asked = {(int(b), int(i)) for _n, bl, ix in plan.first for b, i in zip(bl, ix, strict=True)}
+    for b in range(3):
+        mine = {i for (bb, i) in asked if bb == b}
+        assert len(mine) == K + 1
+        assert {i for i in range(N) if i not in (2, 5)} <= mine  # every likely shard
+        assert len(mine & {2, 5}) == 1  # the spare is a stand-in, not nothing
+    without = plan_reads(holders, up, k=K)  # without the hint, data shards 2 and 5 come first
+    asked = {(int(b), int(i)) for _n, bl, ix in without.first for b, i in zip(bl, ix, strict=True)}
+    assert {(b, i) for b in range(3) for i in (2, 5)} <= asked
+
+
 # ---------------------------------------------------------------------- encoding
 
 

@@ -113,7 +113,10 @@ def load_keys(
     # A match stops listening once every block has k shards, so it may not know every
     # holder; where it does not, ask the node a writer with this view would have put the
     # shard on (the GET names the stripe, so a node without it just answers NOT_FOUND).
-    holders = np.where(match.holders[:total] >= 0, match.holders[:total], placement_rows)
+    guessed = match.holders[:total] < 0
+    holders = np.where(guessed, placement_rows, match.holders[:total])
+    # A guessed stand-in (the holder is down, and the match did not see the shard on the
+    # node a writer would use instead) rarely has it: ask the known holders first.
     round_ = LoadRound(
         holders,
         core.node_up_mask(view=view),
@@ -122,6 +125,7 @@ def load_keys(
         window=config.window,
         hedge_s=core.hedge_s(core.read_latency),
         timeout_s=config.timeout_s,
+        unlikely=guessed & (placement_rows != order[:, : placement_rows.shape[1]]),
     )
     pump = Pump(core.transport, core.health, core.clock)
     sent: list[Exchange] = []
@@ -284,17 +288,21 @@ def _repair(
     per_node: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
     for b in range(good):
         verdict = verdicts[b]
-        wanted = assembly.bad_shards(b, verdict) | set(
-            np.flatnonzero(assembly.not_found[b]).tolist()
+        unseen = match.holders[b] < 0
+        holder_gone = (order[b, : len(unseen)] >= 0) & gone[np.maximum(order[b, : len(unseen)], 0)]
+        wanted = (
+            assembly.bad_shards(b, verdict)
+            | set(np.flatnonzero(assembly.not_found[b]).tolist())
+            # A gone holder's shard the match saw nowhere: its stand-in may not even
+            # have been asked (the load asks likely holders first).
+            | set(np.flatnonzero(unseen & holder_gone).tolist())
         )
         # A shard found where the match saw it is put back there; otherwise on its
         # holder, or on the holder's stand-in once the holder is gone.
         wanted = {
             i
             for i in wanted
-            if match.holders[b, i] >= 0
-            or placement_rows[b, i] == order[b, i]
-            or (order[b, i] >= 0 and gone[order[b, i]])
+            if not unseen[i] or placement_rows[b, i] == order[b, i] or holder_gone[i]
         }
         if not wanted:
             continue

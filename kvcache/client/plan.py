@@ -145,12 +145,19 @@ class ReadPlan:
 
 
 def plan_reads(
-    holders: IntArray, node_up: npt.NDArray[np.bool_], *, k: int, spare: int = 1
+    holders: IntArray,
+    node_up: npt.NDArray[np.bool_],
+    *,
+    k: int,
+    spare: int = 1,
+    unlikely: npt.NDArray[np.bool_] | None = None,
 ) -> ReadPlan:
     """Ask k + ``spare`` shards per block: the data shards first, then rotating parity.
 
-    Shards on nodes believed down go last; every shard not asked first is kept
-    for the hedge.
+    Shards on nodes believed down go last, and before them the ``unlikely`` ones
+    (same shape as ``holders``: a guessed holder, such as the stand-in for a down
+    node, that the match did not see holding the shard); every shard not asked
+    first is kept for the hedge.
     """
     blocks, n = holders.shape
     if blocks == 0:
@@ -163,8 +170,10 @@ def plan_reads(
     node = holders[rows, order]
     present = node >= 0
     up = present & node_up[np.maximum(node, 0)]
-    # Rank: present-and-up first (in preference order), then present-but-down.
-    rank_key = np.where(up, 0, np.where(present, 1, 2)) * n + np.arange(n)[None, :]
+    # Rank: present-and-up first (in preference order), then unlikely ones, then down.
+    likely = up if unlikely is None else up & ~unlikely[rows, order]
+    rank = np.where(likely, 0, np.where(up, 1, np.where(present, 2, 3)))
+    rank_key = rank * n + np.arange(n)[None, :]
     ranked = np.argsort(rank_key, axis=1, kind="stable")
     sorted_idx = order[rows, ranked]
     sorted_node = node[rows, ranked]

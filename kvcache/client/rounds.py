@@ -230,9 +230,12 @@ class LoadRound:
         timeout_s: float,
         fallback: IntArray | None = None,
         spare: int = 1,
+        unlikely: BoolArray | None = None,
     ) -> None:
         self.holders = holders
         self.fallback = fallback
+        #: Holders to ask after the others (see :func:`kvcache.client.plan.plan_reads`).
+        self.unlikely = unlikely
         self.node_up = node_up
         self.blocks, self.n = holders.shape
         self.k = k
@@ -382,7 +385,13 @@ class LoadRound:
 
     def _open(self, chunk: int, now: float) -> list[Send]:
         start, stop = self.chunk_range(chunk)
-        plan = plan_reads(self.holders[start:stop], self.node_up, k=self.k, spare=self.spare)
+        plan = plan_reads(
+            self.holders[start:stop],
+            self.node_up,
+            k=self.k,
+            spare=self.spare,
+            unlikely=None if self.unlikely is None else self.unlikely[start:stop],
+        )
         self.state[chunk] = _OPEN
         self.opened_at[chunk] = now
         self._hedge_at[chunk] = now + self._hedge_s
