@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.client.assembly import LoadAssembly
+from kvcache.client.assembly import BlockVerdict, LoadAssembly
 from kvcache.client.encoding import as_payload_rows, encode_batch
 from kvcache.client.plan import HeldShards, match_from_held, plan_reads
 from kvcache.erasure import Backend, ErasureParams, get_codec
@@ -247,6 +247,48 @@ def test_assembly_round_trip(lost: tuple[int, ...]) -> None:
     assert all(v.rebuilt == any(i < K for i in lost) for v in verdicts)
     for b in range(5):
         assert np.array_equal(out[b], payloads[b])
+
+
+@settings(derandomize=True, max_examples=25, deadline=None)
+@given(st.lists(st.sets(st.integers(0, N - 1), max_size=3), min_size=1, max_size=8), st.data())
+def test_assembly_rebuilds_blocks_with_different_losses_in_one_pass(
+    lost: list[set[int]], data: st.DataObject
+) -> None:
+    """Each block loses its own shards (a node down holds a different index of every
+    key), one may also carry a corrupt body: every block with k sound shards comes out
+    byte-identical, the others are not good, and nothing else is touched."""
+    count = len(lost)
+    ks, records, stripe_ids, payloads = encoded(count, seed=len(lost))
+    corrupt = data.draw(st.sampled_from([None, *range(count)]))
+    for b, gone in enumerate(lost):
+        for i in gone:
+            records.pop((b, i))
+    if corrupt is not None:
+        index = min(set(range(N)) - lost[corrupt])
+        body = bytearray(records[(corrupt, index)])
+        body[HEADER_BYTES + 7] ^= 0x40
+        records[(corrupt, index)] = bytes(body)
+    out = np.zeros((count, P), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out)
+    deliver(asm, records, count)
+    searched: list[int] = []  # blocks that needed the shard-by-shard search
+    locate = asm._locate
+
+    def counted_locate(b: int) -> BlockVerdict:
+        searched.append(b)
+        return locate(b)
+
+    asm._locate = counted_locate  # type: ignore[method-assign]
+    verdicts = asm.verify(list(range(count)))
+    # Only the corrupt block (its bad shard is received) and the blocks short of k shards
+    # reach the shard-by-shard search: the others are rebuilt in the batched pass.
+    short = {b for b, gone in enumerate(lost) if N - len(gone) < K}
+    assert short <= set(searched) <= short | {corrupt}
+    for b, (verdict, gone) in enumerate(zip(verdicts, lost, strict=True)):
+        sound = N - len(gone) - (1 if b == corrupt else 0)
+        assert verdict.good == (sound >= K)
+        if verdict.good:
+            assert np.array_equal(out[b], payloads[b])
 
 
 def test_assembly_ignores_shards_of_another_stripe_and_key() -> None:

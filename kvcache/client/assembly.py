@@ -272,16 +272,15 @@ class LoadAssembly:
                 digests.append(self._last_digest)
         for b, wrong in zip(fast, self._wrong_claims(fast, digests), strict=True):
             verdicts[b] = BlockVerdict(True, False, wrong)
-        # Rebuild, grouped by erasure pattern: one codec call per pattern.
-        patterns: dict[tuple[int, ...], list[int]] = {}
-        for b in blocks:
-            if b not in verdicts and not self.got[b, :k].all() and self.got[b].sum() >= k:
-                present = tuple(np.flatnonzero(self.got[b])[:k].tolist())
-                patterns.setdefault(present, []).append(b)
-        for present, group in patterns.items():
-            for b, ok in zip(group, self._rebuild(group, present), strict=True):
-                if ok:
-                    verdicts[b] = BlockVerdict(True, True)
+        # Rebuild: one gather, one codec call per erasure pattern, one write-back.
+        rebuild = [
+            b
+            for b in blocks
+            if b not in verdicts and not self.got[b, :k].all() and self.got[b].sum() >= k
+        ]
+        for b, ok in zip(rebuild, self._rebuild(rebuild), strict=True):
+            if ok:
+                verdicts[b] = BlockVerdict(True, True)
         # What is left either failed its check or is short of shards.
         return [verdicts[b] if b in verdicts else self._locate(b) for b in blocks]
 
@@ -369,24 +368,32 @@ class LoadAssembly:
         if self.pad_len:
             self.pad[b, : self.pad_len] = flat[self.payload_len :]
 
-    def _rebuild(self, group: list[int], present: tuple[int, ...]) -> list[bool]:
+    def _rebuild(self, group: list[int]) -> list[bool]:
+        """Rebuild the missing data shards of ``group``'s blocks (each with k shards or more)
+        into the payload rows; whether each then matches its payload hash."""
+        if not group:
+            return []
+        k, payload = self.k, self.payload_len
         stripes = self._stripes(group)
-        try:
-            self.codec.reconstruct(stripes, present)
-        except ErasureError:
-            return [False] * len(group)
-        # Only the data rows that were missing are written back: the others are in place.
-        rebuilt = [i for i in range(self.k) if i not in present]
-        good = []
+        patterns: dict[tuple[int, ...], list[int]] = {}
         for j, b in enumerate(group):
-            for i in rebuilt:
-                row = stripes[j, i]
-                at = 0
-                for view in self.shard_views(b, i):
-                    view[:] = row[at : at + view.nbytes].data
-                    at += view.nbytes
-            good.append(self._matches(b))
-        return good
+            patterns.setdefault(tuple(np.flatnonzero(self.got[b])[:k].tolist()), []).append(j)
+        rebuilt = np.zeros(len(group), bool)
+        for present, rows in patterns.items():
+            try:
+                self.codec.reconstruct(stripes, present, blocks=rows)
+            except ErasureError:
+                continue
+            rebuilt[rows] = True
+        # Every data row back where the payload is read from: the rebuilt ones, and the
+        # received ones again (the same bytes), in two array copies.
+        chosen = np.flatnonzero(rebuilt)
+        idx = np.asarray(group, np.int64)[chosen]
+        data = stripes[chosen, :k].reshape(len(chosen), k * self.length)
+        self.out[idx] = data[:, :payload]
+        if self.pad_len:
+            self.pad[idx, : self.pad_len] = data[:, payload:]
+        return [bool(rebuilt[j]) and self._matches(b) for j, b in enumerate(group)]
 
     def _locate(self, b: int) -> BlockVerdict:
         """Find k shards of block ``b`` that rebuild its payload; report the ones that do not fit."""
