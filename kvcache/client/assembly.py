@@ -373,27 +373,35 @@ class LoadAssembly:
         into the payload rows; whether each then matches its payload hash."""
         if not group:
             return []
-        k, payload = self.k, self.payload_len
+        k = self.k
         stripes = self._stripes(group)
         patterns: dict[tuple[int, ...], list[int]] = {}
         for j, b in enumerate(group):
             patterns.setdefault(tuple(np.flatnonzero(self.got[b])[:k].tolist()), []).append(j)
         rebuilt = np.zeros(len(group), bool)
+        blocks = np.asarray(group, np.int64)
         for present, rows in patterns.items():
             try:
                 self.codec.reconstruct(stripes, present, blocks=rows)
             except ErasureError:
                 continue
             rebuilt[rows] = True
-        # Every data row back where the payload is read from: the rebuilt ones, and the
-        # received ones again (the same bytes), in two array copies.
-        chosen = np.flatnonzero(rebuilt)
-        idx = np.asarray(group, np.int64)[chosen]
-        data = stripes[chosen, :k].reshape(len(chosen), k * self.length)
-        self.out[idx] = data[:, :payload]
-        if self.pad_len:
-            self.pad[idx, : self.pad_len] = data[:, payload:]
+            # Only the data rows that were missing go back: the others are in place.
+            for i in range(k):
+                if i not in present:
+                    self._put_row(blocks[rows], i, stripes[rows, i])
         return [bool(rebuilt[j]) and self._matches(b) for j, b in enumerate(group)]
+
+    def _put_row(self, blocks: IntArray, i: int, rows: npt.NDArray[np.uint8]) -> None:
+        """Data row ``i`` of ``blocks`` where a payload is read from: its part inside the
+        payload into ``out``, the rest (past the payload's end) into the padding."""
+        start, length, payload = i * self.length, self.length, self.payload_len
+        inside = max(0, min(start + length, payload) - start)
+        if inside:
+            self.out[blocks, start : start + inside] = rows[:, :inside]
+        if inside < length:
+            at = max(0, start - payload)
+            self.pad[blocks, at : at + length - inside] = rows[:, inside:]
 
     def _locate(self, b: int) -> BlockVerdict:
         """Find k shards of block ``b`` that rebuild its payload; report the ones that do not fit."""
