@@ -272,15 +272,16 @@ class LoadAssembly:
                 digests.append(self._last_digest)
         for b, wrong in zip(fast, self._wrong_claims(fast, digests), strict=True):
             verdicts[b] = BlockVerdict(True, False, wrong)
-        # Rebuild: one gather, one codec call per erasure pattern, one write-back.
-        rebuild = [
-            b
-            for b in blocks
-            if b not in verdicts and not self.got[b, :k].all() and self.got[b].sum() >= k
-        ]
-        for b, ok in zip(rebuild, self._rebuild(rebuild), strict=True):
-            if ok:
-                verdicts[b] = BlockVerdict(True, True)
+        # Rebuild, grouped by erasure pattern: one codec call per pattern.
+        patterns: dict[tuple[int, ...], list[int]] = {}
+        for b in blocks:
+            if b not in verdicts and not self.got[b, :k].all() and self.got[b].sum() >= k:
+                present = tuple(np.flatnonzero(self.got[b])[:k].tolist())
+                patterns.setdefault(present, []).append(b)
+        for present, group in patterns.items():
+            for b, ok in zip(group, self._rebuild(group, present), strict=True):
+                if ok:
+                    verdicts[b] = BlockVerdict(True, True)
         # What is left either failed its check or is short of shards.
         return [verdicts[b] if b in verdicts else self._locate(b) for b in blocks]
 
@@ -368,40 +369,24 @@ class LoadAssembly:
         if self.pad_len:
             self.pad[b, : self.pad_len] = flat[self.payload_len :]
 
-    def _rebuild(self, group: list[int]) -> list[bool]:
-        """Rebuild the missing data shards of ``group``'s blocks (each with k shards or more)
-        into the payload rows; whether each then matches its payload hash."""
-        if not group:
-            return []
-        k = self.k
+    def _rebuild(self, group: list[int], present: tuple[int, ...]) -> list[bool]:
         stripes = self._stripes(group)
-        patterns: dict[tuple[int, ...], list[int]] = {}
+        try:
+            self.codec.reconstruct(stripes, present)
+        except ErasureError:
+            return [False] * len(group)
+        # Only the data rows that were missing are written back: the others are in place.
+        rebuilt = [i for i in range(self.k) if i not in present]
+        good = []
         for j, b in enumerate(group):
-            patterns.setdefault(tuple(np.flatnonzero(self.got[b])[:k].tolist()), []).append(j)
-        rebuilt = np.zeros(len(group), bool)
-        blocks = np.asarray(group, np.int64)
-        for present, rows in patterns.items():
-            try:
-                self.codec.reconstruct(stripes, present, blocks=rows)
-            except ErasureError:
-                continue
-            rebuilt[rows] = True
-            # Only the data rows that were missing go back: the others are in place.
-            for i in range(k):
-                if i not in present:
-                    self._put_row(blocks[rows], i, stripes[rows, i])
-        return [bool(rebuilt[j]) and self._matches(b) for j, b in enumerate(group)]
-
-    def _put_row(self, blocks: IntArray, i: int, rows: npt.NDArray[np.uint8]) -> None:
-        """Data row ``i`` of ``blocks`` where a payload is read from: its part inside the
-        payload into ``out``, the rest (past the payload's end) into the padding."""
-        start, length, payload = i * self.length, self.length, self.payload_len
-        inside = max(0, min(start + length, payload) - start)
-        if inside:
-            self.out[blocks, start : start + inside] = rows[:, :inside]
-        if inside < length:
-            at = max(0, start - payload)
-            self.pad[blocks, at : at + length - inside] = rows[:, inside:]
+            for i in rebuilt:
+                row = stripes[j, i]
+                at = 0
+                for view in self.shard_views(b, i):
+                    view[:] = row[at : at + view.nbytes].data
+                    at += view.nbytes
+            good.append(self._matches(b))
+        return good
 
     def _locate(self, b: int) -> BlockVerdict:
         """Find k shards of block ``b`` that rebuild its payload; report the ones that do not fit."""
