@@ -9,6 +9,7 @@ The screenshots are kept: printed paths under pytest's tmp_path, and copies in
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 from collections.abc import Iterator
@@ -49,8 +50,11 @@ def _browser_paths() -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[webdriver.Chrome]:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
     chromium, driver_path = _browser_paths()
+    # The profile and chromium's own temporary files (its singleton socket directory
+    # included) go under pytest's temporary directory, not into /tmp for good.
+    scratch = tmp_path_factory.mktemp("chromium")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for arg in (
@@ -59,9 +63,11 @@ def browser() -> Iterator[webdriver.Chrome]:
         "--disable-gpu",
         "--disable-dev-shm-usage",
         "--window-size=1400,1000",
+        f"--user-data-dir={scratch / 'profile'}",
     ):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    service = Service(driver_path, env={**os.environ, "TMPDIR": str(scratch)})
+    driver = webdriver.Chrome(service=service, options=options)
     driver.set_page_load_timeout(30)
     try:
         yield driver
