@@ -286,24 +286,22 @@ def _repair(
     back.
     """
     per_node: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
-    for b in range(good):
-        verdict = verdicts[b]
-        unseen = match.holders[b] < 0
-        holder_gone = (order[b, : len(unseen)] >= 0) & gone[np.maximum(order[b, : len(unseen)], 0)]
-        wanted = (
-            assembly.bad_shards(b, verdict)
-            | set(np.flatnonzero(assembly.not_found[b]).tolist())
-            # A gone holder's shard the match saw nowhere: its stand-in may not even
-            # have been asked (the load asks likely holders first).
-            | set(np.flatnonzero(unseen & holder_gone).tolist())
-        )
-        # A shard found where the match saw it is put back there; otherwise on its
-        # holder, or on the holder's stand-in once the holder is gone.
-        wanted = {
-            i
-            for i in wanted
-            if not unseen[i] or placement_rows[b, i] == order[b, i] or holder_gone[i]
-        }
+    n = placement_rows.shape[1]
+    unseen = match.holders[:good] < 0
+    own = order[:good, :n]
+    holder_gone = (own >= 0) & gone[np.maximum(own, 0)]
+    # A shard found where the match saw it is put back there; otherwise on its holder,
+    # or on the holder's stand-in once the holder is gone.
+    allowed = ~unseen | (placement_rows[:good] == own) | holder_gone
+    # Besides what the load found bad or missing: a gone holder's shards the match saw
+    # nowhere (their stand-ins may not even have been asked: likely holders go first).
+    missing = assembly.not_found[:good] | (unseen & holder_gone)
+    bad = assembly.rejected[:good].any(axis=1)
+    candidates = np.flatnonzero(missing.any(axis=1) | bad).tolist()
+    candidates += [b for b in range(good) if verdicts[b].bad_indices and b not in candidates]
+    for b in sorted(candidates):
+        wanted = assembly.bad_shards(b, verdicts[b]) | set(np.flatnonzero(missing[b]).tolist())
+        wanted = {i for i in wanted if allowed[b, i]}
         if not wanted:
             continue
         for shard in assembly.repair_shards(b, tuple(sorted(wanted))):
