@@ -297,8 +297,8 @@ def _repair(
     # nowhere (their stand-ins may not even have been asked: likely holders go first).
     missing = assembly.not_found[:good] | (unseen & holder_gone)
     bad = assembly.rejected[:good].any(axis=1)
-    candidates = np.flatnonzero(missing.any(axis=1) | bad).tolist()
-    candidates += [b for b in range(good) if verdicts[b].bad_indices and b not in candidates]
+    candidates = set(np.flatnonzero(missing.any(axis=1) | bad).tolist())
+    candidates.update(b for b in range(good) if verdicts[b].bad_indices)
     for b in sorted(candidates):
         wanted = assembly.bad_shards(b, verdicts[b]) | set(np.flatnonzero(missing[b]).tolist())
         wanted = {i for i in wanted if allowed[b, i]}

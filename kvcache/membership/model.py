@@ -23,9 +23,9 @@ from __future__ import annotations
 import enum
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from kvcache.cluster import ClusterMap, NodeInfo, NodeState
 from kvcache.errors import ConfigError
@@ -174,36 +174,41 @@ class MemberRecord:
         return cls(state=state, **fields)
 
 
-def parse_members(raw: Mapping[str, bytes]) -> dict[str, MemberRecord]:
-    """Member records by id from stored values; malformed ones are logged and skipped."""
-    out: dict[str, MemberRecord] = {}
+class _Record(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def _parse_records(
+    raw: Mapping[str, bytes], parse: Callable[[bytes], R], what: str
+) -> dict[str, R]:
+    """Records by id from stored values; malformed ones, and ones stored under another
+    node's name, are logged and skipped."""
+    out: dict[str, R] = {}
     for name, value in raw.items():
         try:
-            record = MemberRecord.from_json(value)
+            record = parse(value)
         except ConfigError as exc:
-            log.error("ignoring member record %s: %s", name, exc)
+            log.error("ignoring %s %s: %s", what, name, exc)
             continue
         if record.id != name:
-            log.error("ignoring member record %s: it names node %s", name, record.id)
+            log.error("ignoring %s %s: it names node %s", what, name, record.id)
             continue
         out[name] = record
     return out
 
 
+def parse_members(raw: Mapping[str, bytes]) -> dict[str, MemberRecord]:
+    """Member records by id from stored values; malformed ones are logged and skipped."""
+    return _parse_records(raw, MemberRecord.from_json, "member record")
+
+
 def parse_registrations(raw: Mapping[str, bytes]) -> dict[str, Registration]:
     """Registrations by id from stored values; malformed ones are logged and skipped."""
-    out: dict[str, Registration] = {}
-    for name, value in raw.items():
-        try:
-            reg = Registration.from_json(value)
-        except ConfigError as exc:
-            log.error("ignoring registration %s: %s", name, exc)
-            continue
-        if reg.id != name:
-            log.error("ignoring registration %s: it names node %s", name, reg.id)
-            continue
-        out[name] = reg
-    return out
+    return _parse_records(raw, Registration.from_json, "registration")
 
 
 def build_map(
