@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import WebDriverException
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -118,10 +118,16 @@ def _api(url: str, token: str | None) -> tuple[int, Any]:
     return status, json.loads(body)
 
 
+def _wait(driver: webdriver.Chrome) -> WebDriverWait[webdriver.Chrome]:
+    """A wait that re-checks when the page redraws an element between finding it and
+    reading it (the page refreshes itself)."""
+    return WebDriverWait(driver, WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
+
+
 def _page_load_ms(driver: webdriver.Chrome) -> tuple[float, float]:
     """(navigation start to load event end, navigation start to first data render), in ms,
     from the browser's own performance API."""
-    WebDriverWait(driver, WAIT_S).until(
+    _wait(driver).until(
         lambda d: d.execute_script(
             "return performance.timing.loadEventEnd > 0 && document.body.dataset.loaded === '1'"
         )
@@ -174,7 +180,7 @@ def test_page_needs_the_admin_token(cluster: LocalCluster, browser: webdriver.Ch
     # The login form: the wrong token, then the right one.
     browser.find_element(By.ID, "token").send_keys(token)
     browser.find_element(By.CSS_SELECTOR, "#login button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.ID, "nodes"))
+    _wait(browser).until(lambda d: d.find_elements(By.ID, "nodes"))
     cookie = browser.get_cookie("kvcache_dashboard")
     assert cookie is not None and cookie["httpOnly"] and token not in cookie["value"]
     # The cookie opens the data to the browser, and only to it.
@@ -249,7 +255,7 @@ def test_page_shows_the_cluster_and_a_killed_daemon(
     generated = browser.execute_script("return document.body.dataset.generatedAt")
     cluster.kill(5)
     try:
-        WebDriverWait(browser, WAIT_S).until(
+        _wait(browser).until(
             lambda d: (
                 d.find_element(By.CSS_SELECTOR, 'tr[data-node="node-05"]').get_attribute(
                     "data-health"
@@ -268,9 +274,7 @@ def test_page_shows_the_cluster_and_a_killed_daemon(
 
     # Loads go on around the dead daemon, and the page's window shows them.
     fill_cluster(cluster, store=False, loads=5)
-    WebDriverWait(browser, WAIT_S).until(
-        lambda d: _row(d, '#hit-rates tr[data-class="chat"]')[1] not in ("0", "—")
-    )
+    _wait(browser).until(lambda d: _row(d, '#hit-rates tr[data-class="chat"]')[1] not in ("0", "—"))
     window_get = _row(browser, '#latencies tr[data-op="get"][data-window="window"]')
     assert int(window_get[2].replace(",", "")) > 0
     _save(browser, tmp_path, "dashboard.png")

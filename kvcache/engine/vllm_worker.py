@@ -521,6 +521,9 @@ class _Saver:
 
     def submit(self, job: _SaveJob) -> None:
         """Queue a job whose bytes were reserved."""
+        ctx = self._owner.ctx
+        with ctx.lock:
+            ctx.stats.save_jobs_queued += 1
         self._queue.put(job)
 
     def _run(self) -> None:
@@ -544,6 +547,8 @@ class _Saver:
                         ctx.stats.blocks_save_failed += int(job.gathers[0].host.shape[0])
             with self._lock:
                 self._bytes -= job.nbytes
+            with ctx.lock:
+                ctx.stats.save_jobs_done += 1
             ctx.write_stats()
 
     def _store(self, job: _SaveJob) -> None:

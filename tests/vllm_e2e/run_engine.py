@@ -7,8 +7,10 @@ project's: ``python run_engine.py SPEC.json OUT.json``. SPEC holds::
      "hold": bool, "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int}]}
 
 Each phase is one ``LLM.generate`` call. With a connector, the connector's
-stats files (``stats_dir``) are read before and after each phase, and once
-more after the engine is shut down (queued saves are drained by then). OUT
+stats files (``stats_dir``) are read before and after each phase (after the
+worker's saves of the phase are done: saves run behind the forward pass, so
+``generate`` returns before they finish), and once more after the engine is
+shut down. OUT
 receives ``{"phases": [{"name", "tokens", "num_cached_tokens", "stats_delta"}],
 "final_stats"}``; ``num_cached_tokens`` is vLLM's own count of prompt tokens it
 did not compute.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,20 @@ def read_stats(stats_dir: Path | None) -> dict[str, dict[str, Any]]:
             elif isinstance(value, float):  # an estimate: the last process's
                 role[key] = value
     return out
+
+
+def saves_settled(stats_dir: Path | None, timeout_s: float = 120.0) -> dict[str, dict[str, Any]]:
+    """The stats once every queued save is done (the worker's ``save_jobs_done`` has
+    caught up with ``save_jobs_queued``); raises after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = read_stats(stats_dir)
+        worker = stats.get("worker", {})
+        if worker.get("save_jobs_done", 0) >= worker.get("save_jobs_queued", 0):
+            return stats
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"saves still pending after {timeout_s} s: {worker}")
+        time.sleep(0.05)  # polling the stats files the saver thread writes
 
 
 def delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -105,7 +122,7 @@ def main() -> None:
                 "name": phase["name"],
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                 "num_cached_tokens": [o.num_cached_tokens for o in outputs],
-                "stats_delta": delta(before, read_stats(stats_dir)),
+                "stats_delta": delta(before, saves_settled(stats_dir)),
             }
         )
     if spec.get("hold"):
