@@ -46,6 +46,8 @@ from kvcache.shard import (
 
 __all__ = ["BlockVerdict", "LoadAssembly", "RepairShard"]
 
+_STRIPE_AT: int = HEADER_DTYPE.fields["stripe_id"][1]  # type: ignore[index]
+
 IntArray = npt.NDArray[np.int64]
 #: Most k-subsets tried per block when locating bad shards (C(12, 10) = 66).
 MAX_SUBSETS = 128
@@ -91,7 +93,10 @@ class LoadAssembly:
         self.inside = payload_len // length
         self.pad_len = k * length - payload_len
         self.key_words = key_words
-        self.stripes = stripes
+        #: Each block's stripe id; 0 where the caller did not know it (a load of known keys
+        #: without a match): then the stripe most of its shards carry is adopted on arrival.
+        self.stripes = np.array(stripes, np.uint64)
+        self._unknown = self.stripes == 0
         self.out = out
         self.codec = codec
         self.pad = np.zeros((blocks, max(self.pad_len, 1)), np.uint8)
@@ -244,9 +249,14 @@ class LoadAssembly:
         # Exactly the shard asked for: its identity bytes are what they must be. The rest
         # of the header (claims, checksum) is left to the payload hash and _locate: a
         # damaged claim fails the block's check, and then every shard is examined.
-        good = identity_matches(
-            self._header_rows.take(flat, axis=0), self._identities.take(flat, axis=0)
-        )
+        received = self._header_rows.take(flat, axis=0)
+        expected = self._identities.take(flat, axis=0)
+        unknown = self._unknown[b]
+        if unknown.any():  # any stripe will do for now; verify() settles on one per block
+            expected[unknown, _STRIPE_AT : _STRIPE_AT + 8] = received[
+                unknown, _STRIPE_AT : _STRIPE_AT + 8
+            ]
+        good = identity_matches(received, expected)
         accepted[ok] = good
         self.got[b[good], i[good]] = True
         self.rejected[b[~good], i[~good]] = True
@@ -261,6 +271,8 @@ class LoadAssembly:
 
     def verify(self, blocks: list[int]) -> list[BlockVerdict]:
         """A verdict for each of ``blocks`` (see the module docstring)."""
+        if self._unknown.any():
+            self._settle_stripes(blocks)
         k = self.k
         verdicts: dict[int, BlockVerdict] = {}
         # Fast path: every data shard arrived; one hash per block.
@@ -284,6 +296,33 @@ class LoadAssembly:
                     verdicts[b] = BlockVerdict(True, True)
         # What is left either failed its check or is short of shards.
         return [verdicts[b] if b in verdicts else self._locate(b) for b in blocks]
+
+    def _settle_stripes(self, blocks: list[int]) -> None:
+        """Blocks loaded without a known stripe take the one most of their received shards
+        carry; shards of any other stripe are rejected (a reader never mixes stripes)."""
+        idx = np.asarray(blocks, np.int64)
+        idx = idx[self._unknown[idx] & self.got[idx].any(axis=1)]
+        if not len(idx):
+            return
+        got = self.got[idx]
+        ids = self.headers["stripe_id"][idx]
+        low = np.where(got, ids, np.uint64(2**64 - 1)).min(axis=1)
+        high = np.where(got, ids, np.uint64(0)).max(axis=1)
+        chosen = low.copy()
+        for j in np.flatnonzero(low != high).tolist():  # shards of two stripes: rare
+            values, counts = np.unique(ids[j][got[j]], return_counts=True)
+            chosen[j] = values[np.argmax(counts)]
+        other = got & (ids != chosen[:, None])
+        if other.any():
+            rows, cols = np.nonzero(other)
+            self.got[idx[rows], cols] = False
+            self.rejected[idx[rows], cols] = True
+        self.stripes[idx] = chosen
+        self._unknown[idx] = False
+        identities = self._identities.reshape(len(self.key_words), self.n, -1)
+        identities[idx, :, _STRIPE_AT : _STRIPE_AT + 8] = (
+            chosen.astype("<u8").view(np.uint8).reshape(len(idx), 1, 8)
+        )
 
     def missing(self, b: int) -> IntArray:
         """Shard indices of block ``b`` not (validly) received."""

@@ -196,14 +196,27 @@ class Client:
     @_data_call
     def load_keys(
         self,
-        match: MatchResult,
+        match: MatchResult | Sequence[BlockKey],
         *,
         payload_len: int,
         out: npt.NDArray[np.uint8] | None = None,
         traffic_class: str | None = None,
         on_ready: OnReady | None = None,
     ) -> LoadResult:
-        """:meth:`load` for blocks of ``payload_len`` bytes named by ``match`` alone."""
+        """:meth:`load` for blocks of ``payload_len`` bytes named by ``match`` alone.
+
+        ``match`` may also be the block keys themselves, when the caller knows they are
+        stored (it wrote them; a scheduler matched them): the load then makes no HAS round
+        and asks placement's holders for whatever stripe they have (one round trip). A key
+        that is not stored ends the loaded prefix there, as a miss would.
+        """
+        if not isinstance(match, MatchResult):
+            keys = list(match) if isinstance(match, Sequence) else None
+            if keys is None or any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+                raise ArgumentError(
+                    "match must be a MatchResult or a sequence of 16-byte block keys"
+                )
+            match = MatchResult.known(keys, n=self._core.config.n)
         pooled = self._pooled_load(match, payload_len, out, traffic_class, on_ready)
         if pooled is not None:
             return pooled
@@ -462,7 +475,7 @@ class AsyncClient:
         """See :meth:`Client.load`."""
         return await asyncio.to_thread(self.client.load, namespace, match, **kwargs)
 
-    async def load_keys(self, match: MatchResult, **kwargs: Any) -> LoadResult:
+    async def load_keys(self, match: MatchResult | Sequence[BlockKey], **kwargs: Any) -> LoadResult:
         """See :meth:`Client.load_keys`."""
         return await asyncio.to_thread(self.client.load_keys, match, **kwargs)
 

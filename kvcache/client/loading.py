@@ -329,9 +329,11 @@ def _drop_broken(
     ``placement_rows`` is one row: every node that may hold a shard of it."""
     if int(assembly.got[b].sum()) < assembly.k:
         return  # short of shards, not damaged: the next store rewrites it anyway
+    stripe = int(assembly.stripes[b])
+    if stripe == 0:
+        return  # no shard arrived to name the stripe: nothing to drop
     core.count("blocks_corrupt")
     key = match.keys[b]
-    stripe = int(match.stripe[b])
     log.warning(
         "block %s: stripe %016x fails verification from every set of %d shards; dropping it",
         key.hex(),

@@ -441,6 +441,21 @@ class LocalCluster:
         _signal(node.pid, signal.SIGKILL)
         _reap(node)
 
+    def terminate(self, index: int, *, timeout_s: float = 15.0) -> None:
+        """SIGTERM node ``index`` and wait for it to exit (a graceful stop, as for an upgrade)."""
+        node = self._nodes[index]
+        _signal(node.pid, signal.SIGTERM)
+        if node.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=timeout_s)
+        else:  # a node of a cluster started by another process: no handle to wait on
+            deadline = time.monotonic() + timeout_s
+            while _alive(node.pid, node.proc) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if _alive(node.pid, node.proc):
+            _signal(node.pid, signal.SIGKILL)
+        _reap(node)
+
     def pause(self, index: int) -> None:
         """SIGSTOP node ``index``: it keeps its connections but answers nothing."""
         _signal(self._nodes[index].pid, signal.SIGSTOP)

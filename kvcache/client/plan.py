@@ -54,6 +54,21 @@ class MatchResult:
     holders: IntArray
     best_count: IntArray
 
+    @classmethod
+    def known(cls, keys: Sequence[BlockKey], *, n: int, tokens_per_block: int = 1) -> MatchResult:
+        """Blocks the caller knows are stored (it wrote them, or an engine's scheduler
+        matched them): a load of this asks placement's holders for any stripe, with no HAS
+        round first, and settles on each block's stripe from the shards that arrive."""
+        count = len(keys)
+        return cls(
+            keys=list(keys),
+            hit_blocks=count,
+            tokens_per_block=tokens_per_block,
+            stripe=np.zeros(count, np.uint64),
+            holders=np.full((count, n), -1, np.int64),
+            best_count=np.full(count, n, np.int64),
+        )
+
     @property
     def hit_tokens(self) -> int:
         """Tokens covered by the hit blocks."""

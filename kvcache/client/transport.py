@@ -11,29 +11,45 @@ same interface.
 
 :class:`TcpTransport` keeps, per node, a few bulk connections (GET, PUT) and
 one control connection (HAS, TOUCH, DELETE, STATS), so a match never queues
-behind a large transfer. Each connection has one thread that sends a request
-(``sendmsg`` straight from the caller's buffers), receives its reply header
-and items, asks the exchange where the data goes and receives it there with
-one ``recvmsg_into`` (``MSG_WAITALL``). The threads block in the kernel with
-the GIL released, so a load moves bytes on many cores at once.
+behind a large transfer. Every connection of the transport belongs to ONE
+I/O thread that runs a selector over all of them (:class:`_Loop`): requests
+go out with non-blocking ``sendmsg`` straight from the caller's buffers
+(pipelined, a few per connection), a reply's header and items are read, the
+exchange says where the data goes, and the data is received there with
+``recvmsg_into`` as it arrives. Connections are opened (TCP, TLS, session
+handshake) on short-lived connector threads, so a node that does not answer
+never holds up the others.
 
-Measured on the 16-core H200 host (``docs/architecture.md``): pyzmq peaked at
-about 7.7 GB/s in one process whatever the parallelism, while plain sockets
-moved 42 GB/s over 12 connections; so the data path is TCP, framed by
-:mod:`kvcache.wire`.
+Why one thread and not one per connection (the design up to ``829384f``):
+every exchange then cost a queue hand-off to its connection's thread, a
+wake-up per reply and a GIL hand-over among up to three threads per node;
+at 112 KiB blocks that is ~700 shard transfers per 64-block call and the
+hand-offs, not the bytes, set the client's CPU per GB. One selector thread
+per process pays one wake-up per batch of completions; more cores come from
+I/O worker processes (:mod:`kvcache.client.pool`), each with its own loop.
+
+Failures (issue 18): a connection that fails takes every connection of its
+node with it (after a restart they are all stale), and the exchanges that had
+not started landing data are retried once on fresh connections before any
+error reaches the caller, so a restarted node is never marked down for
+sockets of its previous life. An idle connection whose daemon closed it is
+noticed by the selector and dropped before a request is put on it.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
+import errno
 import itertools
 import logging
-import queue
+import selectors
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,7 +58,7 @@ import numpy.typing as npt
 
 from kvcache.cluster import NodeInfo
 from kvcache.errors import KVCacheError, NodeError, ProtocolError
-from kvcache.net import open_session, recv_exact_into
+from kvcache.net import open_session
 from kvcache.wire import (
     HEADER_BYTES,
     Frame,
@@ -62,6 +78,11 @@ log = logging.getLogger(__name__)
 #: Most buffers per recvmsg_into / sendmsg call (Linux IOV_MAX).
 _IOV_MAX = 1024
 _CONTROL_OPS = {Op.HAS, Op.TOUCH, Op.DELETE, Op.STATS, Op.HAS_DIR, Op.DIR_PUT}
+#: Requests sent ahead of their replies on one connection (the daemon answers in order).
+_PIPELINE = 4
+#: Times an exchange is sent on a fresh connection after its connection failed under it.
+_RETRIES = 1
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class RemoteStatusError(NodeError):
@@ -90,7 +111,8 @@ class Exchange:
     sizes must add up to ``header.data_len``), or None to receive it into a
     scratch buffer handed to :meth:`finish` as ``message.data``.
     :meth:`finish` runs exactly once, on the I/O thread (or the caller's, for
-    an error before sending).
+    an error before sending). Hooks must be quick: they run on the thread that
+    moves every connection's bytes.
     """
 
     def __init__(
@@ -107,6 +129,10 @@ class Exchange:
         self.items = items
         self.data = data
         self.traffic_class = traffic_class
+        #: Times the transport sent it (a retry on a fresh connection adds one).
+        self.attempts = 0
+        #: :meth:`landing` was asked: its data may be partly written, so it is never resent.
+        self.landing_asked = False
 
     def landing(self, header: Header, items: npt.NDArray[np.void]) -> list[memoryview] | None:
         """Where the reply's data section goes (None: a scratch buffer)."""
@@ -137,163 +163,84 @@ class Transport(Protocol):
         """Fail everything and close every connection."""
 
 
-class _Connection:
-    """One connection to one node, with the thread that owns it."""
+_HEAD, _ITEMS, _TEXT, _DATA = range(4)
 
-    def __init__(self, owner: TcpTransport, node: int, name: str) -> None:
-        self.owner = owner
+
+class _Sent:
+    """An exchange on the wire, waiting for its reply."""
+
+    __slots__ = ("at", "exchange", "request_id")
+
+    def __init__(self, exchange: Exchange, request_id: int, at: float) -> None:
+        self.exchange = exchange
+        self.request_id = request_id
+        self.at = at
+
+
+class _Conn:
+    """One connection to one node. Only the loop thread touches it (``busy_at`` aside)."""
+
+    __slots__ = (
+        "connecting",
+        "control",
+        "data",
+        "generation",
+        "header",
+        "ids",
+        "index",
+        "items",
+        "landing",
+        "mask",
+        "name",
+        "node",
+        "out",
+        "queue",
+        "raw",
+        "rgot",
+        "rstate",
+        "sent",
+        "sock",
+        "tls",
+        "views",
+    )
+
+    def __init__(self, node: int, name: str, *, control: bool) -> None:
         self.node = node
-        self.queue: queue.SimpleQueue[Exchange | None] = queue.SimpleQueue()
+        self.name = name
+        self.control = control
         self.sock: socket.socket | None = None
-        self.lock = threading.Lock()
-        self.busy: Exchange | None = None
-        self.busy_at = 0.0
+        self.tls = False
+        self.connecting = False
+        self.generation = 0
+        self.mask = 0
         self.ids = itertools.count(1)
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
+        self.queue: collections.deque[Exchange] = collections.deque()
+        self.sent: collections.deque[_Sent] = collections.deque()
+        self.out: list[memoryview] = []  # unsent request bytes, in order
+        self._reset_reader()
 
-    def _run(self) -> None:
-        while True:
-            exchange = self.queue.get()
-            if exchange is None:
-                self._drop()
-                return
-            with self.lock:
-                self.busy = exchange
-                self.busy_at = time.monotonic()
-            try:
-                reply = self._exchange(exchange)
-            except BaseException as exc:
-                self._drop()
-                error = (
-                    exc
-                    if isinstance(exc, KVCacheError)
-                    else NodeError(
-                        f"node {self.owner.node_id(self.node)}: {exc}",
-                        node=self.owner.node_id(self.node),
-                    )
-                )
-                self._finish(exchange, None, error)
-            else:
-                self._finish(exchange, reply, None)
+    def _reset_reader(self) -> None:
+        self.rstate = _HEAD
+        self.raw = bytearray(HEADER_BYTES)
+        self.rgot = 0
+        self.header: Header | None = None
+        self.items: npt.NDArray[np.void] | None = None
+        self.data: npt.NDArray[np.uint8] | None = None
+        self.landing = False
+        self.views: list[memoryview] = []
+        self.index = 0
 
-    def _finish(
-        self, exchange: Exchange, reply: Message | None, error: BaseException | None
-    ) -> None:
-        with self.lock:
-            self.busy = None
+    @property
+    def load(self) -> int:
+        return len(self.queue) + len(self.sent)
+
+    @property
+    def busy_since(self) -> float | None:
+        sent = self.sent
         try:
-            exchange.finish(reply, error)
-        except Exception:  # a bug in a hook must not kill the connection thread
-            log.exception("exchange completion failed")
-
-    def _connect(self) -> socket.socket:
-        with self.lock:
-            sock = self.sock
-        if sock is not None:
-            return sock
-        owner = self.owner
-        info = owner.nodes[self.node]
-        sock = open_session(
-            info.data,
-            tenant=owner.credentials.tenant,
-            secret=owner.credentials.secret,
-            timeout_s=owner.connect_timeout_s,
-            node=info.id,
-            tls=owner.credentials.tls,
-        )
-        with self.lock:
-            self.sock = sock
-        return sock
-
-    def _exchange(self, exchange: Exchange) -> Message:
-        sock = self._connect()
-        node = self.owner.node_id(self.node)
-        request_id = next(self.ids)
-        sizes = [memoryview(d).nbytes for d in exchange.data]
-        header = Header(
-            op=exchange.op,
-            request_id=request_id,
-            count=len(exchange.items),
-            data_len=sum(sizes),
-            traffic_class=exchange.traffic_class,
-        )
-        items_view = np.ascontiguousarray(exchange.items).view(np.uint8).data
-        _send_all(
-            sock,
-            [
-                memoryview(header.pack()),
-                items_view,
-                *(_flat(d) for d, n in zip(exchange.data, sizes, strict=True) if n),
-            ],
-        )
-        raw = bytearray(HEADER_BYTES)
-        recv_exact_into(sock, memoryview(raw), node)
-        reply_header = Header.unpack(raw, self.owner.limits)
-        if not reply_header.is_reply or reply_header.request_id != request_id:
-            if reply_header.status != Status.OK and reply_header.request_id == 0:
-                pass  # a request the daemon could not parse: its error reply has id 0
-            else:
-                raise ProtocolError(
-                    f"node {node} answered request {reply_header.request_id}, expected {request_id}"
-                )
-        dtype = item_dtype(reply_header.op, reply=True)
-        items = np.empty(reply_header.count, dtype)
-        if reply_header.count:
-            recv_exact_into(sock, items.view(np.uint8).data, node)
-        check_message(reply_header, items, reply_header.data_len)
-        if reply_header.status != Status.OK:
-            text = bytearray(reply_header.data_len)
-            recv_exact_into(sock, memoryview(text), node)
-            raise RemoteStatusError(
-                f"node {node} refused {exchange.op.name}: {reply_header.status.name}: "
-                f"{text.decode('utf-8', 'replace')}",
-                node=node,
-                status=reply_header.status,
-            )
-        data: memoryview = memoryview(b"")
-        if reply_header.data_len:
-            landing = exchange.landing(reply_header, items)
-            if landing is None:
-                scratch = np.empty(reply_header.data_len, np.uint8)
-                recv_exact_into(sock, scratch.data, node)
-                data = scratch.data
-            else:
-                total = sum(v.nbytes for v in landing)
-                if total != reply_header.data_len:
-                    raise ProtocolError(
-                        f"landing of {total} bytes for a data section of {reply_header.data_len}"
-                    )
-                _recv_scatter(sock, landing, node)
-                exchange.landed()
-        return Message(reply_header, items, data)
-
-    def abort(self) -> None:
-        """Shut the socket down: a thread blocked in it returns at once (with an error)."""
-        with self.lock:
-            sock = self.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def _drop(self) -> None:
-        with self.lock:
-            sock, self.sock = self.sock, None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def fail_queued(self, error: BaseException) -> None:
-        """Fail every exchange still waiting in the queue."""
-        while True:
-            try:
-                exchange = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if exchange is None:
-                self.queue.put(None)
-                return
-            self._finish(exchange, None, error)
+            return sent[0].at if sent else None
+        except IndexError:  # emptied by the loop thread meanwhile
+            return None
 
 
 class TcpTransport:
@@ -307,19 +254,36 @@ class TcpTransport:
         connections_per_node: int = 2,
         connect_timeout_s: float = 2.0,
         limits: Limits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.nodes: tuple[NodeInfo, ...] = ()
         self.credentials = credentials
         self.connect_timeout_s = connect_timeout_s
         self.connections_per_node = connections_per_node
         self.limits = limits or Limits()
-        self._bulk: list[list[_Connection]] = []
-        self._control: list[_Connection] = []
-        self._next: list[itertools.count[int]] = []
+        self.clock = clock
+        #: Failed connections, and exchanges resent on fresh ones (for tests and stats).
+        self.counters: dict[str, int] = {"connection_failures": 0, "retries": 0, "stale_closed": 0}
+        self._bulk: list[list[_Conn]] = []
+        self._control: list[_Conn] = []
         self._grow = threading.Lock()
         self._closed = False
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._woken = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._connectors = concurrent.futures.ThreadPoolExecutor(
+            max_workers=16, thread_name_prefix="kvcache-connect"
+        )
         for node in nodes:
             self.add(node)
+        self._thread = threading.Thread(target=self._run, name="kvcache-io", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
 
     def add(self, node: NodeInfo) -> int:
         """Add ``node`` (a node that joined the map, or one at a new address); its index.
@@ -331,14 +295,13 @@ class TcpTransport:
                 raise NodeError("client closed", node=node.id)
             index = len(self.nodes)
             self._bulk.append(self._connections(index, node))
-            self._control.append(_Connection(self, index, f"kvcache-{node.id}-ctl"))
-            self._next.append(itertools.count())
+            self._control.append(_Conn(index, f"{node.id}-ctl", control=True))
             self.nodes = (*self.nodes, node)
             return index
 
-    def _connections(self, index: int, node: NodeInfo) -> list[_Connection]:
+    def _connections(self, index: int, node: NodeInfo) -> list[_Conn]:
         return [
-            _Connection(self, index, f"kvcache-{node.id}-bulk{j}")
+            _Conn(index, f"{node.id}-bulk{j}", control=False)
             for j in range(self.connections_per_node)
         ]
 
@@ -351,115 +314,457 @@ class TcpTransport:
         if self._closed:
             exchange.finish(None, NodeError("client closed", node=self.node_id(exchange.node)))
             return
-        if exchange.op in _CONTROL_OPS:
-            conn = self._control[exchange.node]
-        else:
-            pool = self._bulk[exchange.node]
-            # The least loaded connection; ties go round robin.
-            start = next(self._next[exchange.node])
-            conn = min(
-                (pool[(start + j) % len(pool)] for j in range(len(pool))),
-                key=lambda c: c.queue.qsize() + (c.busy is not None),
-            )
-        conn.queue.put(exchange)
+        self._post("submit", exchange)
 
     def reset(self, node: int) -> None:
-        """Fail queued and in-flight exchanges of ``node``; it gets fresh connections.
+        """Fail queued and in-flight exchanges of ``node``; it gets fresh connections."""
+        self._post("reset", node)
 
-        The old connections are retired, not reused: a socket that was shut down
-        stays in its connection, and the next request on it would fail with EPIPE
-        and mark a node that had come back down again (a load after a paused node
-        resumed lost 5 of 12 blocks that way).
-        """
-        error = NodeError(f"node {self.node_id(node)} reset", node=self.node_id(node))
-        with self._grow:
-            if self._closed:
-                return
-            info = self.nodes[node]
-            old = (*self._bulk[node], self._control[node])
-            self._bulk[node] = self._connections(node, info)
-            self._control[node] = _Connection(self, node, f"kvcache-{info.id}-ctl")
-        for conn in old:
-            conn.fail_queued(error)
-            conn.abort()
-            conn.queue.put(None)  # its thread ends after the exchange in hand
+    def abort(self, exchange: Exchange) -> None:
+        """Cut the connection carrying ``exchange`` right now, if any is."""
+        self._post("abort", exchange)
 
     def busy_since(self) -> dict[int, float]:
         """Per node with an exchange in progress: since when the oldest one is (monotonic)."""
         out: dict[int, float] = {}
         for conn in (*(c for pool in self._bulk for c in pool), *self._control):
-            with conn.lock:
-                if conn.busy is not None:
-                    out[conn.node] = min(out.get(conn.node, conn.busy_at), conn.busy_at)
+            since = conn.busy_since
+            if since is not None:
+                out[conn.node] = min(out.get(conn.node, since), since)
         return out
 
-    def abort(self, exchange: Exchange) -> None:
-        """Shut down the connection carrying ``exchange`` right now, if any is."""
-        for conn in (*self._bulk[exchange.node], self._control[exchange.node]):
-            with conn.lock:
-                carrying = conn.busy is exchange
-            if carrying:
-                conn.abort()
-
     def close(self) -> None:
-        """Stop every connection thread and close the sockets."""
+        """Fail everything, close every connection and stop the I/O thread."""
         with self._grow:
             if self._closed:
                 return
             self._closed = True
-        conns = [c for pool in self._bulk for c in pool] + self._control
-        for conn in conns:
-            conn.fail_queued(NodeError("client closed", node=self.node_id(conn.node)))
-            conn.queue.put(None)
-            conn.abort()
-        for conn in conns:
-            conn.thread.join(timeout=5)
-            conn._drop()
+        self._post("close", None)
+        self._thread.join(timeout=10)
+        self._connectors.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            self._wake_w.close()
+
+    def _post(self, what: str, arg: object) -> None:
+        self._inbox.append((what, arg))
+        if not self._woken:
+            self._woken = True
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+
+    # ------------------------------------------------------------------ the I/O thread
+
+    def _run(self) -> None:
+        select = self._selector.select
+        try:
+            while True:
+                if self._inbox and not self._drain():
+                    return
+                for key, mask in select(None if not self._inbox else 0):
+                    conn = key.data
+                    if conn is None:
+                        # Consume the wake bytes first, then allow new ones: a post after
+                        # this point sends a byte; one before it is in the inbox, drained next.
+                        with contextlib.suppress(OSError):
+                            while self._wake_r.recv(4096):
+                                pass
+                        self._woken = False
+                        continue
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(conn)
+                    if mask & selectors.EVENT_READ and conn.sock is not None:
+                        self._receive(conn)
+        except BaseException:  # pragma: no cover - a bug here would hang every caller
+            log.exception("client I/O loop failed")
+            self._shutdown(NodeError("client I/O loop failed", node="*"))
+            raise
+
+    def _drain(self) -> bool:
+        """Handle what other threads posted; False once the transport is closing."""
+        inbox = self._inbox
+        while inbox:
+            what, arg = inbox.popleft()
+            if what == "submit":
+                assert isinstance(arg, Exchange)
+                self._queue(arg)
+            elif what == "connected":
+                self._connected(*arg)  # type: ignore[misc]
+            elif what == "reset":
+                assert isinstance(arg, int)
+                node = self.node_id(arg)
+                self._reset_node(arg, NodeError(f"node {node} reset", node=node), retry=False)
+            elif what == "abort":
+                assert isinstance(arg, Exchange)
+                self._abort(arg)
+            elif what == "close":
+                self._shutdown(NodeError("client closed", node="*"))
+                return False
+        return True
+
+    def _queue(self, exchange: Exchange) -> None:
+        node = exchange.node
+        if exchange.op in _CONTROL_OPS:
+            conn = self._control[node]
+        else:
+            conn = min(self._bulk[node], key=_load)
+        conn.queue.append(exchange)
+        self._pump(conn)
+
+    def _pump(self, conn: _Conn) -> None:
+        """Put queued requests on the wire (connecting first if needed)."""
+        if conn.sock is None:
+            if conn.queue and not conn.connecting:
+                self._connect(conn)
+            return
+        now = self.clock()
+        while conn.queue and len(conn.sent) < _PIPELINE:
+            exchange = conn.queue.popleft()
+            request_id = next(conn.ids)
+            try:
+                conn.out += _request(exchange, request_id)
+            except Exception as exc:  # a request that cannot even be built fails alone
+                _finish(exchange, None, exc)
+                continue
+            exchange.attempts += 1
+            conn.sent.append(_Sent(exchange, request_id, now))
+        if conn.out:
+            self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        sock = conn.sock
+        if sock is None:
+            return
+        out = conn.out
+        try:
+            while out:
+                sent = sock.send(out[0]) if conn.tls else sock.sendmsg(out[:_IOV_MAX])
+                while sent:
+                    head = out[0]
+                    if sent >= head.nbytes:
+                        sent -= head.nbytes
+                        del out[0]
+                    else:
+                        out[0] = head[sent:]
+                        sent = 0
+        except _WOULD_BLOCK:
+            pass
+        except (OSError, ssl.SSLError) as exc:
+            self._failed(conn, exc)
+            return
+        self._watch(conn)
+
+    def _watch(self, conn: _Conn) -> None:
+        sock = conn.sock
+        if sock is None:
+            return
+        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        if mask != conn.mask:
+            self._selector.modify(sock, mask, conn)
+            conn.mask = mask
+
+    def _receive(self, conn: _Conn) -> None:
+        """Read what has arrived; finish every reply that is complete."""
+        sock = conn.sock
+        assert sock is not None
+        try:
+            while True:
+                if conn.sock is not sock:
+                    return  # dropped while a reply was handled
+                if conn.rstate == _DATA:
+                    self._recv_data(conn, sock)
+                    self._complete(conn)
+                    continue
+                if conn.rstate == _HEAD:
+                    view = memoryview(conn.raw)
+                elif conn.rstate == _ITEMS:
+                    assert conn.items is not None
+                    view = conn.items.view(np.uint8).data
+                else:
+                    assert conn.data is not None
+                    view = conn.data.data
+                if conn.rgot < view.nbytes:
+                    n = sock.recv_into(view[conn.rgot :])
+                    if n == 0:
+                        if not conn.sent and conn.rstate == _HEAD and conn.rgot == 0:
+                            self.counters["stale_closed"] += 1
+                            self._drop(conn)  # an idle connection the daemon closed
+                            return
+                        node = self.node_id(conn.node)
+                        raise NodeError(f"node {node} closed the connection", node=node)
+                    conn.rgot += n
+                    if conn.rgot < view.nbytes:
+                        continue
+                self._advance(conn)
+        except _WOULD_BLOCK:
+            return
+        except (OSError, ssl.SSLError, KVCacheError) as exc:
+            self._failed(conn, exc)
+        except Exception as exc:  # a landing hook that failed: the stream is lost
+            log.exception("a reply from node %s could not be received", self.node_id(conn.node))
+            self._failed(conn, exc)
+
+    def _advance(self, conn: _Conn) -> None:
+        """A section is complete: parse it and set up the next one."""
+        node = self.node_id(conn.node)
+        if conn.rstate == _HEAD:
+            if not conn.sent:
+                raise ProtocolError(f"node {node} sent a reply to no request")
+            header = Header.unpack(conn.raw, self.limits)
+            expected = conn.sent[0].request_id
+            if not header.is_reply or (
+                header.request_id != expected
+                and not (header.status != Status.OK and header.request_id == 0)
+            ):
+                raise ProtocolError(
+                    f"node {node} answered request {header.request_id}, expected {expected}"
+                )
+            conn.header = header
+            conn.items = np.empty(header.count, item_dtype(header.op, reply=True))
+            conn.rstate, conn.rgot = _ITEMS, 0
+            if header.count:
+                return
+        current = conn.header
+        assert current is not None and conn.items is not None
+        header = current
+        if conn.rstate == _ITEMS:
+            check_message(header, conn.items, header.data_len)
+            if header.status != Status.OK:
+                conn.data = np.empty(header.data_len, np.uint8)
+                conn.rstate, conn.rgot = _TEXT, 0
+                if header.data_len:
+                    return
+            elif header.data_len:
+                exchange = conn.sent[0].exchange
+                exchange.landing_asked = True
+                views = exchange.landing(header, conn.items)
+                if views is None:
+                    conn.data = np.empty(header.data_len, np.uint8)
+                    conn.views = [conn.data.data]
+                else:
+                    total = sum(v.nbytes for v in views)
+                    if total != header.data_len:
+                        raise ProtocolError(
+                            f"landing of {total} bytes for a data section of {header.data_len}"
+                        )
+                    conn.views = [v for v in views if v.nbytes]
+                    conn.landing = True
+                conn.rstate, conn.index = _DATA, 0
+                return
+        self._complete(conn)
+
+    def _recv_data(self, conn: _Conn, sock: socket.socket) -> None:
+        """Receive into the landing buffers until all are full (or the socket would block)."""
+        views = conn.views
+        while conn.index < len(views):
+            if conn.tls:
+                got = sock.recv_into(views[conn.index])
+            else:
+                got = sock.recvmsg_into(views[conn.index : conn.index + _IOV_MAX])[0]
+            if got == 0:
+                node = self.node_id(conn.node)
+                raise NodeError(f"node {node} closed the connection mid-reply", node=node)
+            i = conn.index
+            while got:
+                head = views[i]
+                if got >= head.nbytes:
+                    got -= head.nbytes
+                    i += 1
+                else:
+                    views[i] = head[got:]
+                    got = 0
+            conn.index = i
+
+    def _complete(self, conn: _Conn) -> None:
+        """The reply at the head of ``conn`` is in: hand it to its exchange."""
+        header, items = conn.header, conn.items
+        assert header is not None and items is not None
+        sent = conn.sent.popleft()
+        exchange = sent.exchange
+        node = self.node_id(conn.node)
+        data, landing = conn.data, conn.landing
+        conn._reset_reader()
+        if header.status != Status.OK:
+            text = b"" if data is None else data.tobytes()
+            _finish(
+                exchange,
+                None,
+                RemoteStatusError(
+                    f"node {node} refused {exchange.op.name}: {header.status.name}: "
+                    f"{text.decode('utf-8', 'replace')}",
+                    node=node,
+                    status=header.status,
+                ),
+            )
+        else:
+            if landing:
+                exchange.landed()
+            body = data.data if data is not None else memoryview(b"")
+            _finish(exchange, Message(header, items, body), None)
+        self._pump(conn)
+
+    # ------------------------------------------------------------------ connections
+
+    def _connect(self, conn: _Conn) -> None:
+        conn.connecting = True
+        generation = conn.generation
+        info = self.nodes[conn.node]
+        credentials = self.credentials
+
+        def open_one() -> None:
+            try:
+                sock: socket.socket | BaseException = open_session(
+                    info.data,
+                    tenant=credentials.tenant,
+                    secret=credentials.secret,
+                    timeout_s=self.connect_timeout_s,
+                    node=info.id,
+                    tls=credentials.tls,
+                )
+            except BaseException as exc:
+                sock = exc
+            self._post("connected", (conn, generation, sock))
+
+        try:
+            self._connectors.submit(open_one)
+        except RuntimeError:  # shutting down
+            conn.connecting = False
+
+    def _connected(
+        self, conn: _Conn, generation: int, result: socket.socket | BaseException
+    ) -> None:
+        if generation != conn.generation or self._closed:
+            if isinstance(result, socket.socket):
+                result.close()
+            return
+        conn.connecting = False
+        if isinstance(result, BaseException):
+            error = (
+                result
+                if isinstance(result, KVCacheError)
+                else NodeError(
+                    f"node {self.node_id(conn.node)}: {result}", node=self.node_id(conn.node)
+                )
+            )
+            self.counters["connection_failures"] += 1
+            while conn.queue:
+                _finish(conn.queue.popleft(), None, error)
+            return
+        result.setblocking(False)
+        conn.sock = result
+        conn.tls = isinstance(result, ssl.SSLSocket)
+        conn.mask = selectors.EVENT_READ
+        self._selector.register(result, conn.mask, conn)
+        self._pump(conn)
+
+    def _drop(self, conn: _Conn) -> list[Exchange]:
+        """Close ``conn``'s socket; the exchanges that were on it (sent first, then queued)."""
+        sock, conn.sock = conn.sock, None
+        if sock is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(sock)
+            with contextlib.suppress(OSError):
+                sock.close()
+        conn.generation += 1
+        conn.connecting = False
+        conn.mask = 0
+        conn.out = []
+        conn._reset_reader()
+        on_it = [s.exchange for s in conn.sent] + list(conn.queue)
+        conn.sent.clear()
+        conn.queue.clear()
+        return on_it
+
+    def _failed(self, conn: _Conn, exc: BaseException) -> None:
+        """``conn`` broke: every connection of its node goes, and what can be is resent."""
+        node = self.node_id(conn.node)
+        if isinstance(exc, KVCacheError) and not isinstance(exc, ProtocolError):
+            error: BaseException = exc
+        else:
+            error = NodeError(f"node {node}: {exc}", node=node)
+        if isinstance(exc, (OSError, ssl.SSLError)) and not _is_reset(exc):
+            log.debug("connection %s failed: %s", conn.name, exc)
+        self.counters["connection_failures"] += 1
+        self._reset_node(conn.node, error, retry=True)
+
+    def _reset_node(self, node: int, error: BaseException, *, retry: bool) -> None:
+        resend: list[Exchange] = []
+        for conn in (*self._bulk[node], self._control[node]):
+            for exchange in self._drop(conn):
+                if retry and exchange.attempts <= _RETRIES and not exchange.landing_asked:
+                    resend.append(exchange)
+                else:
+                    _finish(exchange, None, error)
+        for exchange in resend:
+            if exchange.attempts:
+                self.counters["retries"] += 1
+            self._queue(exchange)
+
+    def _abort(self, exchange: Exchange) -> None:
+        for conn in (*self._bulk[exchange.node], self._control[exchange.node]):
+            if any(s.exchange is exchange for s in conn.sent):
+                node = self.node_id(exchange.node)
+                error = NodeError(f"node {node}: exchange aborted", node=node)
+                others: list[Exchange] = []
+                for ex in self._drop(conn):
+                    if ex is exchange or ex.landing_asked:
+                        _finish(ex, None, error)
+                    else:
+                        others.append(ex)
+                for ex in others:
+                    self._queue(ex)
+                return
+
+    def _shutdown(self, error: BaseException) -> None:
+        for conn in (*(c for pool in self._bulk for c in pool), *self._control):
+            for exchange in self._drop(conn):
+                _finish(exchange, None, error)
+        while self._inbox:
+            what, arg = self._inbox.popleft()
+            if what == "submit" and isinstance(arg, Exchange):
+                _finish(arg, None, error)
+            elif what == "connected":
+                result = arg[2]  # type: ignore[index]
+                if isinstance(result, socket.socket):
+                    result.close()
+        with contextlib.suppress(OSError):
+            self._selector.close()
+        with contextlib.suppress(OSError):
+            self._wake_r.close()
+
+
+def _load(conn: _Conn) -> int:
+    return conn.load
+
+
+def _finish(exchange: Exchange, reply: Message | None, error: BaseException | None) -> None:
+    try:
+        exchange.finish(reply, error)
+    except Exception:  # a bug in a hook must not stop the I/O thread
+        log.exception("exchange completion failed")
+
+
+def _request(exchange: Exchange, request_id: int) -> list[memoryview]:
+    """The sections of ``exchange``'s request (header, items, data), as byte views."""
+    sizes = [memoryview(d).nbytes for d in exchange.data]
+    header = Header(
+        op=exchange.op,
+        request_id=request_id,
+        count=len(exchange.items),
+        data_len=sum(sizes),
+        traffic_class=exchange.traffic_class,
+    )
+    views = [memoryview(header.pack())]
+    items = np.ascontiguousarray(exchange.items).view(np.uint8)
+    if items.nbytes:
+        views.append(items.data)
+    views += [_flat(d) for d, n in zip(exchange.data, sizes, strict=True) if n]
+    return views
+
+
+def _is_reset(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
 
 
 def _flat(frame: Frame) -> memoryview:
     view = memoryview(frame)
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-
-
-def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """Send every byte of ``views`` (gathered writes; TLS sockets send them one by one)."""
-    if isinstance(sock, ssl.SSLSocket):
-        for view in views:
-            sock.sendall(view)
-        return
-    pending = [v for v in views if v.nbytes]
-    while pending:
-        sent = sock.sendmsg(pending[:_IOV_MAX])
-        while sent:
-            head = pending[0]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[sent:]
-                sent = 0
-
-
-def _recv_scatter(sock: socket.socket, views: list[memoryview], node: str) -> None:
-    """Fill every buffer of ``views`` in order from the socket (one syscall when it can)."""
-    if isinstance(sock, ssl.SSLSocket):
-        for view in views:
-            recv_exact_into(sock, view, node)
-        return
-    pending = [v for v in views if v.nbytes]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
-        if got == 0:
-            raise NodeError(f"node {node} closed the connection mid-reply", node=node)
-        del pending[: len(batch)]
-        done = 0
-        for i, view in enumerate(batch):
-            if got >= done + view.nbytes:
-                done += view.nbytes
-                continue
-            # A short read (a signal, or the socket shut down): keep what is left.
-            rest = [view[got - done :], *batch[i + 1 :]]
-            pending[:0] = rest
-            break

@@ -1,0 +1,144 @@
+"""The client's TCP transport and one-round loads, against real daemons on loopback.
+
+- Loads of keys the caller knows are stored: no HAS round, any stripe, stripes settled
+  from the shards that arrive.
+- Restarts: a node killed and started again, and a rolling restart of every node, cost
+  no load (issue 18): stale connections are dropped or retried on fresh ones, never a
+  reason to mark a node that answers again down.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcache import REFERENCE_LAYOUT, Namespace
+from kvcache.client import Client
+from kvcache.client.localcluster import LocalCluster
+from kvcache.keys import block_keys
+
+P = 114_688
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = Path(tmp_path_factory.mktemp("transport"))
+    with LocalCluster(root / "cluster").start(nodes=12, capacity="1GiB") as c:
+        yield c
+
+
+def _blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, P), dtype=np.uint8)
+
+
+def _has_requests(cluster: LocalCluster) -> int:
+    return sum(int(s["requests"]["has"]) for s in cluster.node_stats())
+
+
+def test_load_of_known_keys_makes_no_has_round_and_returns_the_stored_bytes(
+    cluster: LocalCluster,
+) -> None:
+    keys = [os.urandom(16) for _ in range(64)]
+    src = _blocks(64, 1)
+    with Client(cluster.client_config()) as client:
+        assert client.store_keys(keys, src, payload_len=P).written == 64
+        before = _has_requests(cluster)
+        out = np.zeros_like(src)
+        loaded = client.load_keys(keys, payload_len=P, out=out)
+        assert loaded.blocks == 64
+        assert np.array_equal(out, src)
+        assert _has_requests(cluster) == before
+        # A key that is not stored ends the prefix there, like a miss.
+        gap = [*keys[:10], os.urandom(16), *keys[11:]]
+        out[:] = 0
+        assert client.load_keys(gap, payload_len=P, out=out).blocks == 10
+        assert np.array_equal(out[:10], src[:10])
+
+
+def test_known_keys_load_settles_on_the_stripe_of_a_rewritten_block(
+    cluster: LocalCluster,
+) -> None:
+    """A block deleted and written again (a new stripe): the load takes one stripe's
+    shards, never a mix, and returns the second write's bytes."""
+    ns = Namespace(model="transport-test", revision="1", layout=REFERENCE_LAYOUT)
+    tokens = list(range(8 * ns.tokens_per_block))
+    keys = block_keys(ns, tokens)
+    first, second = _blocks(8, 2), _blocks(8, 3)
+    with Client(cluster.client_config()) as client:
+        assert client.store(ns, tokens, list(first)).written == 8
+        assert client.delete(ns, tokens) > 0
+        assert client.store(ns, tokens, list(second)).written == 8
+        out = np.zeros_like(second)
+        assert client.load_keys(keys, payload_len=P, out=out).blocks == 8
+        assert np.array_equal(out, second)
+
+
+def test_known_keys_load_rejects_bad_arguments(cluster: LocalCluster) -> None:
+    from kvcache.errors import ArgumentError
+
+    with Client(cluster.client_config()) as client, pytest.raises(ArgumentError):
+        client.load_keys([b"short"], payload_len=P)
+
+
+def test_a_node_killed_and_restarted_costs_no_load(cluster: LocalCluster) -> None:
+    keys = [os.urandom(16) for _ in range(32)]
+    src = _blocks(32, 4)
+    with Client(cluster.client_config()) as client:
+        assert client.store_keys(keys, src, payload_len=P).written == 32
+        out = np.zeros_like(src)
+        for victim in (3, 7):
+            cluster.kill(victim)
+            cluster.restart(victim)
+            for _ in range(5):
+                out[:] = 0
+                match = client.match_keys(keys)
+                assert match.hit_blocks == 32
+                assert client.load_keys(match, payload_len=P, out=out).blocks == 32
+                assert np.array_equal(out, src)
+            # The restarted node answers, so it is up: its old sockets were not held
+            # against it.
+            assert client._core.health.is_up(cluster.nodes[victim].id)
+
+
+def test_a_rolling_restart_of_every_node_costs_no_load_and_no_store(
+    cluster: LocalCluster,
+) -> None:
+    keys = [os.urandom(16) for _ in range(32)]
+    src = _blocks(32, 5)
+    stop = threading.Event()
+    short: list[int] = []
+    loads = 0
+    stores_failed = 0
+    with Client(cluster.client_config()) as client:
+        assert client.store_keys(keys, src, payload_len=P).written == 32
+
+        def load_forever() -> None:
+            nonlocal loads
+            out = np.zeros_like(src)
+            while not stop.is_set():
+                got = client.load_keys(client.match_keys(keys), payload_len=P, out=out)
+                loads += 1
+                if got.blocks != 32 or not np.array_equal(out, src):
+                    short.append(got.blocks)
+
+        reader = threading.Thread(target=load_forever)
+        reader.start()
+        try:
+            for i in range(len(cluster.nodes)):
+                cluster.terminate(i)
+                # One node down: a store still reaches its quorum through a stand-in.
+                fresh = [os.urandom(16) for _ in range(4)]
+                if client.store_keys(fresh, src[:4], payload_len=P).written != 4:
+                    stores_failed += 1
+                cluster.restart(i)
+        finally:
+            stop.set()
+            reader.join(timeout=60)
+    assert loads > 0
+    assert short == []
+    assert stores_failed == 0
