@@ -439,8 +439,9 @@ class MessageReader:
 
     @property
     def buffered_bytes(self) -> int:
-        """Bytes of a large data section buffered for the message in progress."""
-        return 0 if self._data is None else len(self._data)
+        """Bytes of a large data section received so far for the message in progress (what
+        it holds in memory: its declared length is only reserved, never counted)."""
+        return 0 if self._data is None else self._data_got
 
     @property
     def idle(self) -> bool:

@@ -36,6 +36,7 @@ _SIZE_FIELDS = (
     "map_size_bytes",
     "max_data_bytes",
     "max_inflight_bytes",
+    "tenant_inflight_bytes",
     "scrub_rate_bytes",
 )
 
@@ -108,8 +109,22 @@ class ServerConfig:
     handshake_timeout_s: float = 10.0
     #: A reply that makes no progress for this long closes its connection (peer not reading).
     send_timeout_s: float = 30.0
-    #: Request bytes buffered across connections before the daemon stops reading new ones.
+    #: Request bytes received and not yet stored, across connections, before the daemon
+    #: stops starting new requests (a tenant holding none may always start one).
     max_inflight_bytes: int = 1 << 30
+    #: The most of those one tenant's half-received requests may hold.
+    tenant_inflight_bytes: int = 256 << 20
+    #: Authenticated data-path connections one tenant may hold.
+    tenant_connections: int = 512
+    #: Connections waiting for their session handshake; when full the oldest makes room.
+    max_preauth: int = 256
+    #: ... of those, from one peer address.
+    max_preauth_per_peer: int = 128
+    #: A request still arriving after this long is cut off.
+    request_timeout_s: float = 120.0
+    #: ... and one arriving slower than ``min_request_rate`` bytes/s once this long passed.
+    request_grace_s: float = 5.0
+    min_request_rate: int = 256 << 10
     #: Most shards one sweep or eviction transaction deletes (bounds how long it holds the writer).
     sweep_batch: int = 512
     #: A hit moving an expiry by less than this is not written (saves writes on hot blocks).
@@ -171,10 +186,23 @@ class ServerConfig:
             "sweep_batch",
             "max_connections",
             "max_inflight_bytes",
+            "tenant_inflight_bytes",
+            "tenant_connections",
+            "max_preauth",
+            "max_preauth_per_peer",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("sync_interval_s", "touch_flush_s", "handshake_timeout_s", "send_timeout_s"):
+        if self.min_request_rate < 0:
+            raise ConfigError(f"min_request_rate must be >= 0, got {self.min_request_rate}")
+        for name in (
+            "sync_interval_s",
+            "touch_flush_s",
+            "handshake_timeout_s",
+            "send_timeout_s",
+            "request_timeout_s",
+            "request_grace_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.replace_after_s < 0:

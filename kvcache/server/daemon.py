@@ -24,6 +24,7 @@ from kvcache.errors import ConfigError
 from kvcache.memtune import tune_malloc
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.admin import AdminServer, OffsetClock, build_app
+from kvcache.server.admission import AdmissionLimits
 from kvcache.server.config import ServerConfig
 from kvcache.server.eviction import Quota
 from kvcache.server.handler import RequestHandler
@@ -154,10 +155,19 @@ def run_daemon(
             credentials=creds,
             limits=config.limits,
             ssl_context=ssl_context,
-            max_connections=config.max_connections,
-            handshake_timeout_s=config.handshake_timeout_s,
             send_timeout_s=config.send_timeout_s,
-            max_inflight_bytes=config.max_inflight_bytes,
+            admission=AdmissionLimits(
+                max_inflight_bytes=config.max_inflight_bytes,
+                tenant_inflight_bytes=config.tenant_inflight_bytes,
+                max_connections=config.max_connections,
+                tenant_connections=config.tenant_connections,
+                max_preauth=config.max_preauth,
+                max_preauth_per_peer=config.max_preauth_per_peer,
+                handshake_timeout_s=config.handshake_timeout_s,
+                request_timeout_s=config.request_timeout_s,
+                request_grace_s=config.request_grace_s,
+                min_request_rate=config.min_request_rate,
+            ),
         )
         endpoint = server.bind()
         app = build_app(

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from kvcache.credentials import Credentials
 from kvcache.errors import KVCacheError, ProtocolError, StorageError
+from kvcache.server.admission import Admission, AdmissionLimits
 from kvcache.server.handler import Reply, Request, RequestHandler
 from kvcache.session import AUTH_BYTES, ServerHandshake
 from kvcache.wire import Limits, MessageReader, Op, Status, parse_endpoint
@@ -69,13 +70,17 @@ class _Conn:
         "addr",
         "auth_buf",
         "busy",
+        "counted",
         "events",
         "handshake",
         "last_progress",
         "opened",
         "out",
+        "peer",
         "reader",
         "reply",
+        "request_bytes",
+        "request_started",
         "sock",
         "state",
         "tenant",
@@ -101,6 +106,13 @@ class _Conn:
         self.busy = False
         self.opened = now
         self.last_progress = now
+        #: Peer address (host) for the pre-authentication bounds.
+        self.peer = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+        #: Bytes of the half-received request counted against its tenant's share.
+        self.counted = 0
+        #: When the request now arriving started, and how many bytes of it arrived.
+        self.request_started = now
+        self.request_bytes = 0
 
 
 class DataServer:
@@ -118,6 +130,7 @@ class DataServer:
         handshake_timeout_s: float = 10.0,
         send_timeout_s: float = 30.0,
         max_inflight_bytes: int = 1 << 30,
+        admission: AdmissionLimits | None = None,
     ) -> None:
         self.handler = handler
         self.metrics = handler.metrics
@@ -125,10 +138,17 @@ class DataServer:
         self._credentials = credentials
         self._limits = limits
         self._ssl = ssl_context
-        self._max_connections = max_connections
-        self._handshake_timeout = handshake_timeout_s
+        limits_ = admission or AdmissionLimits(
+            max_connections=max_connections,
+            handshake_timeout_s=handshake_timeout_s,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+        self._admission: Admission[int] = Admission(limits_)
         self._send_timeout = send_timeout_s
-        self._max_inflight = max_inflight_bytes
+        #: Connections not read for now (their tenant holds its share of in-flight bytes).
+        self._paused: dict[int, _Conn] = {}
+        self._authenticated = 0
+        self._last_expire = 0.0
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
@@ -236,17 +256,20 @@ class DataServer:
                 log.warning("accept failed: %s", exc)
                 self.metrics.error("accept")
                 return
-            if len(self._conns) >= self._max_connections:
-                self.metrics.error("too_many_connections")
-                sock.close()
-                continue
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            conn = _Conn(sock, addr, self._limits, time.monotonic())
-            self._conns[sock.fileno()] = conn
+            now = time.monotonic()
+            conn = _Conn(sock, addr, self._limits, now)
+            fd = sock.fileno()
+            for displaced in self._admission.preauth_open(fd, conn.peer, now):
+                other = self._conns.get(displaced)
+                if other is not None:
+                    self.metrics.error("preauth_evicted")
+                    self._close(other, "displaced by a newer unauthenticated connection")
+            self._conns[fd] = conn
             self.metrics.connections += 1
             self._watch(conn, selectors.EVENT_READ)
             if conn.tls_done:
@@ -300,9 +323,13 @@ class DataServer:
                 want = AUTH_BYTES - len(conn.auth_buf)
                 buf = memoryview(bytearray(want))
             else:
-                if conn.reader.idle and self._inflight() > self._max_inflight:
+                if conn.reader.idle and not self._admission.may_start(conn.tenant.id):
+                    # Its tenant holds its share of half-received bytes: read it again
+                    # once some of them are stored (others' connections go on).
                     self.metrics.error("inflight_paused")
-                    return  # read later, when buffered requests have been stored
+                    self._paused[conn.sock.fileno()] = conn
+                    self._watch(conn, 0)
+                    return
                 buf = conn.reader.recv_buffer()
             try:
                 n = conn.sock.recv_into(buf)
@@ -314,14 +341,20 @@ class DataServer:
             if n == 0:
                 self._close(conn, "closed by peer")
                 return
-            conn.last_progress = time.monotonic()
+            now = time.monotonic()
+            conn.last_progress = now
             if conn.state == _AUTH:
                 conn.auth_buf += buf[:n]
                 if len(conn.auth_buf) == AUTH_BYTES:
                     self._authenticate(conn)
                 continue
+            if conn.reader.idle:
+                conn.request_started, conn.request_bytes = now, 0
+            conn.request_bytes += n
             conn.reader.commit(n)
-            if self._parse(conn):
+            parsed = self._parse(conn)
+            self._recount(conn)
+            if parsed:
                 return
 
     def _parse(self, conn: _Conn) -> bool:
@@ -358,8 +391,18 @@ class DataServer:
             log.info("refused a data connection from %s: bad credentials", conn.addr)
             conn.state = _CLOSING
         else:
+            self._admission.preauth_close(conn.sock.fileno())
+            refused = self._admission.tenant_may_connect(tenant.id, self._authenticated)
+            if refused is not None:
+                self.metrics.error(refused)
+                log.info("refused a data connection of %s: %s", tenant.name, refused)
+                conn.state = _CLOSING
+                self._send(conn, Reply([result]))
+                return
             conn.tenant = tenant
             conn.state = _READY
+            self._authenticated += 1
+            self._admission.tenant_connected(tenant.id)
         self._send(conn, Reply([result]))
 
     # ------------------------------------------------------------------ requests
@@ -388,6 +431,24 @@ class DataServer:
                     reply.done()
                     continue
                 self._send(conn, reply)
+        if self._paused:
+            self._resume_paused()
+
+    def _resume_paused(self) -> None:
+        """Read again the paused connections whose tenant may now start a request."""
+        for fd, conn in list(self._paused.items()):
+            if conn.sock.fileno() < 0:
+                del self._paused[fd]
+            elif self._admission.may_start(conn.tenant.id):
+                del self._paused[fd]
+                self._watch(conn, selectors.EVENT_READ)
+
+    def _recount(self, conn: _Conn) -> None:
+        """Charge ``conn``'s tenant with what its half-received request now holds."""
+        held = conn.reader.buffered_bytes
+        if held != conn.counted:
+            self._admission.moved(conn.tenant.id, held - conn.counted)
+            conn.counted = held
 
     def _store_group(self, group: list[tuple[_Conn, Request]]) -> list[tuple[_Conn, Reply]]:
         replies = self.handler.handle_puts([r for _, r in group])
@@ -462,6 +523,13 @@ class DataServer:
                     self._selector.unregister(conn.sock)
                 conn.events = 0
             self._conns.pop(fd, None)
+            self._paused.pop(fd, None)
+            self._admission.preauth_close(fd)
+            if conn.state == _READY and conn.tenant is not None:
+                self._authenticated -= 1
+                self._admission.tenant_disconnected(conn.tenant.id)
+                self._admission.moved(conn.tenant.id, -conn.counted)
+                conn.counted = 0
             self.metrics.connections = max(0, self.metrics.connections - 1)
             self.metrics.disconnects += 1
             log.debug("connection %s closed: %s", conn.addr, why)
@@ -469,22 +537,44 @@ class DataServer:
             conn.sock.close()
         conn.state = _CLOSING
 
-    def _inflight(self) -> int:
-        return sum(c.reader.buffered_bytes for c in self._conns.values())
-
     def _expire(self, now: float) -> None:
+        """Cut off handshakes past their deadline, requests arriving too slowly or too long,
+        and replies the peer stopped reading (at most every 0.1 s: a pass visits every
+        connection)."""
+        if now - self._last_expire < 0.1:
+            return
+        self._last_expire = now
+        for fd in self._admission.handshakes_overdue(now):
+            conn = self._conns.get(fd)
+            if conn is None:
+                self._admission.preauth_close(fd)
+                continue
+            self.metrics.error("handshake_timeout")
+            self._close(conn, "no handshake in time")
+        admission = self._admission
         for conn in list(self._conns.values()):
-            if conn.state != _READY and now - conn.opened > self._handshake_timeout:
-                self.metrics.error("handshake_timeout")
-                self._close(conn, "no handshake in time")
-            elif conn.out and now - conn.last_progress > self._send_timeout:
-                self.metrics.error("send_timeout")
-                log.warning(
-                    "closing %s: its reply made no progress for %.0f s (peer not reading)",
-                    conn.addr,
-                    self._send_timeout,
-                )
-                self._close(conn, "send timeout")
+            if conn.out:
+                if now - conn.last_progress > self._send_timeout:
+                    self.metrics.error("send_timeout")
+                    log.warning(
+                        "closing %s: its reply made no progress for %.0f s (peer not reading)",
+                        conn.addr,
+                        self._send_timeout,
+                    )
+                    self._close(conn, "send timeout")
+            elif conn.state == _READY and not conn.busy and not conn.reader.idle:
+                why = admission.request_overdue(conn.request_started, conn.request_bytes, now)
+                if why is not None:
+                    self.metrics.error(why)
+                    log.warning(
+                        "closing %s (tenant %s): %s, %d bytes in %.1f s",
+                        conn.addr,
+                        conn.tenant.name,
+                        why.replace("_", " "),
+                        conn.request_bytes,
+                        now - conn.request_started,
+                    )
+                    self._close(conn, why)
 
     # ------------------------------------------------------------------ housekeeping
 
