@@ -142,3 +142,24 @@ def test_a_rolling_restart_of_every_node_costs_no_load_and_no_store(
     assert loads > 0
     assert short == []
     assert stores_failed == 0
+
+
+def test_a_match_longer_than_one_has_request_is_asked_in_segments(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt of more keys than a daemon takes in one request (16,384 by default) is
+    matched in segments; shown here with segments of 16 keys over 40."""
+    from kvcache.client import matching
+
+    monkeypatch.setattr(matching, "MAX_HAS_KEYS", 16)
+    keys = [os.urandom(16) for _ in range(40)]
+    src = _blocks(40, 6)
+    with Client(cluster.client_config()) as client:
+        assert client.store_keys(keys, src, payload_len=P).written == 40
+        match = client.match_keys(keys)
+        assert match.hit_blocks == 40
+        out = np.zeros_like(src)
+        assert client.load_keys(match, payload_len=P, out=out).blocks == 40
+        assert np.array_equal(out, src)
+        gap = [*keys[:20], os.urandom(16), *keys[21:]]
+        assert client.match_keys(gap).hit_blocks == 20

@@ -35,6 +35,9 @@ DirectoryAnswer = tuple[npt.NDArray[np.int64], memoryview]
 
 log = logging.getLogger(__name__)
 
+#: Most keys one HAS request carries (a daemon's default ``max_items`` is 16,384).
+MAX_HAS_KEYS = 8192
+
 
 def match_keys(
     core: ClientCore,
@@ -82,6 +85,22 @@ def held_shards(
     view = view or core.view()
     if rows is None:
         rows = view.read_rows(keys, view.targets(keys, core.up_mask(view))[0])
+    if len(keys) > MAX_HAS_KEYS:
+        # A daemon takes at most ``max_items`` items a request (16,384 by default): a
+        # longer prompt (a 1M-token one is 7,813 blocks of 128 tokens; 18,725 of a 2 GiB
+        # load of 112 KiB blocks) is asked in segments, each with its ordinals shifted.
+        held: list[HeldShards] = []
+        for start in range(0, len(keys), MAX_HAS_KEYS):
+            stop = min(len(keys), start + MAX_HAS_KEYS)
+            part: list[DirectoryAnswer] | None = [] if directory is not None else None
+            for h in held_shards(
+                core, keys[start:stop], settle=settle, directory=part, view=view,
+                rows=rows[start:stop],
+            ):  # fmt: skip
+                held.append(HeldShards(h.node, h.ordinal + start, h.index, h.stripe))
+            if directory is not None and part is not None:
+                directory += [(blocks + start, data) for blocks, data in part]
+        return held
     up = core.node_up_mask(rows, settle, view)
     nodes = [int(node) for node in np.unique(rows) if node >= 0]
     cap = view.node_cap
