@@ -294,14 +294,15 @@ def dsv41_block_count(gib: float, tiny: bool) -> int:
 def pin(array: np.ndarray, device: torch.device) -> None:
     """Page-lock a host array for DMA (CUDA only), as an engine pins its staging buffer."""
     if device.type == "cuda" and array.nbytes:
-        cudart: Any = torch.cuda.cudart()
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         err = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
         assert int(err) == 0, f"cudaHostRegister failed: {err}"
 
 
 def unpin(array: np.ndarray, device: torch.device) -> None:
     if device.type == "cuda" and array.nbytes:
-        torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        cudart.cudaHostUnregister(array.ctypes.data)
 
 
 def dsv41(
@@ -482,9 +483,9 @@ def main() -> None:
     recompute_s: dict[int, float] = {}
     if not args.no_recompute:
         recompute_s = recompute_baseline(device, token_sizes, args.tiny, args.quick)
-        for tokens, secs in recompute_s.items():
-            figures[f"recompute_s_{tokens // 1000}k"] = secs
-            figures[f"recompute_tok_per_s_{tokens // 1000}k"] = tokens / secs
+        for n_tokens, secs in recompute_s.items():
+            figures[f"recompute_s_{n_tokens // 1000}k"] = secs
+            figures[f"recompute_tok_per_s_{n_tokens // 1000}k"] = n_tokens / secs
 
     max_blocks = -(-max(token_sizes) // PAGE_TOKENS)
     e2e_blocks = e2e_bytes // page_bytes
@@ -595,15 +596,16 @@ def main() -> None:
                 for n_tokens in token_sizes:
                     blocks = n_tokens // PAGE_TOKENS
                     tag = f"{n_tokens // 1000}k"
-                    samples, busy = [], []
+                    samples, busy_runs = [], []
                     for _ in range(repeat):
                         start = Usage.now(client, daemons)
                         got, secs, _m = loader.run(blocks, dst, scatter=True)
-                        busy.append(Usage.now(client, daemons).since(start, 1.0)["client_busy"])
+                        spent = Usage.now(client, daemons).since(start, 1.0)
+                        busy_runs.append(spent["client_busy"])
                         assert got == blocks, (got, blocks)
                         samples.append(secs)
                     secs = float(np.median(samples))
-                    figures[f"client_cores_busy_load_scatter_{tag}"] = float(np.median(busy))
+                    figures[f"client_cores_busy_load_scatter_{tag}"] = float(np.median(busy_runs))
                     ok = pages_equal(caches, src[:blocks].to(device), dst[:blocks].to(device))
                     host_ok = torch.equal(host_in[:blocks], host_out[:blocks])
                     figures[f"load_host_equal_{tag}"] = host_ok
@@ -620,7 +622,7 @@ def main() -> None:
                     figures[f"load_vs_recompute_{tag}"] = ratio
                     rec = recompute_s.get(n_tokens, float("nan"))
                     load_rows.append([tag, f"{gb:.2f}", f"{rec * 1000:.0f} ms", f"{secs * 1000:.0f} ms",
-                                      f"{gb / secs:.2f}", f"{float(np.median(busy)):.1f}",
+                                      f"{gb / secs:.2f}", f"{float(np.median(busy_runs)):.1f}",
                                       f"{ratio:.2f}x", str(ok)])  # fmt: skip
                     print(f"{tag}: load+scatter {secs * 1000:.0f} ms ({gb / secs:.2f} GB/s) vs "
                           f"recompute {rec * 1000:.0f} ms: {ratio:.2f}x, bit-equal {ok}", flush=True)  # fmt: skip

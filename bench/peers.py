@@ -36,6 +36,7 @@ which times the loops and prints its figures as JSON. A peer that cannot be inst
 started is reported in its table row; the others still run. Kept out of CI.
 
 Usage: bash bench/peers_env.sh && .venv/bin/python bench/peers.py [--quick] [--json PATH]
+(on the H200 host, with the peers' wheels carried: scripts/peers-gpu.sh, one peer a call)
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ class LMCache:
         ]
 
     def _request(self, command: Any, key: Any, length: int, shape: Any) -> bytes:
-        return self.msg(command, key, length, self.fmt, self.dtype, shape).serialize()
+        return bytes(self.msg(command, key, length, self.fmt, self.dtype, shape).serialize())
 
     def _recv_into(self, view: memoryview) -> None:
         got = 0
