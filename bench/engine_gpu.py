@@ -17,23 +17,33 @@ a local 12-daemon kvcache cluster on this host's loopback. In one run:
    ``e2e_load_gbps_4gib`` is match + load of 4 GiB; ``load_vs_recompute_{8k,32k,77k}``
    is the recompute time divided by match + load + scatter of the same tokens' KV.
    Every page is checked bit for bit.
-5. CPU-seconds per GB of the client process and of the daemons (all of them), and,
-   with ``--scaling``, how load throughput grows with 1, 2, 4 client processes.
+5. **DeepSeek-V4.1 shape** (``dsv41_*``): 112 KiB blocks of 128 tokens x 896 bytes (what
+   vLLM declares for DeepSeek V4.1 Flash's prefix-cacheable group), a prompt of
+   ``--dsv41-gib`` (2 GiB: 18,725 blocks) as prompts of ``--dsv41-prompt-blocks`` (4,096)
+   blocks, stored, then matched + loaded into pinned memory one prompt after another;
+   every byte checked. (One match may ask a daemon for at most 16,384 keys today.)
+6. CPU: next to every throughput, the client's *cores busy* (CPU-seconds / wall seconds
+   of the timed phase) and CPU-seconds per GB, of the client and of the daemons. The
+   client is this process (``getrusage(RUSAGE_SELF)``: all its threads, torch's too) plus
+   its I/O worker processes (``Client.io_pids``, ``/proc/<pid>/stat`` utime + stime); the
+   daemons are the 12 LocalCluster pids, from ``/proc`` the same way. With ``--scaling``,
+   load throughput of 1, 2, 4, 8, 12 separate client processes started together and
+   released at once (``bench/_load_worker.py``: the aggregate over the interval in which
+   all of them were loading).
 
 Usage: python bench/engine_gpu.py [--quick] [--json PATH] [--tiny] [--scaling]
 (``--tiny``: a few MiB and a 2-layer model on whatever device exists, to check the
-script on a CPU machine. ``scripts/engine-gpu.sh`` runs it on the GPU machine.)
+script on a CPU machine. ``scripts/engine-gpu.sh`` runs it on the GPU machine, 3 times,
+and reports the median and range of each figure.)
 """
 
 from __future__ import annotations
 
-import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +52,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit, machine, parser, print_table, write_json
+from _load_worker import process_cpu, run_together, self_cpu
 
 from kvcache.client import Client
 from kvcache.client.localcluster import LocalCluster
 from kvcache.engine import PagedKVAdapter
 from kvcache.keys import Namespace
+from kvcache.layout import DType, KVLayout
 
 LAYERS, KV_HEADS, HEAD, PAGE_TOKENS = 32, 8, 128, 16
 GIB = 1 << 30
+#: DeepSeek V4.1 Flash's prefix-cacheable group in vLLM 0.32: 114,688 bytes per block.
+DSV41_LAYOUT = KVLayout(
+    tokens_per_block=128, bytes_per_token=896, dtype=DType.BFLOAT16, layers_in_block=1
+)
 
 
 def sync(device: torch.device) -> None:
@@ -94,29 +110,38 @@ def pages_equal(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
 
 
 def cpu_seconds(client: Client | None = None) -> float:
-    """CPU seconds of this process and of the client's I/O worker processes."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    workers = process_cpu(client.io_pids) if client is not None else 0.0
-    return r.ru_utime + r.ru_stime + workers
+    """CPU seconds of this process (all threads) and of the client's I/O worker processes."""
+    return self_cpu() + (process_cpu(client.io_pids) if client is not None else 0.0)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """CPU seconds of the client (all its processes) and of the daemons, at a wall time."""
+
+    client: float
+    daemons: float
+    wall: float
+
+    @staticmethod
+    def now(client: Client, daemons: list[int]) -> Usage:
+        return Usage(cpu_seconds(client), process_cpu(daemons), time.perf_counter())
+
+    def since(self, start: Usage, gb: float) -> dict[str, float]:
+        """CPU-s per GB (client, daemons) and cores busy (CPU-s / wall s) from ``start``."""
+        wall = self.wall - start.wall
+        client, daemons = self.client - start.client, self.daemons - start.daemons
+        return {
+            "client_cpu": client / gb,
+            "daemon_cpu": daemons / gb,
+            "client_busy": client / wall,
+            "daemon_busy": daemons / wall,
+        }
 
 
 def host_cpu_times() -> tuple[int, int]:
     """(steal, total) jiffies of all CPUs: time a VM's CPUs were ready but not run."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
-
-
-def process_cpu(pids: list[int]) -> float:
-    """User + system seconds of processes (the daemons) from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 def timed_store(
@@ -126,14 +151,13 @@ def timed_store(
     payloads: np.ndarray,
     daemons: list[int],
 ) -> dict[str, float]:
-    """GB/s and CPU-s/GB (client, daemons) of one store; every block must be written."""
-    c0, d0, t0 = cpu_seconds(client), process_cpu(daemons), time.perf_counter()
+    """GB/s, CPU-s/GB and cores busy of one store; every block must be written."""
+    start = Usage.now(client, daemons)
     result = client.store(space, tokens, payloads)
-    seconds = time.perf_counter() - t0
-    c1, d1 = cpu_seconds(client), process_cpu(daemons)
+    end = Usage.now(client, daemons)
     assert result.failed == 0, result
     gb = payloads.nbytes / 1e9
-    return {"gbps": gb / seconds, "client_cpu": (c1 - c0) / gb, "daemon_cpu": (d1 - d0) / gb}
+    return {"gbps": gb / (end.wall - start.wall), **end.since(start, gb)}
 
 
 def recompute_baseline(
@@ -239,52 +263,190 @@ class Loader:
         return result.blocks, elapsed, t_match
 
 
+def timed_loads(
+    loader: Loader,
+    client: Client,
+    daemons: list[int],
+    blocks: int,
+    dst: torch.Tensor,
+    repeat: int,
+    gb: float,
+) -> dict[str, float]:
+    """Median GB/s, CPU-s/GB and cores busy of ``repeat`` match + load calls (no scatter)."""
+    times, spent, match_ms = [], [], 0.0
+    for _ in range(repeat):
+        start = Usage.now(client, daemons)
+        got, secs, t_match = loader.run(blocks, dst, scatter=False)
+        spent.append(Usage.now(client, daemons).since(start, gb))
+        assert got == blocks, (got, blocks)
+        times.append(secs)
+        match_ms = t_match * 1000
+    out = {k: float(np.median([s[k] for s in spent])) for k in spent[0]}
+    return {"gbps": gb / float(np.median(times)), "match_ms": match_ms, **out}
+
+
+def dsv41_block_count(gib: float, tiny: bool) -> int:
+    """Blocks of the DeepSeek-V4.1-shaped prompt: at least ``gib`` GiB (8 MiB with --tiny)."""
+    want = (8 << 20) if tiny and gib > 0 else int(gib * GIB)
+    return -(-want // DSV41_LAYOUT.payload_bytes)
+
+
+def pin(array: np.ndarray, device: torch.device) -> None:
+    """Page-lock a host array for DMA (CUDA only), as an engine pins its staging buffer."""
+    if device.type == "cuda" and array.nbytes:
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+        assert int(err) == 0, f"cudaHostRegister failed: {err}"
+
+
+def unpin(array: np.ndarray, device: torch.device) -> None:
+    if device.type == "cuda" and array.nbytes:
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        cudart.cudaHostUnregister(array.ctypes.data)
+
+
+def dsv41(
+    client: Client,
+    daemons: list[int],
+    blocks: int,
+    repeat: int,
+    device: torch.device,
+    prompt_blocks: int,
+) -> dict[str, Any]:
+    """Store, then match + load into pinned memory, ``blocks`` DeepSeek-V4.1-shaped 112 KiB
+    blocks: GB/s, blocks/s, CPU-s/GB and the client's cores busy.
+
+    The blocks form prompts of at most ``prompt_blocks`` blocks each (each its own tokens),
+    stored one after another and then matched + loaded one after another, each into its
+    slice of one pinned buffer; the figures are over all of them. (A match of more than the
+    daemons' ``max_items``, 16,384 keys by default, finds nothing today: kept below it.)
+    """
+    layout = DSV41_LAYOUT
+    space = Namespace(model="bench/deepseek-v4.1-like", revision="1", layout=layout)
+    rng = np.random.default_rng(41)
+    bounds = [(lo, min(lo + prompt_blocks, blocks)) for lo in range(0, blocks, prompt_blocks)]
+    prompts = [
+        rng.integers(0, 128_000, (hi - lo) * layout.tokens_per_block).astype(np.uint32)
+        for lo, hi in bounds
+    ]
+    src = client.alloc_buffer(blocks, layout.payload_bytes)
+    src[:] = rng.integers(0, 256, src.shape, dtype=np.uint8)
+    dst = client.alloc_buffer(blocks, layout.payload_bytes)
+    pin(dst, device)
+    gb = blocks * layout.payload_bytes / 1e9
+
+    def load_all() -> int:
+        got = 0
+        for (lo, hi), tokens in zip(bounds, prompts, strict=True):
+            match = client.match_prefix(space, tokens)
+            got += client.load(space, match, out=dst[lo:hi]).blocks
+        return got
+
+    try:
+        start = Usage.now(client, daemons)
+        for (lo, hi), tokens in zip(bounds, prompts, strict=True):
+            result = client.store(space, tokens, src[lo:hi])
+            assert result.failed == 0, result
+        end = Usage.now(client, daemons)
+        store = {"gbps": gb / (end.wall - start.wall), **end.since(start, gb)}
+        dst.fill(0)
+        load_all()  # warm-up
+        times, spent, equal = [], [], True
+        for _ in range(repeat):
+            dst.fill(0)
+            start = Usage.now(client, daemons)
+            got = load_all()
+            end = Usage.now(client, daemons)
+            assert got == blocks, (got, blocks)
+            times.append(end.wall - start.wall)
+            spent.append(end.since(start, gb))
+            equal = equal and bool(np.array_equal(dst, src))
+    finally:
+        unpin(dst, device)
+    load = {k: float(np.median([s[k] for s in spent])) for k in spent[0]}
+    secs = float(np.median(times))
+    out = {
+        "dsv41_blocks": blocks,
+        "dsv41_prompts": len(bounds),
+        "dsv41_block_bytes": layout.payload_bytes,
+        "dsv41_load_gbps": gb / secs,
+        "dsv41_blocks_per_s": blocks / secs,
+        "dsv41_client_cores_busy": load["client_busy"],
+        "dsv41_client_cpu_s_per_gb_load": load["client_cpu"],
+        "dsv41_daemon_cpu_s_per_gb_get": load["daemon_cpu"],
+        "dsv41_store_gbps": store["gbps"],
+        "dsv41_client_cores_busy_store": store["client_busy"],
+        "dsv41_client_cpu_s_per_gb_store": store["client_cpu"],
+        "dsv41_daemon_cpu_s_per_gb_put": store["daemon_cpu"],
+        "dsv41_load_bit_equal": equal,
+    }
+    print(f"DSV41 shape, {blocks} blocks of {layout.payload_bytes} B ({gb:.2f} GB) in "
+          f"{len(bounds)} prompts: load "
+          f"{out['dsv41_load_gbps']:.2f} GB/s ({out['dsv41_blocks_per_s']:.0f} blocks/s, "
+          f"{load['client_busy']:.1f} client cores busy), store {store['gbps']:.2f} GB/s "
+          f"({store['client_busy']:.1f} cores busy)", flush=True)  # fmt: skip
+    return out
+
+
 def scaling(
-    cluster: LocalCluster, space: Namespace, tokens: np.ndarray, blocks: int
+    cluster: LocalCluster,
+    space: Namespace,
+    tokens: np.ndarray,
+    blocks: int,
+    *,
+    counts: tuple[int, ...],
+    seconds: float,
+    connections_per_node: int,
 ) -> list[dict[str, float]]:
-    """Aggregate load GB/s with N independent client processes loading the same blocks."""
-    worker = Path(__file__).resolve().parent / "_load_worker.py"
+    """Aggregate load GB/s of N separate client processes (no I/O pool each) loading the
+    same ``blocks`` blocks, started together and released at once (``_load_worker``)."""
+    spec = {
+        "client_file": str(cluster.client_file),
+        "namespace": {"model": space.model, "revision": space.revision},
+        "layout": {
+            "tokens_per_block": space.layout.tokens_per_block,
+            "bytes_per_token": space.layout.bytes_per_token,
+            "layers_in_block": space.layout.layers_in_block,
+        },
+        "tokens": tokens[: blocks * space.layout.tokens_per_block].tolist(),
+        "seconds": seconds,
+        "overrides": {
+            "timeout_s": 30.0,
+            "io_processes": 0,
+            "connections_per_node": connections_per_node,
+        },
+    }
     rows = []
-    for procs in (1, 2, 4, 8):
-        spec = json.dumps(
-            {
-                "client_file": str(cluster.client_file),
-                "namespace": {"model": space.model, "revision": space.revision},
-                "layout": {
-                    "tokens_per_block": space.layout.tokens_per_block,
-                    "bytes_per_token": space.layout.bytes_per_token,
-                    "layers_in_block": space.layout.layers_in_block,
-                },
-                "tokens": tokens[: blocks * PAGE_TOKENS].tolist(),
-                "repeat": 3,
-            }
-        )
-        started = time.perf_counter()
-        runs = [
-            subprocess.Popen(
-                [sys.executable, str(worker)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-            )
-            for _ in range(procs)
-        ]
-        outs = [json.loads(p.communicate(spec.encode())[0]) for p in runs]
-        wall = time.perf_counter() - started
-        gb = sum(o["gb"] for o in outs)
-        busy = max(o["seconds"] for o in outs)
-        cpu = sum(o["cpu_s"] for o in outs)
-        rows.append(
-            {"processes": procs, "gbps": gb / busy, "cpu_s_per_gb": cpu / gb, "wall_s": wall}
-        )
-        print(f"scaling: {procs} client process(es): {gb / busy:.2f} GB/s", flush=True)
+    for procs in counts:
+        row = run_together(spec, procs)
+        rows.append(row)
+        print(f"scaling: {procs} client process(es) together: {row['gbps']:.2f} GB/s over "
+              f"{row['interval_s']:.2f} s (first loads {row['start_spread_s'] * 1000:.0f} ms "
+              f"apart), {row['client_cores_busy']:.1f} cores busy", flush=True)  # fmt: skip
     return rows
 
 
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--tiny", action="store_true", help="a few MiB, to check the script on a CPU")
-    p.add_argument("--scaling", action="store_true", help="also load with 1-8 client processes")
+    p.add_argument(
+        "--scaling", action="store_true", help="also load with 1-12 client processes together"
+    )
+    p.add_argument(
+        "--scaling-seconds", type=float, default=4.0, help="each --scaling setting's loading time"
+    )
+    p.add_argument(
+        "--dsv41-gib",
+        type=float,
+        default=2.0,
+        help="GiB of the DeepSeek-V4.1-shaped prompt (112 KiB blocks) to store and load; 0 skips",
+    )
+    p.add_argument(
+        "--dsv41-prompt-blocks",
+        type=int,
+        default=4096,
+        help="blocks per DSV41 prompt (one match + load each; default 4096, 512 Ki tokens)",
+    )
     p.add_argument("--nodes", type=int, default=12)
     p.add_argument("--no-recompute", action="store_true", help="skip the recompute baseline")
     p.add_argument(
@@ -321,9 +483,9 @@ def main() -> None:
     recompute_s: dict[int, float] = {}
     if not args.no_recompute:
         recompute_s = recompute_baseline(device, token_sizes, args.tiny, args.quick)
-        for tokens, secs in recompute_s.items():
-            figures[f"recompute_s_{tokens // 1000}k"] = secs
-            figures[f"recompute_tok_per_s_{tokens // 1000}k"] = tokens / secs
+        for n_tokens, secs in recompute_s.items():
+            figures[f"recompute_s_{n_tokens // 1000}k"] = secs
+            figures[f"recompute_tok_per_s_{n_tokens // 1000}k"] = n_tokens / secs
 
     max_blocks = -(-max(token_sizes) // PAGE_TOKENS)
     e2e_blocks = e2e_bytes // page_bytes
@@ -347,14 +509,15 @@ def main() -> None:
         sweep = [tuple(int(x) for x in item.split("x")) for item in args.sweep.split(",") if item]
         stored_blocks = max_blocks + len(sweep) * (e2e_blocks // 2)
         stored_blocks += e2e_blocks  # the warm-up store
-        capacity = int(1.5 * stored_blocks * page_bytes * 1.25 / args.nodes) + (256 << 20)
+        dsv41_blocks = dsv41_block_count(args.dsv41_gib, args.tiny)
+        stored_bytes = stored_blocks * page_bytes + dsv41_blocks * DSV41_LAYOUT.payload_bytes
+        capacity = int(1.5 * stored_bytes * 1.25 / args.nodes) + (256 << 20)
         with LocalCluster(Path(tmp)).start(nodes=args.nodes, capacity=str(capacity)) as cluster:
             daemons = [cluster.pid(i) for i in range(args.nodes)]
+            settings = {"timeout_s": 30.0, "connections_per_node": args.connections_per_node}
             with (
-                Client(
-                    cluster.client_config(timeout_s=30.0, io_processes=args.io_processes)
-                ) as client,
-                Client(cluster.client_config(timeout_s=30.0)) as solo,
+                Client(cluster.client_config(io_processes=args.io_processes, **settings)) as client,
+                Client(cluster.client_config(io_processes=0, **settings)) as solo,
             ):
                 figures["io_processes"] = args.io_processes
                 figures["connections_per_node"] = args.connections_per_node
@@ -373,17 +536,18 @@ def main() -> None:
                 figures["e2e_store_gbps_4gib_cold"] = cold["gbps"]
                 figures["client_cpu_s_per_gb_store_cold"] = cold["client_cpu"]
                 figures["daemon_cpu_s_per_gb_put_cold"] = cold["daemon_cpu"]
+                figures["client_cores_busy_store_4gib_cold"] = cold["client_busy"]
                 print(f"store 4 GiB, the client's first (cold): {cold['gbps']:.2f} GB/s, client "
-                      f"{cold['client_cpu']:.2f} CPU-s/GB, daemons {cold['daemon_cpu']:.2f}",
-                      flush=True)  # fmt: skip
+                      f"{cold['client_cpu']:.2f} CPU-s/GB ({cold['client_busy']:.1f} cores busy), "
+                      f"daemons {cold['daemon_cpu']:.2f}", flush=True)  # fmt: skip
                 # The timed store: gather + store of the prompt's first 4 GiB.
                 sync(device)
-                c0, d0, t0 = cpu_seconds(client), process_cpu(daemons), time.perf_counter()
+                start = Usage.now(client, daemons)
                 adapter.gather(src[:e2e_blocks, None], out=host_out[:e2e_blocks]).synchronize()
-                t_gather = time.perf_counter() - t0
+                t_gather = time.perf_counter() - start.wall
                 stored = client.store(space, tokens, host_out[:e2e_blocks].numpy())
-                t_store = time.perf_counter() - t0
-                c1, d1 = cpu_seconds(client), process_cpu(daemons)
+                end = Usage.now(client, daemons)
+                t_store = end.wall - start.wall
                 gb4 = e2e_blocks * page_bytes / 1e9
                 probe_blocks = min(64, e2e_blocks)
                 probe = adapter.gather(src[:probe_blocks, None])
@@ -394,12 +558,15 @@ def main() -> None:
                 )
                 figures["e2e_store_gbps_4gib"] = gb4 / t_store
                 figures["e2e_store_only_gbps_4gib"] = gb4 / (t_store - t_gather)
-                figures["client_cpu_s_per_gb_store"] = (c1 - c0) / gb4
-                figures["daemon_cpu_s_per_gb_put"] = (d1 - d0) / gb4
+                spent = end.since(start, gb4)
+                figures["client_cpu_s_per_gb_store"] = spent["client_cpu"]
+                figures["daemon_cpu_s_per_gb_put"] = spent["daemon_cpu"]
+                figures["client_cores_busy_store_4gib"] = spent["client_busy"]
+                figures["daemon_cores_busy_put_4gib"] = spent["daemon_busy"]
                 figures["e2e_store_written_4gib"] = stored.written
                 print(f"store 4 GiB: {gb4 / t_store:.2f} GB/s (gather {t_gather * 1000:.0f} ms), "
-                      f"client {(c1 - c0) / gb4:.2f} CPU-s/GB, daemons {(d1 - d0) / gb4:.2f}",
-                      flush=True)  # fmt: skip
+                      f"client {spent['client_cpu']:.2f} CPU-s/GB ({spent['client_busy']:.1f} "
+                      f"cores busy), daemons {spent['daemon_cpu']:.2f}", flush=True)  # fmt: skip
                 if max_blocks > e2e_blocks:
                     adapter.gather(src[e2e_blocks:, None], out=host_out[e2e_blocks:]).synchronize()
                     rest = client.store(
@@ -410,35 +577,35 @@ def main() -> None:
                 # One client process, no pool: the figure the pool is measured against.
                 single = Loader(solo, adapter, space, tokens, host_in, device)
                 single.run(e2e_blocks, dst, scatter=False)
-                solo_times = [single.run(e2e_blocks, dst, scatter=False)[1] for _ in range(repeat)]
-                figures["e2e_load_gbps_4gib_one_process"] = gb4 / float(np.median(solo_times))
+                solo_load = timed_loads(single, solo, daemons, e2e_blocks, dst, repeat, gb4)
+                figures["e2e_load_gbps_4gib_one_process"] = solo_load["gbps"]
+                figures["client_cores_busy_load_4gib_one_process"] = solo_load["client_busy"]
                 # Load without scatter: the store's read figure (match + load into pinned).
                 loader.run(e2e_blocks, dst, scatter=False)  # warm-up
-                times, cpus, dcpus = [], [], []
-                for _ in range(repeat):
-                    c0, d0 = cpu_seconds(client), process_cpu(daemons)
-                    got, secs, t_match = loader.run(e2e_blocks, dst, scatter=False)
-                    cpus.append(cpu_seconds(client) - c0)
-                    dcpus.append(process_cpu(daemons) - d0)
-                    times.append(secs)
-                    assert got == e2e_blocks, got
-                figures["e2e_load_gbps_4gib"] = gb4 / float(np.median(times))
-                figures["client_cpu_s_per_gb_load"] = float(np.median(cpus)) / gb4
-                figures["daemon_cpu_s_per_gb_get"] = float(np.median(dcpus)) / gb4
-                figures["e2e_load_match_ms_4gib"] = t_match * 1000
-                print(f"load 4 GiB: {figures['e2e_load_gbps_4gib']:.2f} GB/s, client "
-                      f"{figures['client_cpu_s_per_gb_load']:.2f} CPU-s/GB, daemons "
-                      f"{figures['daemon_cpu_s_per_gb_get']:.2f}", flush=True)  # fmt: skip
+                load = timed_loads(loader, client, daemons, e2e_blocks, dst, repeat, gb4)
+                figures["e2e_load_gbps_4gib"] = load["gbps"]
+                figures["client_cpu_s_per_gb_load"] = load["client_cpu"]
+                figures["daemon_cpu_s_per_gb_get"] = load["daemon_cpu"]
+                figures["client_cores_busy_load_4gib"] = load["client_busy"]
+                figures["daemon_cores_busy_get_4gib"] = load["daemon_busy"]
+                figures["e2e_load_match_ms_4gib"] = load["match_ms"]
+                print(f"load 4 GiB: {load['gbps']:.2f} GB/s, client {load['client_cpu']:.2f} "
+                      f"CPU-s/GB ({load['client_busy']:.1f} cores busy), daemons "
+                      f"{load['daemon_cpu']:.2f}", flush=True)  # fmt: skip
                 # Load vs recompute: match + load + scatter, per prompt length.
                 for n_tokens in token_sizes:
                     blocks = n_tokens // PAGE_TOKENS
                     tag = f"{n_tokens // 1000}k"
-                    samples = []
+                    samples, busy_runs = [], []
                     for _ in range(repeat):
+                        start = Usage.now(client, daemons)
                         got, secs, _m = loader.run(blocks, dst, scatter=True)
+                        spent = Usage.now(client, daemons).since(start, 1.0)
+                        busy_runs.append(spent["client_busy"])
                         assert got == blocks, (got, blocks)
                         samples.append(secs)
                     secs = float(np.median(samples))
+                    figures[f"client_cores_busy_load_scatter_{tag}"] = float(np.median(busy_runs))
                     ok = pages_equal(caches, src[:blocks].to(device), dst[:blocks].to(device))
                     host_ok = torch.equal(host_in[:blocks], host_out[:blocks])
                     figures[f"load_host_equal_{tag}"] = host_ok
@@ -455,11 +622,22 @@ def main() -> None:
                     figures[f"load_vs_recompute_{tag}"] = ratio
                     rec = recompute_s.get(n_tokens, float("nan"))
                     load_rows.append([tag, f"{gb:.2f}", f"{rec * 1000:.0f} ms", f"{secs * 1000:.0f} ms",
-                                      f"{gb / secs:.2f}", f"{ratio:.2f}x", str(ok)])  # fmt: skip
+                                      f"{gb / secs:.2f}", f"{float(np.median(busy_runs)):.1f}",
+                                      f"{ratio:.2f}x", str(ok)])  # fmt: skip
                     print(f"{tag}: load+scatter {secs * 1000:.0f} ms ({gb / secs:.2f} GB/s) vs "
                           f"recompute {rec * 1000:.0f} ms: {ratio:.2f}x, bit-equal {ok}", flush=True)  # fmt: skip
+                if dsv41_blocks:
+                    prompt_blocks = 32 if args.tiny else args.dsv41_prompt_blocks
+                    figures.update(
+                        dsv41(client, daemons, dsv41_blocks, repeat, device, prompt_blocks)
+                    )
                 if args.scaling:
-                    figures["scaling"] = scaling(cluster, space, tokens, e2e_blocks // 2)
+                    figures["scaling"] = scaling(
+                        cluster, space, tokens, max(1, e2e_blocks // 4),
+                        counts=(1, 2) if args.tiny else (1, 2, 4, 8, 12),
+                        seconds=1.0 if args.tiny else args.scaling_seconds,
+                        connections_per_node=args.connections_per_node,
+                    )  # fmt: skip
                 sweep_rows = []
                 for procs, conns in sweep:
                     settings = {"io_processes": procs, "connections_per_node": conns}
@@ -470,9 +648,7 @@ def main() -> None:
                         )
                         alt = Loader(other, adapter, space, tokens, alt_host, device)
                         alt.run(e2e_blocks, dst, scatter=False)
-                        t_load = float(np.median(
-                            [alt.run(e2e_blocks, dst, scatter=False)[1] for _ in range(repeat)]
-                        ))  # fmt: skip
+                        alt_load = timed_loads(alt, other, daemons, e2e_blocks, dst, repeat, gb4)
                         t_32 = float(np.median(
                             [alt.run(n32, dst, scatter=True)[1] for _ in range(repeat)]
                         ))  # fmt: skip
@@ -490,7 +666,8 @@ def main() -> None:
                     row = {
                         "io_processes": procs,
                         "connections_per_node": conns,
-                        "load_gbps_4gib": gb4 / t_load,
+                        "load_gbps_4gib": alt_load["gbps"],
+                        "client_cores_busy_load_4gib": alt_load["client_busy"],
                         "load_vs_recompute_32k": recompute_s.get(32768, float("nan")) / t_32,
                         "store_gbps_2gib": gb_half / t_store,
                     }
@@ -512,40 +689,66 @@ def main() -> None:
          "scatter/raw", "bit-equal"],
         copy_rows,
     )  # fmt: skip
+    f = figures
+
+    def busy(key: str) -> str:
+        return f"{f[key]:.1f}" if key in f else "-"
+
     print_table(
         f"Through a local {args.nodes}-daemon cluster (10+2 RS, loopback), 4 GiB, "
         f"{args.io_processes} I/O processes x {args.connections_per_node} connections per node",
-        ["figure", "value"],
+        ["figure", "GB/s", "client cores busy", "client / daemons CPU-s per GB"],
         [
-            ["store (gather + encode + quorum PUT)", f"{figures['e2e_store_gbps_4gib']:.2f} GB/s"],
-            ["the client's first store (cold, no gather)", f"{figures['e2e_store_gbps_4gib_cold']:.2f} GB/s"],
-            ["load (match + GET + verify into pinned memory)", f"{figures['e2e_load_gbps_4gib']:.2f} GB/s"],
-            ["load, one client process (no I/O pool)", f"{figures['e2e_load_gbps_4gib_one_process']:.2f} GB/s"],
-            ["client CPU-s per GB, load / store", f"{figures['client_cpu_s_per_gb_load']:.2f} / {figures['client_cpu_s_per_gb_store']:.2f}"],
-            ["daemon CPU-s per GB (all 12), GET / PUT", f"{figures['daemon_cpu_s_per_gb_get']:.2f} / {figures['daemon_cpu_s_per_gb_put']:.2f}"],
-            ["the same for the cold store: client / daemons", f"{figures['client_cpu_s_per_gb_store_cold']:.2f} / {figures['daemon_cpu_s_per_gb_put_cold']:.2f}"],
-        ],
+            ["store (gather + encode + quorum PUT)", f"{f['e2e_store_gbps_4gib']:.2f}", busy("client_cores_busy_store_4gib"),
+             f"{f['client_cpu_s_per_gb_store']:.2f} / {f['daemon_cpu_s_per_gb_put']:.2f}"],
+            ["the client's first store (cold, no gather)", f"{f['e2e_store_gbps_4gib_cold']:.2f}", busy("client_cores_busy_store_4gib_cold"),
+             f"{f['client_cpu_s_per_gb_store_cold']:.2f} / {f['daemon_cpu_s_per_gb_put_cold']:.2f}"],
+            ["load (match + GET + verify into pinned memory)", f"{f['e2e_load_gbps_4gib']:.2f}", busy("client_cores_busy_load_4gib"),
+             f"{f['client_cpu_s_per_gb_load']:.2f} / {f['daemon_cpu_s_per_gb_get']:.2f}"],
+            ["load, one client process (no I/O pool)", f"{f['e2e_load_gbps_4gib_one_process']:.2f}", busy("client_cores_busy_load_4gib_one_process"), "-"],
+        ] + ([
+            [f"DSV41 shape: load {f['dsv41_blocks']} blocks of 112 KiB ({f['dsv41_blocks_per_s']:.0f} blocks/s)",
+             f"{f['dsv41_load_gbps']:.2f}", busy("dsv41_client_cores_busy"),
+             f"{f['dsv41_client_cpu_s_per_gb_load']:.2f} / {f['dsv41_daemon_cpu_s_per_gb_get']:.2f}"],
+            ["DSV41 shape: store (first, no gather)", f"{f['dsv41_store_gbps']:.2f}", busy("dsv41_client_cores_busy_store"),
+             f"{f['dsv41_client_cpu_s_per_gb_store']:.2f} / {f['dsv41_daemon_cpu_s_per_gb_put']:.2f}"],
+        ] if "dsv41_load_gbps" in f else []),
     )  # fmt: skip
     print_table(
         "Load (match + load + scatter into pages, pipelined) vs recompute (bf16 prefill, 8B shape)",
-        ["prompt", "KV GB", "recompute", "load+scatter", "GB/s", "recompute / load", "bit-equal"],
+        [
+            "prompt",
+            "KV GB",
+            "recompute",
+            "load+scatter",
+            "GB/s",
+            "client cores busy",
+            "recompute / load",
+            "bit-equal",
+        ],
         load_rows,
     )
     if figures["sweep"]:
         print_table(
             "Client settings (I/O processes x connections per node), same run",
-            ["setting", "load 4 GiB GB/s", "32K load vs recompute", "store 2 GiB GB/s"],
+            ["setting", "load 4 GiB GB/s", "client cores busy", "32K load vs recompute",
+             "store 2 GiB GB/s"],
             [
                 [f"{r['io_processes']}x{r['connections_per_node']}", f"{r['load_gbps_4gib']:.2f}",
-                 f"{r['load_vs_recompute_32k']:.2f}x", f"{r['store_gbps_2gib']:.2f}"]
+                 f"{r['client_cores_busy_load_4gib']:.1f}", f"{r['load_vs_recompute_32k']:.2f}x",
+                 f"{r['store_gbps_2gib']:.2f}"]
                 for r in figures["sweep"]
             ],
         )  # fmt: skip
     if args.scaling:
         print_table(
-            "Load throughput by client processes (same daemons, same blocks)",
-            ["processes", "aggregate GB/s", "client CPU-s/GB"],
-            [[str(r["processes"]), f"{r['gbps']:.2f}", f"{r['cpu_s_per_gb']:.2f}"]
+            "Load throughput by client processes started together (same daemons, same blocks;"
+            " aggregate over the interval all were loading)",
+            ["processes", "aggregate GB/s", "client cores busy", "client CPU-s/GB",
+             "interval s", "first loads apart (ms)"],
+            [[str(r["processes"]), f"{r['gbps']:.2f}", f"{r['client_cores_busy']:.1f}",
+              f"{r['cpu_s_per_gb']:.2f}", f"{r['interval_s']:.2f}",
+              f"{r['start_spread_s'] * 1000:.0f}"]
              for r in figures["scaling"]],
         )  # fmt: skip
     steal1, total1 = host_cpu_times()

@@ -19,6 +19,16 @@ For each system: N blocks (1024; 256 with --quick) in calls of 64 blocks, best o
 Mooncake does) and reads them back into a zeroed buffer; the bytes of every block are checked
 outside the timing, and wrong bytes are reported. GB/s = N * 114,688 bytes / seconds / 1e9.
 
+CPU-seconds per GB moved, all processes of a system together: the client's and the servers',
+summed over every round's timed PUT (or GET) loop and divided by the GB those loops moved
+(``<system>_cpu_s_per_gb_get`` / ``_put``, with ``_client_`` and ``_server_`` parts). The
+client is the process that runs the loops, measured with ``getrusage(RUSAGE_SELF)`` (all its
+threads; for kvcache also its I/O worker processes, if any, from /proc). The servers are
+read from ``/proc/<pid>/stat`` (utime + stime, all threads) just before and after each timed
+loop: for kvcache the 12 daemons of the LocalCluster, for Mooncake ``mooncake_master`` and
+the ``mooncake_client`` that holds the segment, for LMCache its server. /proc counts in clock
+ticks (10 ms), so short runs (``--quick``) carry a few ticks of error per process.
+
 Each peer runs from its own venv (made by bench/peers_env.sh, under
 ~/.cache/kvcache/peers/<name>, or $KVCACHE_PEERS_DIR), never in the project's: this file
 starts the peer's servers from that venv and runs itself there in worker mode (``--worker``),
@@ -26,6 +36,7 @@ which times the loops and prints its figures as JSON. A peer that cannot be inst
 started is reported in its table row; the others still run. Kept out of CI.
 
 Usage: bash bench/peers_env.sh && .venv/bin/python bench/peers.py [--quick] [--json PATH]
+(on the H200 host, with the peers' wheels carried: scripts/peers-gpu.sh, one peer a call)
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -59,39 +71,88 @@ MOONCAKE_SEGMENT = "1GB"
 # The measurement, shared by the kvcache side (this process) and the workers (peer venvs).
 
 
-def run_rounds(system: Any, blocks: np.ndarray, n: int, rounds: int) -> dict[str, Any]:
+def process_cpu(pids: list[int]) -> float:
+    """User + system seconds of other processes (all their threads), from /proc/<pid>/stat."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass  # gone: it counted up to its last read
+    return total
+
+
+class CpuMeter:
+    """CPU seconds of the client (this process, plus ``client_pids``) and of the servers."""
+
+    def __init__(self, server_pids: list[int], client_pids: list[int]) -> None:
+        self.server_pids, self.client_pids = server_pids, client_pids
+        self.spent = {"put_client": 0.0, "put_server": 0.0, "get_client": 0.0, "get_server": 0.0}
+
+    def read(self) -> tuple[float, float]:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        client = usage.ru_utime + usage.ru_stime + process_cpu(self.client_pids)
+        return client, process_cpu(self.server_pids)
+
+    def add(self, op: str, start: tuple[float, float]) -> None:
+        client, server = self.read()
+        self.spent[f"{op}_client"] += client - start[0]
+        self.spent[f"{op}_server"] += server - start[1]
+
+
+def run_rounds(
+    system: Any, blocks: np.ndarray, n: int, rounds: int, server_pids: list[int]
+) -> dict[str, Any]:
     """Time PUT and GET of ``n`` blocks, best of ``rounds``; check every byte outside the timing.
 
     ``system`` has ``out`` (an (n, P) uint8 array that GETs land in), ``begin_round(r)``
     (untimed setup: fresh keys), ``put(r, lo, hi, src)`` and ``get(r, lo, hi, out)``; these
-    raise on any failed block. Round ``r`` writes ``blocks[r : r + n]``, so each round stores
-    different bytes under its keys and a stale or misdirected read shows as wrong bytes.
+    raise on any failed block; optionally ``client_pids`` (its other client processes).
+    Round ``r`` writes ``blocks[r : r + n]``, so each round stores different bytes under
+    its keys and a stale or misdirected read shows as wrong bytes. CPU of the client and
+    of ``server_pids`` is summed over the timed loops of all rounds.
     """
     put_ts: list[float] = []
     get_ts: list[float] = []
     wrong = 0
     out = system.out
+    meter = CpuMeter(server_pids, list(getattr(system, "client_pids", [])))
     for r in range(rounds):
         src = blocks[r : r + n]
         system.begin_round(r)
+        cpu = meter.read()
         t = time.perf_counter()
         for lo in range(0, n, BATCH):
             system.put(r, lo, min(lo + BATCH, n), src)
         put_ts.append(time.perf_counter() - t)
+        meter.add("put", cpu)
         out.fill(0)
+        cpu = meter.read()
         t = time.perf_counter()
         for lo in range(0, n, BATCH):
             system.get(r, lo, min(lo + BATCH, n), out)
         get_ts.append(time.perf_counter() - t)
+        meter.add("get", cpu)
         wrong += int(np.count_nonzero(out != src))
     total = n * P
-    return {
+    moved_gb = total * rounds / 1e9
+    res: dict[str, Any] = {
         "get_gbps": total / min(get_ts) / 1e9,
         "put_gbps": total / min(put_ts) / 1e9,
         "get_rounds_gbps": [round(total / t / 1e9, 3) for t in get_ts],
         "put_rounds_gbps": [round(total / t / 1e9, 3) for t in put_ts],
         "wrong_bytes": wrong,
+        "server_processes": len(server_pids),
     }
+    for op in ("get", "put"):
+        client = meter.spent[f"{op}_client"] / moved_gb
+        server = meter.spent[f"{op}_server"] / moved_gb
+        res[f"client_cpu_s_per_gb_{op}"] = client
+        res[f"server_cpu_s_per_gb_{op}"] = server
+        res[f"cpu_s_per_gb_{op}"] = client + server
+    return res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +167,7 @@ def bench_kvcache(blocks: np.ndarray, n: int, rounds: int, tmp: Path) -> dict[st
     class Kvcache:
         def __init__(self, client: Any) -> None:
             self.client = client
+            self.client_pids = list(getattr(client, "io_pids", []))
             self.out = np.empty((n, P), np.uint8)
             self.keys: list[bytes] = []
 
@@ -128,8 +190,9 @@ def bench_kvcache(blocks: np.ndarray, n: int, rounds: int, tmp: Path) -> dict[st
     with LocalCluster(tmp / "kvcache").start(nodes=12, capacity="2GiB") as cluster:
         make_config = getattr(cluster, "client_config", None)
         config = make_config() if make_config else ClientConfig(cluster_file=cluster.cluster_file)
+        daemons = [cluster.pid(i) for i in range(12)]
         with Client(config) as client:
-            res = run_rounds(Kvcache(client), blocks, n, rounds)
+            res = run_rounds(Kvcache(client), blocks, n, rounds, daemons)
     res["notes"] = "12 daemons, 10+2 RS; store_keys / match_keys + load_keys, 64 blocks a call"
     return res
 
@@ -231,7 +294,7 @@ class LMCache:
         ]
 
     def _request(self, command: Any, key: Any, length: int, shape: Any) -> bytes:
-        return self.msg(command, key, length, self.fmt, self.dtype, shape).serialize()
+        return bytes(self.msg(command, key, length, self.fmt, self.dtype, shape).serialize())
 
     def _recv_into(self, view: memoryview) -> None:
         got = 0
@@ -277,7 +340,7 @@ def worker(name: str, spec: dict[str, Any]) -> None:
     blocks = np.fromfile(spec["blocks"], dtype=np.uint8).reshape(-1, P)
     system = WORKERS[name](spec, blocks)
     try:
-        res = run_rounds(system, blocks, spec["n"], spec["rounds"])
+        res = run_rounds(system, blocks, spec["n"], spec["rounds"], spec["server_pids"])
     finally:
         system.close()
     print(RESULT_TAG + json.dumps(res), flush=True)
@@ -306,6 +369,10 @@ class Procs:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Path:
         log = self.tmp / f"{name}.log"
@@ -394,7 +461,9 @@ def bench_mooncake(py: Path, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
             env,
         )  # fmt: skip
         ps.wait_port(client, log)
-        spec = {**spec, "metadata_server": metadata, "master": f"127.0.0.1:{rpc}", "env": env}
+        # mooncake_master and mooncake_client exec their binaries: the pids are the servers'.
+        spec = {**spec, "metadata_server": metadata, "master": f"127.0.0.1:{rpc}", "env": env,
+                "server_pids": ps.pids}  # fmt: skip
         res = run_worker(py, "mooncake", spec, tmp)
     res["notes"] = (
         f"TCP; batch_put_from / batch_get_into, 64 keys a call; segment ({MOONCAKE_SEGMENT}) in a"
@@ -409,7 +478,7 @@ def bench_lmcache(py: Path, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
         log = ps.start("lmcache_server", [str(py), "-m", "lmcache.v1.server", "127.0.0.1",
                                           str(port), "cpu"])  # fmt: skip
         ps.wait_port(port, log, timeout_s=120)
-        res = run_worker(py, "lmcache", {**spec, "port": port}, tmp)
+        res = run_worker(py, "lmcache", {**spec, "port": port, "server_pids": ps.pids}, tmp)
     res["notes"] = "lmcache.v1.server (cpu); its wire protocol, 64 requests pipelined on 1 conn"
     return res
 
@@ -497,7 +566,9 @@ def main() -> None:
     for name, res in results.items():
         if "error" in res:
             figures[f"{name}_error"] = res["error"]
-            rows.append([SYSTEMS[name], "-", "-", "-", "-", f"did not run: {res['error']}"])
+            rows.append(
+                [SYSTEMS[name], "-", "-", "-", "-", "-", "-", f"did not run: {res['error']}"]
+            )
             continue
         cells = [SYSTEMS[name], f"{res['get_gbps']:.2f}", f"{res['put_gbps']:.2f}"]
         for op in ("get", "put"):
@@ -508,6 +579,13 @@ def main() -> None:
                 cells.append(f"{ratio:.2f}x")
             else:
                 cells.append("-")
+        for op in ("get", "put"):
+            for part in ("", "client_", "server_"):
+                figures[f"{name}_{part}cpu_s_per_gb_{op}"] = res[f"{part}cpu_s_per_gb_{op}"]
+            cells.append(
+                f"{res[f'client_cpu_s_per_gb_{op}']:.2f} + {res[f'server_cpu_s_per_gb_{op}']:.2f}"
+                f" = {res[f'cpu_s_per_gb_{op}']:.2f}"
+            )
         figures[f"{name}_wrong_bytes"] = res["wrong_bytes"]
         notes = res["notes"]
         for op in ("GET", "PUT"):
@@ -524,7 +602,16 @@ def main() -> None:
     )
     print_table(
         "GET / PUT throughput, same blocks, loopback (vs kvcache = this system ÷ kvcache)",
-        ["system", "GET GB/s", "PUT GB/s", "GET vs kvcache", "PUT vs kvcache", "notes"],
+        [
+            "system",
+            "GET GB/s",
+            "PUT GB/s",
+            "GET vs kvcache",
+            "PUT vs kvcache",
+            "GET CPU-s/GB (client + servers)",
+            "PUT CPU-s/GB (client + servers)",
+            "notes",
+        ],
         rows,
     )
     wrong = sum(r.get("wrong_bytes", 0) for r in results.values())
