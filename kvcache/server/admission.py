@@ -44,8 +44,8 @@ class AdmissionLimits:
     tenant_inflight_bytes: int = 256 << 20
     max_connections: int = 1024
     tenant_connections: int = 512
-    max_preauth: int = 256
-    max_preauth_per_peer: int = 128
+    max_preauth: int = 1024
+    max_preauth_per_peer: int = 512
     handshake_timeout_s: float = 5.0
     request_timeout_s: float = 60.0
     request_grace_s: float = 2.0

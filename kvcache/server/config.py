@@ -117,9 +117,9 @@ class ServerConfig:
     #: Authenticated data-path connections one tenant may hold.
     tenant_connections: int = 512
     #: Connections waiting for their session handshake; when full the oldest makes room.
-    max_preauth: int = 256
+    max_preauth: int = 1024
     #: ... of those, from one peer address.
-    max_preauth_per_peer: int = 128
+    max_preauth_per_peer: int = 512
     #: A request still arriving after this long is cut off.
     request_timeout_s: float = 120.0
     #: ... and one arriving slower than ``min_request_rate`` bytes/s once this long passed.

@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import ssl
 import threading
 import time
@@ -108,6 +109,7 @@ def run_daemon(
     once both ports are bound. ``credentials`` default to :func:`load_credentials`.
     """
     tune_malloc()
+    _raise_fd_limit(config.max_connections + config.max_preauth + 256)
     policy = policy or RetentionPolicy()
     offset_clock = OffsetClock(clock or time.time) if config.allow_clock_override else None
     ssl_context = tls_context(config)
@@ -324,3 +326,15 @@ def _freeze_startup_objects() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Raise the soft open-files limit towards ``wanted`` (connections, authenticated and
+    waiting for their handshake, plus LMDB and the admin server), up to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit to %d: %s", target, exc)
