@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from kvcache.client.config import ClientConfig
 from kvcache.client.core import ClientCore
-from kvcache.client.driver import Watchdog
+from kvcache.client.driver import Reviver, Watchdog
 from kvcache.client.loading import LoadResult, OnReady, check_out, load_keys
 from kvcache.client.matching import DirectoryAnswer, match_keys, match_with_directory
 from kvcache.client.plan import MatchResult
@@ -85,6 +85,11 @@ class Client:
         self._watchdog = (
             Watchdog(self._core.transport, self._core.health, config.timeout_s, clock=clock)
             if hasattr(self._core.transport, "busy_since")
+            else None
+        )
+        self._reviver = (
+            Reviver(self._core.transport, self._core.health)
+            if hasattr(self._core.transport, "credentials")
             else None
         )
         self._encoder = concurrent.futures.ThreadPoolExecutor(
@@ -429,6 +434,8 @@ class Client:
             self._pool.close()
         if self._watchdog is not None:
             self._watchdog.close()
+        if self._reviver is not None:
+            self._reviver.close()
         self._encoder.shutdown(wait=True)
         self._core.close()
 

@@ -25,10 +25,11 @@ from kvcache.client.assembly import LoadAssembly
 from kvcache.client.health import NodeHealth
 from kvcache.client.rounds import Send
 from kvcache.client.transport import Exchange, RemoteStatusError, Transport
-from kvcache.errors import AuthError, NodeError
+from kvcache.errors import AuthError, KVCacheError, NodeError
+from kvcache.net import open_session
 from kvcache.wire import Frame, Header, Message, Op
 
-__all__ = ["Event", "GetExchange", "Pump", "Watchdog"]
+__all__ = ["Event", "GetExchange", "Pump", "Reviver", "Watchdog"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +221,63 @@ class Watchdog:
                     )
                     self._transport.reset(node)
                     self.resets += 1
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Reviver:
+    """Brings nodes marked down back as soon as they answer a session handshake again.
+
+    A node marked down is otherwise skipped for ``down_retry_s`` (5 s); during a
+    rolling restart that left the node restarted a moment ago skipped while the
+    next one was down, two of 12 out, and loads came up short (issue 18). A
+    handshake, not a bare TCP connect, is the test: a stopped (SIGSTOP) daemon's
+    kernel still accepts connections, but it answers no handshake.
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        health: NodeHealth,
+        *,
+        every_s: float = 0.25,
+        timeout_s: float = 0.5,
+    ) -> None:
+        self._transport = transport
+        self._health = health
+        self._every = every_s
+        self._timeout = timeout_s
+        self._stop = threading.Event()
+        self.revived = 0
+        self._thread = threading.Thread(target=self._run, name="kvcache-reviver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            down = set(self._health.down_nodes())
+            if not down:
+                continue
+            credentials = self._transport.credentials
+            for info in tuple(self._transport.nodes):
+                if info.id not in down or self._stop.is_set():
+                    continue
+                try:
+                    sock = open_session(
+                        info.data,
+                        tenant=credentials.tenant,
+                        secret=credentials.secret,
+                        timeout_s=self._timeout,
+                        node=info.id,
+                        tls=credentials.tls,
+                    )
+                except KVCacheError:
+                    continue
+                sock.close()
+                self._health.mark_up(info.id)
+                self.revived += 1
 
     def close(self) -> None:
         """Stop the thread."""
