@@ -61,7 +61,7 @@ def measured_membership() -> dict[str, Any]:
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     quick = args.quick
-    keys = {1000: 10_000, 10000: 4_000} if quick else {1000: 60_000, 10000: 16_000}
+    keys = {1000: 10_000, 10000: 4_000} if quick else {1000: 60_000, 10000: 48_000}
     settings = SimSettings(
         keys=keys,
         mc_horizon_repairs=300.0 if quick else 1000.0,
@@ -139,6 +139,7 @@ def main() -> None:
                         f"{f[q + '_source_nodes']:.0f} / {f[q + '_target_nodes']:.0f}",
                         f"{f[q + '_unrecoverable_fraction']:.4f}",
                         f"{f[q + '_hours']:.2f}",
+                        f"{f[q + '_hours_at_nic_room']:.2f}",
                         f"{f[q + '_nic_share']:.2f}",
                     ]
                 )
@@ -146,7 +147,7 @@ def main() -> None:
         f"Repair at {settings.per_node_gbps} GB/s per node (membership.json repair_gbps "
         f"{f['membership_repair_gbps']:.3f}; load p99 {f['membership_load_p99_repair_ratio']:.2f}x during it), "
         "100 TB per node, foreground 10 TiB/s read + 850 GiB/s write",
-        ["lost", "nodes", "shards moved per lost shard", "source / target nodes (sample)", "blocks unrecoverable", "hours to full redundancy", "NIC share"],
+        ["lost", "nodes", "shards moved per lost shard", "source / target nodes (sample)", "blocks unrecoverable", "hours to full redundancy", "hours at the NIC's room", "NIC share"],
         rows,
     )  # fmt: skip
     rows = []

@@ -248,7 +248,17 @@ def run_repair(settings: SimSettings, *, samples: Samples | None = None) -> Figu
                 foreground_gbps=fg,
                 detect_s=settings.detect_s,
             )
+            # The same repair if each node gave it all the room its NIC has left.
+            fast = repair_time(
+                cost,
+                node_bytes=settings.node_bytes,
+                per_node_gbps=settings.nic_gbps,
+                nic_gbps=settings.nic_gbps,
+                foreground_gbps=fg,
+                detect_s=settings.detect_s,
+            )
             q = f"repair_{what}_{name}"
+            figures[f"{q}_hours_at_nic_room"] = fast.seconds / 3600
             figures[f"{q}_lost_shards_sampled"] = cost.lost_shards
             figures[f"{q}_unrecoverable_sampled"] = cost.unrecoverable
             figures[f"{q}_unrecoverable_fraction"] = cost.unrecoverable / max(
