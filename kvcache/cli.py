@@ -26,6 +26,7 @@ _AREAS = (
     "kvcache.swa_local.cli",
     "kvcache.membership.cli",
     "kvcache.repair.cli",
+    "kvcache.sim.cli",
 )
 
 

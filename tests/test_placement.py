@@ -352,3 +352,17 @@ def test_equal_weights_order_by_the_rendezvous_scores(count: int, keys: list[byt
             best = max((x for x in range(count) if x not in taken), key=lambda x: scores[x])
             assert got[b, p] == best
             taken.add(best)
+
+
+def test_pair_scores_are_the_entries_of_scores() -> None:
+    nodes = tuple(
+        NodeInfo(id=f"n{i}", data="tcp://127.0.0.1:1", weight=1.0 + i % 3) for i in range(20)
+    )
+    placement = Placement(ClusterMap(epoch=1, nodes=nodes), width=12)
+    rng = np.random.default_rng(3)
+    block_keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(50)]
+    which = rng.integers(0, 20, 50)
+    for position in (0, 5, 15):
+        full = placement.scores(block_keys, position)
+        pairs = placement.pair_scores(block_keys, which, position)
+        assert np.array_equal(pairs, full[np.arange(50), which])
