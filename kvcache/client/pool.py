@@ -38,19 +38,32 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache.client.config import ClientConfig
-from kvcache.client.loading import LoadResult
 from kvcache.client.plan import MatchResult
+from kvcache.client.pool_messages import (
+    Close,
+    Counters,
+    CountersRequest,
+    Failed,
+    Loaded,
+    LoadRequest,
+    Ready,
+    RequestReply,
+    Started,
+    Stored,
+    StoreRequest,
+    WorkerReply,
+    WorkerRequest,
+)
 from kvcache.client.storing import StoreResult
 from kvcache.errors import ClusterError
 from kvcache.keys import BlockKey
 
-__all__ = ["ClientPool", "SharedBuffer", "worker_main"]
+__all__ = ["ClientPool", "SharedBuffer"]
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +112,13 @@ class ClientPool:
             self._procs.append(proc)
         for conn in self._conns:
             reply = conn.recv()
-            if reply[0] != "ready":
+            if not isinstance(reply, Started) or reply.error:
                 self.close()
-                raise ClusterError(f"an I/O worker failed to start: {reply[1]}")
+                why = reply.error if isinstance(reply, Started) else repr(reply)
+                raise ClusterError(f"an I/O worker failed to start: {why}")
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._waiting: dict[int, queue.SimpleQueue[tuple[Any, ...]]] = {}
+        self._waiting: dict[int, queue.SimpleQueue[RequestReply]] = {}
         self._buffers: dict[str, shared_memory.SharedMemory] = {}
         self._closed = False
         self._dispatcher = threading.Thread(target=self._dispatch, name="kvcache-pool", daemon=True)
@@ -174,25 +188,24 @@ class ClientPool:
         total = match.hit_blocks
         ranges = self._ranges(total, chunk_blocks)
         requests: dict[int, tuple[int, int]] = {}
-        replies: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        replies: queue.SimpleQueue[RequestReply] = queue.SimpleQueue()
         for start, stop in ranges:
             request_id = next(self._ids)
             requests[request_id] = (start, stop)
             self._post(
                 request_id,
                 replies,
-                (
-                    "load",
-                    request_id,
-                    b"".join(match.keys[start:stop]),
-                    match.stripe[start:stop],
-                    match.holders[start:stop],
-                    match.tokens_per_block,
-                    payload_len,
-                    traffic_class,
-                    region.name,
-                    region.offset + start * payload_len,
-                    nodes,
+                LoadRequest(
+                    request_id=request_id,
+                    keys=b"".join(match.keys[start:stop]),
+                    stripes=match.stripe[start:stop],
+                    holders=match.holders[start:stop],
+                    tokens_per_block=match.tokens_per_block,
+                    payload_len=payload_len,
+                    traffic_class=traffic_class,
+                    buffer=region.name,
+                    offset=region.offset + start * payload_len,
+                    nodes=nodes,
                 ),
             )
         good: dict[int, int] = {}
@@ -203,20 +216,19 @@ class ClientPool:
         try:
             while len(good) < len(requests):
                 message = replies.get()
-                kind, request_id = message[0], message[1]
-                start, stop = requests[request_id]
-                if kind == "ready":
-                    ready[start + message[2] : start + message[3]] = True
+                start, stop = requests[message.request_id]
+                if isinstance(message, Ready):
+                    ready[start + message.first : start + message.stop] = True
                     if on_ready is not None and ready[front:].any() and ready[front]:
                         gap = np.flatnonzero(~ready[front:])
                         end = len(ready) if not len(gap) else front + int(gap[0])
                         on_ready(front, end)
                         front = end
-                elif kind == "loaded":
-                    good[request_id] = message[2]
-                else:  # "error"
-                    log.warning("an I/O worker's load failed: %s", message[2])
-                    good[request_id] = 0
+                elif isinstance(message, Loaded):
+                    good[message.request_id] = message.blocks
+                else:
+                    log.warning("an I/O worker's load failed: %s", _why(message))
+                    good[message.request_id] = 0
         finally:
             for request_id in requests:
                 self._waiting.pop(request_id, None)
@@ -239,7 +251,7 @@ class ClientPool:
     ) -> StoreResult:
         """Store one payload per key from the shared rows at ``region``."""
         ranges = self._ranges(len(keys), chunk_blocks)
-        replies: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        replies: queue.SimpleQueue[RequestReply] = queue.SimpleQueue()
         requests: dict[int, tuple[int, int]] = {}
         for start, stop in ranges:
             request_id = next(self._ids)
@@ -247,14 +259,13 @@ class ClientPool:
             self._post(
                 request_id,
                 replies,
-                (
-                    "store",
-                    request_id,
-                    b"".join(keys[start:stop]),
-                    payload_len,
-                    traffic_class,
-                    region.name,
-                    region.offset + start * payload_len,
+                StoreRequest(
+                    request_id=request_id,
+                    keys=b"".join(keys[start:stop]),
+                    payload_len=payload_len,
+                    traffic_class=traffic_class,
+                    buffer=region.name,
+                    offset=region.offset + start * payload_len,
                 ),
             )
         written = touched = 0
@@ -262,13 +273,13 @@ class ClientPool:
         try:
             for _ in requests:
                 message = replies.get()
-                start, stop = requests[message[1]]
-                if message[0] == "stored":
-                    written += message[2]
-                    touched += message[3]
-                    failed += [first_block + start + b for b in message[4]]
+                start, stop = requests[message.request_id]
+                if isinstance(message, Stored):
+                    written += message.written
+                    touched += message.touched
+                    failed += [first_block + start + b for b in message.failed_blocks]
                 else:
-                    log.warning("an I/O worker's store failed: %s", message[2])
+                    log.warning("an I/O worker's store failed: %s", _why(message))
                     failed += list(range(first_block + start, first_block + stop))
         finally:
             for request_id in requests:
@@ -277,17 +288,17 @@ class ClientPool:
 
     def counters(self) -> dict[str, int]:
         """The workers' client counters, summed."""
-        replies: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        replies: queue.SimpleQueue[RequestReply] = queue.SimpleQueue()
         total: dict[str, int] = {}
         ids = []
         for worker in range(self.size):
             request_id = next(self._ids)
             ids.append(request_id)
-            self._post(request_id, replies, ("counters", request_id), worker=worker)
+            self._post(request_id, replies, CountersRequest(request_id=request_id), worker=worker)
         for _ in ids:
             message = replies.get()
-            if message[0] == "counters":
-                for name, n in message[2].items():
+            if isinstance(message, Counters):
+                for name, n in message.counters.items():
                     total[name] = total.get(name, 0) + n
         for request_id in ids:
             self._waiting.pop(request_id, None)
@@ -300,7 +311,7 @@ class ClientPool:
         self._closed = True
         for conn in self._conns:
             with contextlib.suppress(OSError):
-                conn.send(("close",))
+                conn.send(Close())
         for proc in self._procs:
             try:
                 proc.wait(timeout=10)
@@ -326,8 +337,8 @@ class ClientPool:
     def _post(
         self,
         request_id: int,
-        replies: queue.SimpleQueue[tuple[Any, ...]],
-        message: tuple[Any, ...],
+        replies: queue.SimpleQueue[RequestReply],
+        message: WorkerRequest,
         *,
         worker: int | None = None,
     ) -> None:
@@ -348,14 +359,16 @@ class ClientPool:
             for conn in ready:
                 assert isinstance(conn, multiprocessing.connection.Connection)
                 try:
-                    message: tuple[Any, ...] = conn.recv()
+                    message: WorkerReply = conn.recv()
                 except (EOFError, OSError):
                     if not self._closed:
                         log.error("an I/O worker died; its requests fail")
-                        for replies in list(self._waiting.values()):
-                            replies.put(("error", 0, "worker died"))
+                        for request_id, replies in list(self._waiting.items()):
+                            replies.put(Failed(request_id=request_id, error="worker died"))
                     return
-                target = self._waiting.get(message[1])
+                if isinstance(message, Started):
+                    continue
+                target = self._waiting.get(message.request_id)
                 if target is not None:
                     target.put(message)
 
@@ -370,96 +383,5 @@ def _release(buffers: dict[str, shared_memory.SharedMemory], name: str) -> None:
         shm.unlink()
 
 
-def _own_indices(
-    client: Any, nodes: tuple[tuple[str, str], ...], holders: npt.NDArray[np.int64]
-) -> npt.NDArray[np.int64]:
-    """``holders`` (indices into the parent's ``nodes``) as indices into this worker's
-    transport (-1 stays -1)."""
-    from kvcache.cluster import NodeInfo
-
-    topology = client.core.topology
-    mine = np.array(
-        [topology.index_of(NodeInfo(id=node_id, data=data)) for node_id, data in nodes] + [-1],
-        np.int64,
-    )
-    return mine[np.where(holders >= 0, holders, len(nodes))]
-
-
-def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfig) -> None:
-    """One I/O worker: a full client serving the pool's requests, one at a time."""
-    from kvcache.client.client import Client
-
-    try:
-        client = Client(config)
-    except BaseException as exc:  # reported to the parent, which refuses to start
-        conn.send(("failed", repr(exc)))
-        return
-    conn.send(("ready", 0))
-    mapped: dict[str, shared_memory.SharedMemory] = {}
-
-    def rows(name: str, offset: int, count: int, row_bytes: int) -> npt.NDArray[np.uint8]:
-        shm = mapped.get(name)
-        if shm is None:
-            shm = shared_memory.SharedMemory(name=name)
-            # The parent owns the buffer: keep Python's resource tracker from removing it.
-            try:
-                from multiprocessing import resource_tracker
-
-                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-            except (ImportError, AttributeError, KeyError):
-                pass
-            mapped[name] = shm
-        array: npt.NDArray[np.uint8] = np.ndarray(
-            (count, row_bytes), np.uint8, buffer=shm.buf, offset=offset
-        )
-        return array
-
-    try:
-        while True:
-            message = conn.recv()
-            kind = message[0]
-            if kind == "close":
-                return
-            request_id = message[1]
-            try:
-                if kind == "load":
-                    _, _, raw_keys, stripes, holders, tpb, payload_len, cls, name, offset, nodes = (
-                        message
-                    )
-                    keys = [BlockKey(raw_keys[i : i + 16]) for i in range(0, len(raw_keys), 16)]
-                    if nodes:
-                        holders = _own_indices(client, nodes, holders)
-                    match = MatchResult(
-                        keys, len(keys), tpb, stripes, holders, np.full(len(keys), -1, np.int64)
-                    )
-                    out = rows(name, offset, len(keys), payload_len)
-
-                    def ready(first: int, stop: int, request: int = request_id) -> None:
-                        conn.send(("ready", request, first, stop))
-
-                    result: LoadResult = client.load_keys(
-                        match, payload_len=payload_len, out=out, traffic_class=cls, on_ready=ready
-                    )
-                    conn.send(("loaded", request_id, result.blocks))
-                elif kind == "store":
-                    _, _, raw_keys, payload_len, cls, name, offset = message
-                    keys = [BlockKey(raw_keys[i : i + 16]) for i in range(0, len(raw_keys), 16)]
-                    source = rows(name, offset, len(keys), payload_len)
-                    stored = client.store_keys(
-                        keys, source, payload_len=payload_len, traffic_class=cls
-                    )
-                    conn.send(
-                        ("stored", request_id, stored.written, stored.touched, stored.failed_blocks)
-                    )
-                elif kind == "counters":
-                    conn.send(("counters", request_id, client.counters))
-            except Exception as exc:  # one failed request must not kill the worker
-                log.warning("I/O worker request failed", exc_info=True)
-                conn.send(("error", request_id, repr(exc)))
-    except (EOFError, OSError, KeyboardInterrupt):
-        return
-    finally:
-        client.close()
-        for shm in mapped.values():
-            with contextlib.suppress(BufferError):
-                shm.close()
+def _why(message: RequestReply) -> str:
+    return message.error if isinstance(message, Failed) else repr(message)
