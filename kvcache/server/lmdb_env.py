@@ -103,19 +103,10 @@ class LmdbEnvironment:
             ) from exc
         self.shards = self.env.open_db(b"shards")
         self.retention = self.env.open_db(b"retention")
-        try:
-            # One key per (partition, expiry), the shards as fixed-size duplicates
-            # (kvcache.server.records): store format v3.
-            self.expiry = self.env.open_db(b"expiry", dupsort=True, dupfixed=True)
-        except lmdb.IncompatibleError:
-            self.env.close()
-            os.close(self._lockfile)
-            raise StorageError(
-                f"{self.path} was written by an older store format (its expiry index is not "
-                "the v3 layout): use a fresh data directory (the store is a cache; nothing in "
-                "it needs to be kept)",
-                kind="storage",
-            ) from None
+        # One key per (partition, expiry), the shards as fixed-size duplicates
+        # (kvcache.server.records, store format v3). An older directory opens (LMDB keeps a
+        # database's stored flags) and is refused by the store's format check.
+        self.expiry = self.env.open_db(b"expiry", dupsort=True, dupfixed=True)
         self.meta = self.env.open_db(b"meta")
         self.map_size = int(self.env.info()["map_size"])
         self._page_size = int(self.env.stat()["psize"])

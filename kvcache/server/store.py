@@ -839,7 +839,9 @@ class ShardStore:
                     if candidate <= rec.expiry_ms:
                         continue
                     new = Retention(candidate, rec.size, rec.stripe, rec.written_ms, cls)
-                    txn.delete(*expiry_entry(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
+                    txn.delete(
+                        *expiry_entry(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry
+                    )
                     txn.put(*expiry_entry(skey, cls, candidate), db=self._expiry)
                     txn.put(skey, new.pack(), db=self._retention)
                     if cls != rec.traffic_class:
