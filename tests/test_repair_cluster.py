@@ -159,7 +159,10 @@ def test_full_stripes_count_a_restarted_daemon_on_its_first_has(
     cluster = cluster_factory(12)
     tokens, keys = store_blocks(cluster, 24, seed=4)
     block_keys_ = [BlockKey(k) for k in keys]
-    with Client(cluster.client_config(read_repair=False)) as client:
+    # A long timeout: on a loaded machine a slow answer must not pass for the failure
+    # under test (which is immediate: a closed connection).
+    with Client(cluster.client_config(read_repair=False, timeout_s=60.0)) as client:
+        assert client.load_prefix(NS, tokens).blocks == 24  # connections up
         assert (best_counts(held_shards(client.core, block_keys_, settle=12), 24, n=12) == 12).all()
         for victim in (4, 7):
             cluster.kill(victim)
