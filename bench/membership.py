@@ -12,7 +12,8 @@ Figures (issue 10's targets in brackets):
   static cluster file as in the issue [>= 0.95], with 0 wrong bytes;
 - ``repair_complete``: share of a wiped daemon's blocks back at full stripes
   after ``kvcache repair`` [1.0], with the repair's GB/s and the foreground
-  load p99 during the repair against before it.
+  load p99 during the repair against before it. Below 1.0 the script prints a
+  ``FAIL:`` line with the repairer's own counts and exits with status 1.
 
     python bench/membership.py --quick --json bench/results/membership.json
 """
@@ -187,6 +188,8 @@ def repair(root: Path, prompts: int, blocks: int, rate: str) -> dict[str, Any]:
     return {
         "repair_complete": full / max(1, total),
         "repair_blocks": total,
+        "repair_full_blocks": full,
+        "repair_shards_deferred": result.shards_deferred,
         "repair_seconds": took,
         "repair_gbps": (result.bytes_read + result.bytes_written) / max(1e-9, took) / 1e9,
         "repair_rebuilt_gbps": result.bytes_written / max(1e-9, took) / 1e9,
@@ -200,7 +203,7 @@ def repair(root: Path, prompts: int, blocks: int, rate: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main() -> int:
     args = parser(__doc__.splitlines()[0]).parse_args()
     quick = args.quick
     figures: dict[str, Any] = {"commit": commit(), "machine": machine(), "quick": quick}
@@ -237,7 +240,18 @@ def main() -> None:
     )  # fmt: skip
     figures["wall_seconds"] = time.monotonic() - started
     write_json(args.json, figures)
+    if figures["repair_complete"] != 1.0:
+        short = figures["repair_blocks"] - figures["repair_full_blocks"]
+        print(
+            f"FAIL: repair left {short} of {figures['repair_blocks']} blocks short of 12 shards "
+            f"(repair_complete {figures['repair_complete']:.3f}; the repairer reported "
+            f"{figures['repair_blocks_repaired']} repaired, {figures['repair_unrecoverable']} "
+            f"unrecoverable or failed, {figures['repair_shards_deferred']} shards deferred)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,8 +19,10 @@ import pytest
 from kvcache.cli import main
 from kvcache.client import Client
 from kvcache.client.localcluster import LocalCluster
+from kvcache.client.matching import held_shards
+from kvcache.client.plan import best_counts
 from kvcache.cluster import ClusterMap, NodeState
-from kvcache.keys import Namespace, block_keys
+from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.placement import Placement
 from kvcache.server.probe import Probe
@@ -144,6 +146,30 @@ def test_repair_restores_a_wiped_node_and_resumes_from_its_state_file(
     assert first["blocks_repaired"] + second["blocks_repaired"] == 60
     assert misplaced(cluster, keys) == 0
     assert json.loads(state.read_text())["tenants"]["default"]["passes"] == 2
+
+
+def test_full_stripes_count_a_restarted_daemon_on_its_first_has(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """bench/membership.py's check (held_shards with settle=12) right after a daemon restart.
+
+    The client's connections to the old process fail on their first request; before the
+    fix that request's answer was lost and blocks with all 12 shards counted 11 (the
+    0.925 repair_complete of issue 21)."""
+    cluster = cluster_factory(12)
+    tokens, keys = store_blocks(cluster, 24, seed=4)
+    block_keys_ = [BlockKey(k) for k in keys]
+    # A long timeout: on a loaded machine a slow answer must not pass for the failure
+    # under test (which is immediate: a closed connection).
+    with Client(cluster.client_config(read_repair=False, timeout_s=60.0)) as client:
+        assert client.load_prefix(NS, tokens).blocks == 24  # connections up
+        assert (best_counts(held_shards(client.core, block_keys_, settle=12), 24, n=12) == 12).all()
+        for victim in (4, 7):
+            cluster.kill(victim)
+            cluster.restart(victim)
+            held_now = held_shards(client.core, block_keys_, settle=12)
+            assert (best_counts(held_now, 24, n=12) == 12).all(), victim
+            assert client.load_prefix(NS, tokens).blocks == 24
 
 
 def test_repair_moves_the_shards_of_a_node_set_out(

@@ -16,10 +16,10 @@ from kvcache.server.records import (
     PARTITION_LEN,
     Retention,
     check_put,
-    expiry_key,
+    expiry_entry,
     fresh_rows,
     partition,
-    split_expiry_key,
+    split_expiry_entry,
     split_store_key,
     store_keys,
 )
@@ -95,13 +95,15 @@ def test_store_keys_round_trip() -> None:
     assert store_keys(TENANT, np.zeros(0, dtype="V16"), np.zeros(0, dtype=np.uint16)) == []
 
 
-def test_expiry_keys_sort_by_partition_then_time() -> None:
+def test_expiry_entries_sort_by_partition_then_time() -> None:
     key = os.urandom(16)
     skey = TENANT + key + b"\x00\x03"
-    early, late = expiry_key(skey, "chat", 5), expiry_key(skey, "chat", 6)
-    other_class = expiry_key(skey, "agent", 1)
-    assert early < late and split_expiry_key(late) == (6, skey)
-    assert early[:PARTITION_LEN] == partition(TENANT, "chat") != other_class[:PARTITION_LEN]
+    early, late = expiry_entry(skey, "chat", 5), expiry_entry(skey, "chat", 6)
+    other_class = expiry_entry(skey, "agent", 1)
+    assert early[0] < late[0] and split_expiry_entry(*late) == (6, skey)
+    # The duplicate is the block key and index: fixed size, so LMDB packs them (DUPFIXED).
+    assert early[1] == late[1] == key + b"\x00\x03"
+    assert early[0][:PARTITION_LEN] == partition(TENANT, "chat") != other_class[0][:PARTITION_LEN]
 
 
 @given(
@@ -122,7 +124,7 @@ def test_expiry_keys_sort_by_partition_then_time() -> None:
 def test_fresh_rows_are_the_records_and_keys_one_at_a_time(
     rows: list[tuple[bytes, int, int, int]], cls: str, expiry: int, written: int
 ) -> None:
-    """The column builder of a fresh PUT equals Retention.pack and expiry_key, row by row."""
+    """The column builder of a fresh PUT equals Retention.pack and expiry_entry, row by row."""
     tenant = b"tenant-8"
     keys = store_keys(
         tenant,
@@ -136,5 +138,5 @@ def test_fresh_rows_are_the_records_and_keys_one_at_a_time(
     )
     for key, (_k, _i, size, stripe), r, e in zip(keys, rows, ret, exp, strict=True):
         assert r == Retention(expiry, size, stripe, written, cls).pack()
-        assert e == expiry_key(key, cls, expiry)
-        assert split_expiry_key(e) == (expiry, key)
+        assert e == expiry_entry(key, cls, expiry)
+        assert split_expiry_entry(*e) == (expiry, key)

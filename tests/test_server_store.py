@@ -604,3 +604,57 @@ def test_capacity_pressure_takes_the_flooding_tenant_first(
         assert store.counters["evicted_shards"] > 0
         assert all(held(store, key(1000 + n), tenant=OTHER) == {0} for n in range(5))
         assert store.recount() == store.usage()
+
+
+def test_expiry_index_keeps_one_key_per_batch_expiry(tmp_path: Path, clock: FakeClock) -> None:
+    """Store format v3: a PUT batch's shards are duplicates of one (partition, expiry) key,
+    a slid expiry moves one duplicate to its own key, and the sweep takes them apart."""
+    import lmdb
+
+    with open_store(tmp_path / "db", clock) as s:
+        put(s, [r for n in range(4) for r in block_records(key(n), traffic_class="agent")])
+        clock.step(HOUR)
+        put(s, block_records(key(9), traffic_class="agent"))
+        clock.step(HOUR)
+        get(s, [(key(0), 3)], "chat")  # slides one shard to chat, 7 days from now
+        s.flush_touches()
+    env = lmdb.open(str(tmp_path / "db"), readonly=True, lock=False, max_dbs=4)
+    with env.begin() as txn:
+        db = env.open_db(b"expiry", txn=txn, create=False)
+        stat = txn.stat(db)
+        keys = {bytes(k) for k, _ in txn.cursor(db=db)}
+    env.close()
+    assert stat["entries"] == 60 and len(keys) == 3
+    with open_store(tmp_path / "db", clock) as s:
+        clock.step(3 * DAY_S - 1.5 * HOUR)  # the first batch expired, the second not yet
+        assert s.sweep(limit=1000) == 47
+        assert held(s, key(0)) == {3} and held(s, key(9)) == set(range(12))
+        clock.step(HOUR)
+        assert s.sweep(limit=1000) == 12
+        assert s.recount() == s.usage()
+
+
+def test_a_v2_directory_is_refused_with_a_clear_message(tmp_path: Path, clock: FakeClock) -> None:
+    """A data directory of store format v2 (expiry index with a key per shard)."""
+    import lmdb
+
+    path = tmp_path / "db"
+    path.mkdir()
+    env = lmdb.open(str(path), max_dbs=4)
+    shards, expiry, meta = (env.open_db(n) for n in (b"shards", b"expiry", b"meta"))
+    env.open_db(b"retention")
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"kvcache-store-v2", db=meta)
+        txn.put(T + key(1) + b"\x00\x00", b"record", db=shards)
+        txn.put(T + b"chat".ljust(16, b"\x00") + bytes(8) + key(1) + b"\x00\x00", b"", db=expiry)
+    env.close()
+    with pytest.raises(StorageError, match=r"store format .kvcache-store-v2.*fresh data directory"):
+        open_store(path, clock)
+    # Refused, not changed: the old records are all still there.
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
+    with env.begin() as txn:
+        assert txn.get(b"format", db=env.open_db(b"meta", txn=txn, create=False)) == (
+            b"kvcache-store-v2"
+        )
+        assert txn.stat(env.open_db(b"shards", txn=txn, create=False))["entries"] == 1
+    env.close()

@@ -103,7 +103,10 @@ class LmdbEnvironment:
             ) from exc
         self.shards = self.env.open_db(b"shards")
         self.retention = self.env.open_db(b"retention")
-        self.expiry = self.env.open_db(b"expiry")
+        # One key per (partition, expiry), the shards as fixed-size duplicates
+        # (kvcache.server.records, store format v3). An older directory opens (LMDB keeps a
+        # database's stored flags) and is refused by the store's format check.
+        self.expiry = self.env.open_db(b"expiry", dupsort=True, dupfixed=True)
         self.meta = self.env.open_db(b"meta")
         self.map_size = int(self.env.info()["map_size"])
         self._page_size = int(self.env.stat()["psize"])

@@ -1,10 +1,10 @@
 """What a daemon stores and under which keys, and the batch checks of PUT records.
 
-Storage layout (store format ``kvcache-store-v2``, LMDB named databases)::
+Storage layout (store format ``kvcache-store-v3``, LMDB named databases)::
 
     shards     tenant 8 | key 16 | index u16 BE                → header || body, as PUT
     retention  tenant 8 | key 16 | index u16 BE                → expiry_ms | size | stripe | written_ms | class
-    expiry     tenant 8 | class 16 | expiry_ms u64 BE | key 16 | index u16 BE → b""
+    expiry     tenant 8 | class 16 | expiry_ms u64 BE          → key 16 | index u16 BE  (DUPSORT, DUPFIXED)
     meta       b"format"; b"usage:" + tenant 8 + class 16 → bytes u64 | shards u64; b"policy"
 
 Every key starts with the tenant's 8-byte id (:func:`kvcache.credentials.tenant_id`),
@@ -14,6 +14,12 @@ One key's shards are adjacent and in index order. The expiry index is cut
 into *partitions*, one per (tenant, class), each walked oldest first: that is
 what lets a tenant's quota evict its own shards, and a class quota the
 tenant's shards of that class.
+
+The expiry index keeps one key per (partition, expiry) and the shards expiring
+then as its fixed-size sorted duplicates (LMDB packs those 18 bytes apiece, no
+node header): every shard of a PUT batch shares its batch's expiry, so the
+index costs about a fifth of what a key per shard did (v2: 96 bytes a shard on
+disk at 10^5 shards, see bench/scale.py and docs/benchmarks.md).
 
 A PUT carries hundreds of ``header || body`` shard records. They are checked
 as a batch (:func:`check_put`): the header rules are
@@ -52,19 +58,19 @@ __all__ = [
     "Retention",
     "check_put",
     "class_field",
-    "expiry_key",
+    "expiry_entry",
     "fresh_rows",
     "partition",
     "record_class",
     "record_expiry",
-    "split_expiry_key",
+    "split_expiry_entry",
     "split_partition",
     "split_store_key",
     "store_keys",
     "usage_key",
 ]
 
-FORMAT = b"kvcache-store-v2"
+FORMAT = b"kvcache-store-v3"
 TENANT_LEN = 8
 #: Storage key: tenant (8) + block key (16) + shard index (u16 big-endian).
 KEY_LEN = TENANT_LEN + 18
@@ -137,9 +143,10 @@ def split_partition(raw: bytes) -> tuple[TenantId, str]:
     return TenantId(raw[:TENANT_LEN]), raw[TENANT_LEN:PARTITION_LEN].rstrip(b"\x00").decode()
 
 
-def expiry_key(skey: bytes, traffic_class: str, expiry_ms: int) -> bytes:
-    """Key of the expiry index for storage key ``skey``: partition, expiry, block key, index."""
-    return skey[:TENANT_LEN] + class_field(traffic_class) + _U64.pack(expiry_ms) + skey[TENANT_LEN:]
+def expiry_entry(skey: bytes, traffic_class: str, expiry_ms: int) -> tuple[bytes, bytes]:
+    """(key, duplicate) of the expiry index for storage key ``skey``: the key is the
+    partition and the expiry, the duplicate the block key and shard index."""
+    return skey[:TENANT_LEN] + class_field(traffic_class) + _U64.pack(expiry_ms), skey[TENANT_LEN:]
 
 
 def fresh_rows(
@@ -150,9 +157,9 @@ def fresh_rows(
     traffic_class: str,
     expiry_ms: int,
     written_ms: int,
-) -> tuple[list[bytes], list[bytes]]:
-    """(retention records, expiry-index keys) of shards of one tenant and class, built as
-    columns: the batch twin of :meth:`Retention.pack` and :func:`expiry_key` (a property
+) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
+    """(retention records, expiry-index entries) of shards of one tenant and class, built as
+    columns: the batch twin of :meth:`Retention.pack` and :func:`expiry_entry` (a property
     test holds them byte-identical)."""
     n = len(skeys)
     name = traffic_class.encode("ascii")
@@ -166,23 +173,19 @@ def fresh_rows(
     rec["stripe"] = stripes
     rec["written"] = written_ms
     rec["name"] = np.frombuffer(name, f"V{len(name)}")[0] if name else b""
-    keys = np.frombuffer(b"".join(skeys), np.uint8).reshape(n, KEY_LEN)
-    exp = np.empty((n, PARTITION_LEN + 8 + KEY_LEN - TENANT_LEN), np.uint8)
-    exp[:, :TENANT_LEN] = keys[:, :TENANT_LEN]
-    exp[:, TENANT_LEN:PARTITION_LEN] = np.frombuffer(class_field(traffic_class), np.uint8)
-    exp[:, PARTITION_LEN : PARTITION_LEN + 8] = np.frombuffer(_U64.pack(expiry_ms), np.uint8)
-    exp[:, PARTITION_LEN + 8 :] = keys[:, TENANT_LEN:]
+    if not n:
+        return [], []
+    ekey = skeys[0][:TENANT_LEN] + class_field(traffic_class) + _U64.pack(expiry_ms)
     return (
         rec.view(f"V{rec.dtype.itemsize}").tolist(),
-        exp.view(f"V{exp.shape[1]}").ravel().tolist(),
+        [(ekey, skey[TENANT_LEN:]) for skey in skeys],
     )
 
 
-def split_expiry_key(raw: bytes | memoryview) -> tuple[int, bytes]:
-    """(expiry_ms, storage key) of an expiry-index key."""
-    data = bytes(raw)
-    expiry = int(_U64.unpack_from(data, PARTITION_LEN)[0])
-    return expiry, data[:TENANT_LEN] + data[PARTITION_LEN + 8 :]
+def split_expiry_entry(key: bytes | memoryview, dup: bytes | memoryview) -> tuple[int, bytes]:
+    """(expiry_ms, storage key) of an expiry-index entry."""
+    raw = bytes(key)
+    return int(_U64.unpack_from(raw, PARTITION_LEN)[0]), raw[:TENANT_LEN] + bytes(dup)
 
 
 def usage_key(part: bytes) -> bytes:

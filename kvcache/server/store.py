@@ -31,7 +31,6 @@ read from others.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import operator
@@ -63,12 +62,12 @@ from kvcache.server.records import (
     CheckedPut,
     Retention,
     check_put,
-    expiry_key,
+    expiry_entry,
     fresh_rows,
     partition,
     record_class,
     record_expiry,
-    split_expiry_key,
+    split_expiry_entry,
     store_keys,
 )
 from kvcache.shard import HEADER_DTYPE
@@ -372,11 +371,11 @@ class ShardStore:
                             deltas.add(old_part, -rec.size, -1)
                             if skey in retention_rows:  # written earlier in this batch
                                 expiry_rows.remove(
-                                    (expiry_key(skey, rec.traffic_class, rec.expiry_ms), b"")
+                                    expiry_entry(skey, rec.traffic_class, rec.expiry_ms)
                                 )
                             else:
                                 txn.delete(
-                                    expiry_key(skey, rec.traffic_class, rec.expiry_ms),
+                                    *expiry_entry(skey, rec.traffic_class, rec.expiry_ms),
                                     db=self._expiry,
                                 )
                             if live and rec.stripe == stripe and old_expiry > expiry:
@@ -388,7 +387,7 @@ class ShardStore:
                         retention_rows[skey] = (
                             RETENTION_HEAD.pack(expiry, size, stripe, now) + name.encode()
                         )
-                        expiry_rows.append((expiry_key(skey, name, expiry), b""))
+                        expiry_rows.append(expiry_entry(skey, name, expiry))
                         deltas.add(partition(skey[:TENANT_LEN], name), size, 1)
                         earliest = min(earliest, expiry)
                     if conflicts:
@@ -452,7 +451,7 @@ class ShardStore:
             )
             shard_rows.extend(zip(keys, records, strict=True))
             retention_rows.update(zip(keys, ret, strict=True))
-            expiry_rows.extend(zip(exp, itertools.repeat(b"")))
+            expiry_rows.extend(exp)
             deltas.add(partition(tenant, name), int(sizes[sel].sum()), len(idx))
             earliest = min(earliest, expiry)
         return earliest
@@ -840,8 +839,10 @@ class ShardStore:
                     if candidate <= rec.expiry_ms:
                         continue
                     new = Retention(candidate, rec.size, rec.stripe, rec.written_ms, cls)
-                    txn.delete(expiry_key(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
-                    txn.put(expiry_key(skey, cls, candidate), b"", db=self._expiry)
+                    txn.delete(
+                        *expiry_entry(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry
+                    )
+                    txn.put(*expiry_entry(skey, cls, candidate), db=self._expiry)
                     txn.put(skey, new.pack(), db=self._retention)
                     if cls != rec.traffic_class:
                         moved.add(partition(skey[:TENANT_LEN], rec.traffic_class), -rec.size, -1)
@@ -982,7 +983,7 @@ class ShardStore:
     def _remove(self, txn: lmdb.Transaction, skey: bytes, rec: Retention, deltas: Deltas) -> None:
         txn.delete(skey, db=self._shards)
         txn.delete(skey, db=self._retention)
-        txn.delete(expiry_key(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
+        txn.delete(*expiry_entry(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
         deltas.add(partition(skey[:TENANT_LEN], rec.traffic_class), -rec.size, -1)
         deltas.removed.append(skey)
 
@@ -995,7 +996,7 @@ class ShardStore:
             ekey = cursor.key()
             if ekey[:PARTITION_LEN] != part:
                 return None
-            return split_expiry_key(ekey)[0]
+            return split_expiry_entry(ekey, b"")[0]
 
     def _delete_head(
         self,
@@ -1021,11 +1022,11 @@ class ShardStore:
                 rdb, sdb = self._retention, self._shards
                 ekey = cursor.key() if cursor.set_range(part) else b""
                 while ekey[:PARTITION_LEN] == part and len(removed) < limit and nbytes < to_free:
-                    expiry, skey = split_expiry_key(ekey)
+                    expiry, skey = split_expiry_entry(ekey, cursor.value())
                     if expiry > last_expiry:
                         break
                     raw = lookup(skey, None, rdb)
-                    cursor.delete()  # and move to the next entry
+                    cursor.delete()  # this duplicate, and move to the next entry
                     ekey = cursor.key()
                     if raw is None or unpack(raw)[0] != expiry:  # pragma: no cover - stale entry
                         log.warning("dropped a stale expiry entry for %s", skey.hex())
