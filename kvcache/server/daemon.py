@@ -132,6 +132,11 @@ def run_daemon(
     registrar: Registrar | None = None
     try:
         creds = credentials if credentials is not None else load_credentials(config)
+        if not creds.tenants:
+            raise ConfigError(
+                f"credentials {config.effective_credentials_file} list no tenant: every client "
+                "would be refused; add a [tenants.NAME] table with a secret"
+            )
         store.quotas = {
             t.id: Quota(total=t.quota_bytes, classes=dict(t.class_quotas)) for t in creds.tenants
         }
