@@ -22,6 +22,7 @@ from kvcache.wire import Limits, parse_endpoint
 
 __all__ = [
     "ServerConfig",
+    "DamagedFile",
     "SyncMode",
     "default_map_size",
     "load_server_config",
@@ -53,6 +54,21 @@ class SyncMode(enum.Enum):
     COMMIT = "commit"
     PERIODIC = "periodic"
     NONE = "none"
+
+
+class DamagedFile(enum.Enum):
+    """What a daemon does when its LMDB file fails the start-up check
+    (:mod:`kvcache.server.lmdb_check`: cut short, or meta pages that are not LMDB's).
+
+    ``quarantine`` (the default) renames the file aside (``data.mdb.damaged``, replacing
+    an older one) and starts empty: the store is a cache, so the node loses only hits,
+    which read repair and ``kvcache repair`` put back, while a node that refuses to start
+    costs every block one shard of redundancy until someone acts. ``refuse`` exits with
+    a non-zero status and leaves the file untouched, for operators who want to look first.
+    """
+
+    QUARANTINE = "quarantine"
+    REFUSE = "refuse"
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -90,6 +106,8 @@ class ServerConfig:
     map_size_bytes: int = 0
     #: When writes are forced to disk (see SyncMode).
     sync: SyncMode = SyncMode.PERIODIC
+    #: A data file that fails the start-up check is quarantined or refused (see DamagedFile).
+    damaged_file: DamagedFile = DamagedFile.QUARANTINE
     #: Seconds between syncs in ``periodic`` mode.
     sync_interval_s: float = 5.0
     #: Tenants' secrets, quotas and the admin token (see kvcache.credentials). Empty: the

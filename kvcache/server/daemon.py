@@ -30,6 +30,7 @@ from kvcache.server.handler import RequestHandler
 from kvcache.server.loop import DataServer
 from kvcache.server.metrics import Metrics
 from kvcache.server.scrub import Scrubber
+from kvcache.server.selfprobe import SelfProbe
 from kvcache.server.store import Clock, ShardStore
 from kvcache.server.swa_directory import SwaDirectory
 
@@ -126,7 +127,17 @@ def run_daemon(
         touch_flush_s=config.touch_flush_s,
         max_reply_bytes=config.max_data_bytes,
         max_readers=max(126, min(4096, 2 * config.max_connections)),
+        damaged_file=config.damaged_file,
     )
+    registered: list[Registrar] = []
+
+    def on_damaged(reason: str) -> None:
+        # Called on the loop thread: leaving etcd (revoking the lease) may wait on etcd,
+        # so it runs on a thread of its own. Clients then stop using this node.
+        for registrar in registered:
+            threading.Thread(target=registrar.stop, name="kvcache-leave", daemon=True).start()
+
+    store.on_damaged = on_damaged
     admin: AdminServer | None = None
     server: DataServer | None = None
     registrar: Registrar | None = None
@@ -165,12 +176,20 @@ def run_daemon(
             max_inflight_bytes=config.max_inflight_bytes,
         )
         endpoint = server.bind()
+        probe_tenant = creds.tenants[0]
+        bound = server
         app = build_app(
             server,
             config,
             admin_token=creds.admin_token,
             configured_policy=policy,
             clock=offset_clock,
+            selfprobe=SelfProbe(
+                lambda: bound.endpoint,
+                tenant=probe_tenant.name,
+                secret=probe_tenant.secret,
+                tls=ssl_context is not None,
+            ),
         )
         admin = AdminServer(app, config.admin_listen)
         admin_url = admin.start()
@@ -200,6 +219,10 @@ def run_daemon(
                 )
             )
         registrar = _register(config, endpoint, admin_url)
+        if registrar is not None:
+            registered.append(registrar)
+            if store.damaged is not None:
+                on_damaged(store.damaged)
         _freeze_startup_objects()
         server.serve(stop)
     finally:
