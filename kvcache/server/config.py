@@ -140,6 +140,8 @@ class ServerConfig:
     #: SWA holder records kept in RAM (DIR_PUT / HAS_DIR), in all and per block key.
     swa_directory_records: int = 1 << 18
     swa_directory_per_key: int = 8
+    #: ... and per tenant: one tenant's DIR_PUT flood evicts only its own records.
+    swa_directory_per_tenant: int = 1 << 17
     #: The cluster map the status page (``/dashboard``) shows, read again at every poll so an
     #: edited file shows without a restart. Unset: the page shows this node alone.
     cluster_file: Path | None = None
@@ -197,6 +199,10 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.replace_after_s < 0:
             raise ConfigError(f"replace_after_s must be >= 0, got {self.replace_after_s}")
+        if self.swa_directory_per_tenant < 1:
+            raise ConfigError(
+                f"swa_directory_per_tenant must be >= 1, got {self.swa_directory_per_tenant}"
+            )
         if self.swa_directory_records < 1 or self.swa_directory_per_key < 1:
             raise ConfigError(
                 "swa_directory_records and swa_directory_per_key must be >= 1, got "

@@ -159,6 +159,7 @@ def run_daemon(
             swa_directory=SwaDirectory(
                 max_records=config.swa_directory_records,
                 max_per_key=config.swa_directory_per_key,
+                max_per_tenant=config.swa_directory_per_tenant,
             ),
         )
         handler.scrubber = Scrubber(

@@ -321,10 +321,11 @@ class ShardStore:
 
         Each batch's items are checked on their own and fail only themselves (a
         batch whose data does not match its items gets its ProtocolError back
-        instead of a reply). What passed is written together: if that
-        transaction fails, every batch's passing items are NO_SPACE (INTERNAL
-        for a store error, QUOTA for a tenant over its quota) and nothing of
-        any of them is stored.
+        instead of a reply). What passed is written together; if that
+        transaction fails, each batch is written in a transaction of its own, so
+        a failure stays with its batch (and tenant): a batch that fails alone
+        gets NO_SPACE for its passing items (INTERNAL for a store error, QUOTA
+        for a tenant over its quota) and nothing of it is stored.
         """
         if self.damaged is not None:
             raise StorageError(
@@ -340,9 +341,8 @@ class ShardStore:
                 checked.append(exc)
         passed = [c for c in checked if not isinstance(c, ProtocolError) and c.keys]
         if passed:
-            failed = self._write_checked(passed)
-            if failed is not None:
-                for c in passed:
+            for c, failed in zip(passed, self._write_isolated(passed), strict=True):
+                if failed is not None:
                     c.status[c.positions] = failed
         replies: list[npt.NDArray[np.void] | ProtocolError] = []
         for outcome in checked:
@@ -354,15 +354,31 @@ class ShardStore:
             replies.append(reply)
         return replies
 
-    def _write_checked(self, passed: list[CheckedPut]) -> Status | None:
-        """Write checked batches in one transaction; the status every item gets if it fails."""
+    def _write_isolated(self, passed: list[CheckedPut]) -> list[Status | None]:
+        """Per batch: the status its items get (None: stored). One transaction for all;
+        if it fails, each batch is written on its own, so one batch's failure (a tenant
+        at its quota, above all) fails only that batch, never the other tenants' PUTs
+        that arrived with it (issue 18: 17.4 % of a tenant's PUT items came back QUOTA
+        while another tenant flooded past its quota)."""
+        if len(passed) == 1:
+            return [self._write_checked(passed)]
+        if self._write_checked(passed, quiet=True) is None:
+            return [None] * len(passed)
+        return [self._write_checked([c]) for c in passed]
+
+    def _write_checked(self, passed: list[CheckedPut], *, quiet: bool = False) -> Status | None:
+        """Write checked batches in one transaction; the status every item gets if it fails
+        (``quiet``: neither counted nor logged, as the caller tries again batch by batch)."""
         try:
             self._write(passed)
         except StorageError as exc:
-            self.counters[f"error_{exc.kind}"] += 1
             if exc.kind == "corrupted":
+                self.counters["error_corrupted"] += 1
                 self.mark_damaged(str(exc))
                 raise
+            if quiet:
+                return Status.INTERNAL
+            self.counters[f"error_{exc.kind}"] += 1
             if exc.kind in ("capacity", "quota"):
                 log.warning("PUT refused: %s", exc)
             else:
