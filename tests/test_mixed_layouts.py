@@ -138,3 +138,26 @@ def test_stripe_with_more_than_m_rejected_shards_is_dropped_and_rewritten(
     with Client(cluster.client_config()) as fresh:  # not the client that saw it broken
         until_written(fresh, ns, toks, pl)
         assert loaded_whole(fresh, ns, toks, pl)
+
+
+def test_a_store_replaces_every_leftover_shard_of_a_stripe(cluster: LocalCluster) -> None:
+    """Two shards of a stripe whose writer failed (its rollback lost) stay on their
+    holders; once they are replace_after_s old, a store must replace both, and the block
+    ends with all 12 shards of the new stripe (it replaced only one before)."""
+    from kvcache.chaos import _probe
+    from kvcache.server.probe import fake_shard
+
+    ns, toks, pl = prompt("leftovers", blocks=1)
+    key = block_keys(ns, toks)[0]
+    with Client(cluster.client_config()) as client:
+        holders = client.core.view().targets([key], client.core.up_mask(client.core.view()))[0][0]
+        for index in (3, 8):
+            node = int(holders[index])
+            with _probe(cluster, node, "default") as probe:
+                record = fake_shard(key, index, bytes(128), stripe_id=0xDEAD, traffic_class="default")
+                assert probe.put([(key, index, record)]).tolist() == [0]
+        until_written(client, ns, toks, pl)
+        stripes = {i: find_shard(cluster, key, i)[1] for i in range(12)}
+        assert 0xDEAD not in stripes.values()
+        assert len(set(stripes.values())) == 1, stripes
+        assert loaded_whole(client, ns, toks, pl)
