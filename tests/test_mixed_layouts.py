@@ -154,7 +154,9 @@ def test_a_store_replaces_every_leftover_shard_of_a_stripe(cluster: LocalCluster
         for index in (3, 8):
             node = int(holders[index])
             with _probe(cluster, node, "default") as probe:
-                record = fake_shard(key, index, bytes(128), stripe_id=0xDEAD, traffic_class="default")
+                record = fake_shard(
+                    key, index, bytes(128), stripe_id=0xDEAD, traffic_class="default"
+                )
                 assert probe.put([(key, index, record)]).tolist() == [0]
         until_written(client, ns, toks, pl)
         stripes = {i: find_shard(cluster, key, i)[1] for i in range(12)}
