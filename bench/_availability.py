@@ -1,203 +1,316 @@
-"""Availability figures of bench/reliability.py (issue 18): stalls, floods and restarts.
+"""Issue 18's figures of damaged headers, damaged files, reopening and tenant isolation.
 
-Each function takes a running 12-daemon LocalCluster whose credentials hold the
-tenants ``default`` and ``alice``, and returns its figures:
+Self-contained parts of ``bench/reliability.py`` (it calls them and adds their keys to
+its ``--json``), each on real daemons over loopback:
 
-- ``stalled_put_victim_p99_ratio``: alice's load p99 while tenant ``default`` holds
-  5 half-sent 256 MiB PUTs on every daemon, over her p99 without them;
-- ``preauth_flood_new_conn_success``: the fraction of new authenticated connections
-  that succeed while 1,100 connections that never authenticate are held (and reopened
-  as the daemon closes them) on the same daemon;
-- ``restarted_node_lost_loads``: loads short of their prompt after a daemon was killed
-  (kill -9) and started again, each daemon in turn;
-- ``rolling_restart_lost_loads``: loads short of their prompt while every daemon is
-  stopped (SIGTERM) and started again, one at a time, under a steady load.
+- ``header_flip_load_exceptions``: every byte of 3 shards' 104-byte headers flipped
+  (XOR 0xFC) on every copy in the daemon's file, another shard of the block deleted so
+  a repair is due, then loads with read repair on: loads that raised (target 0), with
+  the wrong bytes they returned;
+- ``truncated_start_clean``: ``data.mdb`` cut to half its used size, to 8 KiB and by one
+  page while the daemon was stopped, started with ``damaged_file`` quarantine and refuse:
+  1 when each start was quarantined (healthy, empty) or refused (exit 1) with a log
+  line, and never died of a signal;
+- ``reopen_after_kill9_s``: a daemon filled with shards and killed with SIGKILL; the
+  time to open its store again (``ShardStore(...)``, in this process), and the time to a
+  restarted daemon's first healthy ``/healthz``;
+- ``cross_tenant_quota_refusals``: PUT items of one tenant answered QUOTA while another
+  tenant floods the same node past its quota on 6 connections (target 0).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
+import json
 import os
-import resource
-import socket
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvcache.chaos import ShardFault, find_shard, flip_record_byte, plant
 from kvcache.client import Client
 from kvcache.client.localcluster import LocalCluster
-from kvcache.server.probe import Probe
-from kvcache.wire import Header, Op, make_items, parse_endpoint
+from kvcache.credentials import Credentials, TenantCredentials
+from kvcache.errors import KVCacheError
+from kvcache.keys import Namespace, block_keys
+from kvcache.layout import DType, KVLayout
+from kvcache.server.lmdb_check import parse_meta
+from kvcache.server.probe import Probe, fake_shard
+from kvcache.server.store import ShardStore
+from kvcache.shard import HEADER_BYTES
+from kvcache.wire import Status
+from kvcache.workload import payload_for_key
 
-P = 114_688
-MiB = 1 << 20
+__all__ = ["cross_tenant_quota", "header_flips", "reopen_after_kill9", "truncated_starts"]
 
-
-def _stored(client: Client, blocks: int, seed: int) -> tuple[list[bytes], np.ndarray]:
-    rng = np.random.default_rng(seed)
-    keys = [rng.bytes(16) for _ in range(blocks)]
-    src = rng.integers(0, 256, (blocks, P), dtype=np.uint8)
-    written = client.store_keys(keys, src, payload_len=P).written
-    if written != blocks:
-        raise RuntimeError(f"store wrote {written} of {blocks} blocks")
-    return keys, src
-
-
-def _load_ok(client: Client, keys: list[bytes], src: np.ndarray, out: np.ndarray) -> bool:
-    out[:] = 0
-    got = client.load_keys(client.match_keys(keys), payload_len=P, out=out)
-    return got.blocks == len(keys) and bool(np.array_equal(out, src))
+SMALL = KVLayout(tokens_per_block=16, bytes_per_token=64, dtype=DType.INT8, layers_in_block=1)
 
 
-def _p99(client: Client, keys: list[bytes], out: np.ndarray, loads: int) -> float:
-    times = []
-    for _ in range(loads):
-        t = time.perf_counter()
-        client.load_keys(client.match_keys(keys), payload_len=P, out=out)
-        times.append(time.perf_counter() - t)
-    return float(np.percentile(times, 99))
+# ---------------------------------------------------------------------- header flips
 
 
-def stalled_puts(cluster: LocalCluster, loads: int = 100) -> dict[str, Any]:
-    creds = cluster.credentials()
-    attacker = creds.tenant("default")
-    assert attacker is not None
-    with Client(cluster.client_config(tenant="alice")) as victim:
-        keys, src = _stored(victim, 16, 11)
-        out = np.empty_like(src)
-        _p99(victim, keys, out, 10)  # warm up
-        calm = _p99(victim, keys, out, loads)
-        probes: list[Probe] = []
-        try:
-            for node in cluster.nodes:
-                for _ in range(5):
-                    probe = Probe(node.data, tenant="default", secret=attacker.secret)
-                    items = make_items(Op.PUT, 1, reply=False)
-                    items["length"] = 256 * MiB
-                    header = Header(op=Op.PUT, request_id=1, count=1, data_len=256 * MiB)
-                    probe.send_raw(header.pack() + items.tobytes() + b"\0" * 1000)
-                    probes.append(probe)
-            stalled = _p99(victim, keys, out, loads)
-            ok = _load_ok(victim, keys, src, out)
-        finally:
-            for probe in probes:
-                probe.close()
+def header_flips(
+    cluster: LocalCluster, *, shards: tuple[int, ...], step: int = 1
+) -> dict[str, Any]:
+    """Flip byte p of shard i's header (every copy) for each p (every ``step``-th) and i."""
+    exceptions = wrong = short = loads = 0
+    errors: list[str] = []
+    with Client(cluster.client_config()) as client:
+        for index in shards:
+            for position in range(0, HEADER_BYTES, step):
+                ns = Namespace(model=f"flip-{index}-{position}", revision="1", layout=SMALL)
+                tokens = np.arange(32, dtype=np.uint32) + 7 * position + 1000 * index
+                keys = block_keys(ns, tokens)
+                expected = [payload_for_key(k, SMALL.payload_bytes) for k in keys]
+                client.store(ns, tokens, expected)
+                node, _stripe, record = find_shard(cluster, keys[0], index)
+                flip_record_byte(cluster, node, record, position, mask=0xFC)
+                plant(cluster, keys[0], (index + 5) % 12, ShardFault.MISSING)
+                for _ in range(2):
+                    loads += 1
+                    try:
+                        result = client.load_prefix(ns, tokens)
+                    except Exception as exc:  # what is counted: any exception at all
+                        exceptions += 1
+                        errors.append(f"shard {index} byte {position}: {exc!r}"[:200])
+                        continue
+                    short += result.blocks < 2
+                    wrong += sum(
+                        int(np.count_nonzero(got != want))
+                        for got, want in zip(result.payloads, expected, strict=False)
+                    )
     return {
-        "stalled_put_victim_p99_ms": stalled * 1000,
-        "calm_victim_p99_ms": calm * 1000,
-        "stalled_put_victim_p99_ratio": stalled / calm,
-        "stalled_put_victim_load_whole": int(ok),
+        "header_flip_load_exceptions": exceptions,
+        "header_flip_loads": loads,
+        "header_flip_short_loads": short,
+        "header_flip_wrong_bytes": wrong,
+        "header_flip_errors": errors[:5],
     }
 
 
-def preauth_flood(cluster: LocalCluster, held: int = 1100, attempts: int = 200) -> dict[str, Any]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(hard, held + 4096)
-    if soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    node = cluster.nodes[0]
-    host, port = parse_endpoint(node.data)
-    alice = cluster.credentials().tenant("alice")
-    assert alice is not None
-    stop = threading.Event()
-    flood: list[socket.socket] = []
-    reopened = 0
+# ---------------------------------------------------------------------- daemons of our own
 
-    def open_one() -> socket.socket:
-        s = socket.socket()
-        s.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            s.connect((host, port))
-        return s
 
-    def keep_flooding() -> None:
-        nonlocal reopened
-        while not stop.is_set():
-            for i, s in enumerate(flood):
-                if stop.is_set():
-                    return
-                try:
-                    if s.recv(4096, socket.MSG_DONTWAIT) == b"":
-                        raise ConnectionResetError
-                except BlockingIOError:
-                    continue
-                except OSError as exc:
-                    if exc.errno == errno.ENOTCONN:
-                        continue
-                s.close()
-                flood[i] = open_one()
-                reopened += 1
-            stop.wait(0.01)
+class _Daemon:
+    """``kvcache server`` in a directory of its own (config file, ready file, log)."""
 
-    for _ in range(held):
-        flood.append(open_one())
-    flooder = threading.Thread(target=keep_flooding, daemon=True)
-    flooder.start()
-    ok = 0
+    def __init__(self, root: Path, credentials: Credentials, **server: Any) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.data_dir = root / "data"
+        self.credentials = credentials
+        creds = root / "credentials.toml"
+        credentials.write(creds)
+        settings = {"capacity_bytes": 4 << 30, "credentials_file": str(creds), **server}
+        lines = ["[server]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+        self.config = root / "node.toml"
+        self.config.write_text("\n".join(lines) + "\n")
+        self.log = root / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.data = self.admin = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "kvcache.cli", "server", "--config", str(self.config),
+                "--data-dir", str(self.data_dir), "--listen", "tcp://127.0.0.1:0",
+                "--admin-listen", "127.0.0.1:0", "--ready-file", str(self.root / "ready.json")]  # fmt: skip
+
+    def start(self, timeout_s: float = 60.0) -> float:
+        """Start; seconds until /healthz answered 200 (raises if it exited)."""
+        ready = self.root / "ready.json"
+        ready.unlink(missing_ok=True)
+        started = time.monotonic()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=log,
+                env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+            )  # fmt: skip
+        while time.monotonic() - started < timeout_s:
+            if self.proc.poll() is not None:
+                raise KVCacheError(f"daemon exited with {self.proc.returncode}")
+            if ready.exists():
+                info = json.loads(ready.read_text())
+                self.data, self.admin = info["data"], info["admin"]
+                if _healthz(self.admin) == 200:
+                    return time.monotonic() - started
+            time.sleep(0.01)
+        raise KVCacheError("daemon did not become healthy")
+
+    def probe(self, tenant: str = "default") -> Probe:
+        entry = self.credentials.tenant(tenant)
+        assert entry is not None
+        return Probe(self.data, tenant=tenant, secret=entry.secret, timeout_s=30)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(30)
+
+
+def _healthz(admin: str) -> int:
     try:
-        for _ in range(attempts):
-            try:
-                with Probe(node.data, tenant="alice", secret=alice.secret, timeout_s=5.0) as p:
-                    p.stats()
-                ok += 1
-            except Exception:  # any failure counts as not succeeded
-                pass
+        with urllib.request.urlopen(admin.rstrip("/") + "/healthz", timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
+
+
+def _fill(daemon: _Daemon, nbytes: int, *, body: int = 64 << 10, per_put: int = 64) -> int:
+    """PUT about ``nbytes`` of shards (fresh keys); returns the shards stored."""
+    stored = 0
+    blob = os.urandom(body)
+    with daemon.probe() as probe:
+        for batch in range(max(1, nbytes // (body * per_put))):
+            shards = [
+                ((batch * per_put + j).to_bytes(16, "big"), 0, fake_shard(
+                    (batch * per_put + j).to_bytes(16, "big"), 0, blob))
+                for j in range(per_put)
+            ]  # fmt: skip
+            stored += int(np.count_nonzero(probe.put(shards) == Status.OK))
+    return stored
+
+
+def _used_bytes(data_file: Path) -> int:
+    raw = data_file.read_bytes()[: 65536 * 2]
+    first = parse_meta(raw[:4096])
+    assert not isinstance(first, str)
+    second = parse_meta(raw[first.page_size : 2 * first.page_size])
+    assert not isinstance(second, str)
+    meta = max(first, second, key=lambda m: m.txnid)
+    return (meta.last_page + 1) * meta.page_size
+
+
+# ---------------------------------------------------------------------- truncated files
+
+
+def truncated_starts(root: Path) -> dict[str, Any]:
+    """Each cut, each mode: clean (quarantined and healthy, or refused with exit 1, a log
+    line naming the damage, no signal death)?"""
+    creds = Credentials.generate()
+    cases: dict[str, bool] = {}
+    for mode in ("quarantine", "refuse"):
+        for cut in ("half", "8KiB", "one-page"):
+            daemon = _Daemon(root / f"{mode}-{cut}", creds, damaged_file=mode)
+            daemon.start()
+            _fill(daemon, 8 << 20)
+            daemon.stop()
+            data_file = daemon.data_dir / "data.mdb"
+            used = _used_bytes(data_file)
+            os.truncate(data_file, {"half": used // 2, "8KiB": 8192, "one-page": used - 4096}[cut])
+            if mode == "quarantine":
+                try:
+                    daemon.start()
+                    with daemon.probe() as probe:
+                        empty = probe.has([(5).to_bytes(16, "big")])[(5).to_bytes(16, "big")] == {}
+                    code = daemon.stop()
+                    clean = empty and code == 0 and "is damaged" in daemon.log.read_text()
+                except KVCacheError:
+                    clean = False
+            else:
+                done = subprocess.run(daemon.command(), capture_output=True, text=True, timeout=60)
+                clean = done.returncode == 1 and "is damaged" in done.stderr
+            cases[f"{mode}-{cut}"] = clean
+    return {"truncated_start_clean": int(all(cases.values())), "truncated_start_cases": cases}
+
+
+# ---------------------------------------------------------------------- reopen
+
+
+def reopen_after_kill9(root: Path, nbytes: int) -> dict[str, Any]:
+    """Fill a daemon with ``nbytes`` of shards, kill -9 it, time reopening its store."""
+    daemon = _Daemon(root / "reopen", Credentials.generate())
+    daemon.start()
+    shards = _fill(daemon, nbytes)
+    daemon.stop(signal.SIGKILL)
+    size = (daemon.data_dir / "data.mdb").stat().st_size
+    started = time.perf_counter()
+    store = ShardStore(daemon.data_dir, capacity_bytes=4 << 30)
+    opened = time.perf_counter() - started
+    count = store.usage()["shards"]
+    store.close()
+    restart = daemon.start()
+    daemon.stop()
+    return {
+        "reopen_after_kill9_s": opened,
+        "restart_after_kill9_healthy_s": restart,
+        "reopen_file_bytes": size,
+        "reopen_shards": shards,
+        "reopen_shards_found": count,
+    }
+
+
+# ---------------------------------------------------------------------- quota isolation
+
+
+def cross_tenant_quota(root: Path, seconds: float) -> dict[str, Any]:
+    """Alice PUTs small batches; bob floods the same daemon far past his 1 MiB quota on
+    6 connections; alice's items answered QUOTA are the figure."""
+    creds = Credentials(
+        tenants=(
+            *Credentials.generate(("default", "alice")).tenants,
+            TenantCredentials(name="bob", secret=b"b" * 32, quota_bytes=1 << 20),
+        ),
+        admin_token=Credentials.generate().admin_token,
+    )
+    daemon = _Daemon(root / "quota", creds, capacity_bytes=1 << 30)
+    daemon.start()
+    stop = threading.Event()
+    flood_quota = [0]
+
+    def flood(worker: int) -> None:
+        blob = os.urandom(128 << 10)
+        n = 0
+        with daemon.probe("bob") as probe:
+            while not stop.is_set():
+                keys = [(worker << 40 | n + j).to_bytes(16, "big") for j in range(8)]
+                n += 8
+                status = probe.put([(k, 0, fake_shard(k, 0, blob)) for k in keys])
+                flood_quota[0] += int(np.count_nonzero(status == Status.QUOTA))
+
+    threads = [threading.Thread(target=flood, args=(w + 1,)) for w in range(6)]
+    for thread in threads:
+        thread.start()
+    refused = items = 0
+    body = os.urandom(4 << 10)
+    deadline = time.monotonic() + seconds
+    try:
+        with daemon.probe("alice") as alice:
+            n = 0
+            while time.monotonic() < deadline:
+                shards = [((n + j).to_bytes(16, "big"), 0, fake_shard((n + j).to_bytes(16, "big"), 0, body)) for j in range(12)]  # fmt: skip
+                n += 12
+                status = alice.put(shards)
+                items += len(status)
+                refused += int(np.count_nonzero(status == Status.QUOTA))
     finally:
         stop.set()
-        flooder.join(timeout=10)
-        for s in flood:
-            s.close()
+        for thread in threads:
+            thread.join()
+        daemon.stop()
     return {
-        "preauth_flood_new_conn_success": ok / attempts,
-        "preauth_flood_held": held,
-        "preauth_flood_reopened": reopened,
+        "cross_tenant_quota_refusals": refused,
+        "cross_tenant_quota_items": items,
+        "quota_flood_items_refused": flood_quota[0],
     }
 
 
-def restarts(cluster: LocalCluster, loads_per_node: int = 45) -> dict[str, Any]:
-    with Client(cluster.client_config(tenant="alice")) as client:
-        keys, src = _stored(client, 16, 12)
-        out = np.empty_like(src)
-        lost = loads = 0
-        for i in range(len(cluster.nodes)):
-            cluster.kill(i)
-            cluster.restart(i)
-            for _ in range(loads_per_node):
-                loads += 1
-                lost += not _load_ok(client, keys, src, out)
-        restarted = {"restarted_node_lost_loads": lost, "restarted_node_loads": loads}
-
-        stop = threading.Event()
-        rolling = {"loads": 0, "lost": 0}
-        stores_failed = 0
-
-        def load_forever() -> None:
-            mine = np.empty_like(src)
-            while not stop.is_set():
-                rolling["loads"] += 1
-                rolling["lost"] += not _load_ok(client, keys, src, mine)
-
-        reader = threading.Thread(target=load_forever)
-        reader.start()
-        try:
-            for i in range(len(cluster.nodes)):
-                cluster.terminate(i)
-                fresh = [os.urandom(16) for _ in range(4)]
-                stores_failed += client.store_keys(fresh, src[:4], payload_len=P).written != 4
-                cluster.restart(i)
-            # At least 500 loads in all: go on loading while the cluster is whole again.
-            deadline = time.monotonic() + 120
-            while rolling["loads"] < 500 and time.monotonic() < deadline:
-                stop.wait(0.1)
-        finally:
-            stop.set()
-            reader.join(timeout=60)
-    return {
-        **restarted,
-        "rolling_restart_lost_loads": rolling["lost"],
-        "rolling_restart_loads": rolling["loads"],
-        "rolling_restart_lost_stores": stores_failed,
-    }
+def run_all(cluster: LocalCluster, *, quick: bool) -> dict[str, Any]:
+    """Every figure of this module (a fresh temporary directory for the daemons of its own)."""
+    figures: dict[str, Any] = {}
+    figures.update(header_flips(cluster, shards=(0,) if quick else (0, 5, 11)))
+    with tempfile.TemporaryDirectory(prefix="kvcache-availability-") as tmp:
+        root = Path(tmp)
+        figures.update(truncated_starts(root))
+        figures.update(reopen_after_kill9(root, (256 << 20) if quick else (1800 << 20)))
+        figures.update(cross_tenant_quota(root, 3.0 if quick else 10.0))
+    return figures

@@ -15,6 +15,7 @@ Every exception kvcache raises on purpose derives from :class:`KVCacheError`::
     │   ├── CapacityError        the store is full and could not make room
     │   └── QuotaError           a tenant is at its byte quota and its own shards cannot make room
     ├── AuthError                a request lacked valid credentials
+    ├── ClosedError              a call on a client (or store) that was closed
     └── ClusterError             talking to storage nodes failed
         ├── NodeError            one node answered with an error or not at all
         │   └── NodeTimeoutError one node did not answer in time
@@ -29,6 +30,7 @@ __all__ = [
     "ArgumentError",
     "AuthError",
     "CapacityError",
+    "ClosedError",
     "ClusterError",
     "ConfigError",
     "ErasureError",
@@ -136,3 +138,8 @@ class NodeError(ClusterError):
 
 class NodeTimeoutError(NodeError):
     """One node did not answer before the deadline."""
+
+
+class ClosedError(KVCacheError):
+    """A call on a client that was closed: it has no connections left, and a quiet miss
+    would hide the bug. Open a new client."""

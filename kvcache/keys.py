@@ -57,6 +57,8 @@ _NATIVE_IS_LE = sys.byteorder == "little"
 
 
 def _field_bytes(name: str, value: str) -> bytes:
+    if not isinstance(value, str):
+        raise ConfigError(f"Namespace.{name} must be a str, got {type(value).__name__} {value!r}")
     raw = value.encode("utf-8")
     if not value or len(raw) > _MAX_FIELD:
         raise ConfigError(f"Namespace.{name} must be 1..{_MAX_FIELD} UTF-8 bytes, got {value!r}")

@@ -12,7 +12,7 @@ import socket
 import ssl
 from pathlib import Path
 
-from kvcache.errors import AuthError, NodeError, NodeTimeoutError, ProtocolError
+from kvcache.errors import AuthError, ConfigError, NodeError, NodeTimeoutError, ProtocolError
 from kvcache.session import HELLO_BYTES, RESULT_BYTES, ClientHandshake
 from kvcache.wire import parse_endpoint
 
@@ -20,8 +20,15 @@ __all__ = ["client_tls_context", "open_session", "recv_exact", "recv_exact_into"
 
 
 def client_tls_context(ca_file: Path | None, *, check_hostname: bool = True) -> ssl.SSLContext:
-    """A TLS client context trusting ``ca_file`` (the system store when None)."""
-    context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    """A TLS client context trusting ``ca_file`` (the system store when None); ConfigError
+    when the file cannot be read or holds no certificate."""
+    try:
+        context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"tls_ca {str(ca_file)!r} cannot be used as a CA file: {exc}; point tls_ca at "
+            "the PEM certificate that signed the daemons' certificates"
+        ) from exc
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.check_hostname = check_hostname
     return context

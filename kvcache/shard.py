@@ -40,6 +40,7 @@ __all__ = [
     "IDENTITY_BYTES",
     "new_stripe_id",
     "payload_hash",
+    "repair_reference",
     "shard_hash",
     "shard_len_for",
     "split_shard",
@@ -430,6 +431,56 @@ def header_verdicts(
             ok[i] = False
     result: npt.NDArray[np.bool_] = ok.reshape(headers.shape)
     return result
+
+
+_HASH_AT: int = HEADER_DTYPE.fields["payload_hash"][1]  # type: ignore[index]
+_CREATED_AT: int = HEADER_DTYPE.fields["created_ms"][1]  # type: ignore[index]
+_CHECK_AT: int = HEADER_DTYPE.fields["header_check"][1]  # type: ignore[index]
+
+
+def _claims(raw: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Per header row: the bytes every shard of one write carries alike (payload hash,
+    times, class name and its length), as one contiguous row each."""
+    return np.ascontiguousarray(
+        np.concatenate(
+            [
+                raw[:, _CLASS_LEN_AT : _CLASS_LEN_AT + 1],
+                raw[:, _HASH_AT : _HASH_AT + 16],
+                raw[:, _CREATED_AT:_CHECK_AT],
+            ],
+            axis=1,
+        )
+    )
+
+
+def repair_reference(
+    headers: npt.NDArray[np.void], got: npt.NDArray[np.bool_], digest: bytes
+) -> tuple[int | None, npt.NDArray[np.bool_]]:
+    """Which received header of one verified block a repair may copy its fields from.
+
+    ``headers`` are the block's k + m header records, ``got`` marks the ones received
+    (their identity already matched), ``digest`` is the xxh3-128 of the verified payload.
+    A candidate passes every rule of :func:`header_verdicts`, checksum included, and
+    claims ``digest``; among candidates the claims (class, times) most of them carry win.
+    Returns (that header's position or None when no header qualifies, a mask of the
+    received shards whose header deviates from it: damaged, or claiming another payload
+    hash, class or time: bad records to repair like a bad body).
+    """
+    hdr = headers.reshape(-1)
+    raw = hdr.view(np.uint8).reshape(len(hdr), HEADER_BYTES)
+    sound = header_verdicts(hdr) & got.reshape(-1)
+    sound &= (raw[:, _HASH_AT : _HASH_AT + 16] == np.frombuffer(digest, np.uint8)).all(axis=1)
+    deviating = got.reshape(-1).copy()
+    candidates = np.flatnonzero(sound)
+    if not len(candidates):
+        return None, deviating
+    claims = _claims(raw)
+    rows = claims[candidates].view(f"V{claims.shape[1]}").reshape(-1)
+    _values, first, counts = np.unique(rows, return_index=True, return_counts=True)
+    best = int(candidates[first[np.argmax(counts)]])
+    same = (claims == claims[best]).all(axis=1)
+    deviating &= ~(sound & same)
+    return best, deviating
 
 
 def _header_check(body: bytes | memoryview) -> int:

@@ -496,7 +496,11 @@ def test_put_many_is_one_transaction_with_per_batch_replies(store: ShardStore) -
     assert store.recount() == store.usage()
 
 
-def test_put_many_failure_stores_nothing_of_any_batch(tmp_path: Path, clock: FakeClock) -> None:
+def test_put_many_failure_fails_only_the_batch_that_does_not_fit(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """The group transaction fails (the map is full); each batch is then written on its
+    own: the one that fits is stored, the one that does not stores nothing."""
     with open_store(
         tmp_path / "db", clock, capacity_bytes=1 << 30, map_size_bytes=1 << 20
     ) as store:
@@ -506,13 +510,13 @@ def test_put_many_failure_stores_nothing_of_any_batch(tmp_path: Path, clock: Fak
         broken[1] = (key(1), 1, small[1][2][:-1] + b"\x00")  # body checksum mismatch
         replies = store.put_many([PutBatch(T, *put_items(broken)), PutBatch(T, *put_items(big))])
         assert replies[0]["status"].tolist() == [  # type: ignore[index]
-            Status.NO_SPACE,
+            Status.OK,
             Status.CHECKSUM,
         ]
         assert replies[1]["status"].tolist() == [Status.NO_SPACE] * 4  # type: ignore[index]
-        assert held(store, key(1)) == set() and held(store, key(2)) == set()
+        assert held(store, key(1)) == {0} and held(store, key(2)) == set()
         assert store.counters["error_map_full"] == 1
-        assert store.usage()["shards"] == 0 and store.recount() == store.usage()
+        assert store.usage()["shards"] == 1 and store.recount() == store.usage()
 
 
 def test_data_file_is_allocated_ahead_up_to_the_map_size(tmp_path: Path, clock: FakeClock) -> None:
@@ -658,3 +662,25 @@ def test_a_v2_directory_is_refused_with_a_clear_message(tmp_path: Path, clock: F
         )
         assert txn.stat(env.open_db(b"shards", txn=txn, create=False))["entries"] == 1
     env.close()
+
+
+def test_a_quota_refusal_in_a_group_commit_fails_only_that_tenants_batch(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Issue 18: PUTs of several connections share one transaction; a tenant whose batch
+    can never fit its quota used to fail every batch in it (QUOTA for all)."""
+    body = 4 << 10
+    with open_store(tmp_path / "db", clock, quotas={T: Quota(total=2 * (body + 104))}) as store:
+        over = put_items(block_records(key(1), body_len=body, indices=list(range(12))))
+        mine = [put_items(block_records(key(10 + n), body_len=body)) for n in range(3)]
+        replies = store.put_many(
+            [PutBatch(OTHER, *mine[0]), PutBatch(T, *over), PutBatch(OTHER, *mine[1]),
+             PutBatch(OTHER, *mine[2])]
+        )  # fmt: skip
+        statuses = [r["status"].tolist() for r in replies if not isinstance(r, Exception)]
+        assert statuses == [[Status.OK] * 12, [Status.QUOTA] * 12, [Status.OK] * 12,
+                            [Status.OK] * 12]  # fmt: skip
+        assert all(held(store, key(10 + n), tenant=OTHER) == set(range(12)) for n in range(3))
+        assert held(store, key(1)) == set()
+        assert store.counters["error_quota"] == 1  # counted once, for the batch that failed
+        assert store.recount() == store.usage()

@@ -262,3 +262,48 @@ def test_identity_check_agrees_with_the_header_rules_on_identity_bytes(
         assert identity or not rules
     else:
         assert identity == rules
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    damage=st.dictionaries(st.integers(0, 11), st.tuples(st.integers(0, 103), st.integers(1, 255)),
+                           max_size=11),
+    missing=st.sets(st.integers(0, 11), max_size=3),
+    odd_class=st.sets(st.integers(0, 11), max_size=5),
+)  # fmt: skip
+def test_repair_reference_never_picks_a_damaged_or_outvoted_header(
+    damage: dict[int, tuple[int, int]], missing: set[int], odd_class: set[int]
+) -> None:
+    """Any byte of any header flipped (it then fails its checksum or a rule), some headers
+    not received, a minority re-signed with another class: the reference is a received,
+    intact header of the majority's class, and exactly the others received deviate."""
+    from kvcache.shard import repair_reference
+
+    digest = bytes(range(16))
+    odd_class -= set(damage)
+    if len(odd_class) * 2 >= 12 - len(damage) - len(missing - set(damage) - odd_class):
+        odd_class = set()
+    rows = [
+        build_headers(
+            keys=np.frombuffer(b"k" * 16, "V16"), stripe_ids=np.array([7], np.uint64), k=10, m=2,
+            payload_len=4096, payload_hashes=np.frombuffer(digest, "V16"),
+            shard_hashes=np.arange(12, dtype=np.uint64)[None, :], traffic_class=cls,
+            created_ms=5, expiry_ms=9,
+        )[0]
+        for cls in ("chat", "default4")
+    ]  # fmt: skip
+    headers = np.where(np.isin(np.arange(12), list(odd_class)), rows[1], rows[0])
+    raw = headers.view(np.uint8).reshape(12, HEADER_BYTES)
+    for i, (at, mask) in damage.items():
+        raw[i, at] ^= mask
+    got = ~np.isin(np.arange(12), list(missing))
+    ref, deviating = repair_reference(headers, got, digest)
+    good = got & ~np.isin(np.arange(12), list(damage))
+    majority = good & ~np.isin(np.arange(12), list(odd_class))
+    if not good.any():
+        assert ref is None and (deviating == got).all()
+        return
+    assert ref is not None and good[ref]
+    if majority.sum() > (good & ~majority).sum():
+        assert majority[ref]
+        assert (deviating == (got & ~majority)).all()

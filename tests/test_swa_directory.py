@@ -243,3 +243,23 @@ def test_lookup_rides_on_the_match_and_survives_a_dead_daemon(cluster: LocalClus
             assert sorted(holders) == [1, 3]
     finally:
         cluster.resume(first)
+
+
+def test_one_tenants_flood_evicts_only_its_own_records() -> None:
+    """Issue 18: a tenant's DIR_PUT flood past the shared bound evicted another tenant's
+    record. Now the flooder's own oldest records make way, by the per-tenant bound and by
+    the total (the tenant holding the most gives way)."""
+    directory = SwaDirectory(max_records=50, max_per_key=8, max_per_tenant=30, clock=FakeClock())
+    directory.put(OTHER, record_items([record(1)]))  # type: ignore[arg-type]
+    for start in range(100, 400, 25):
+        directory.put(T, record_items([record(n) for n in range(start, start + 25)]))  # type: ignore[arg-type]
+    assert len(answers(directory, OTHER, [bkey(1)])) == 1
+    assert directory.held_by(T) == 30 and directory.held_by(OTHER) == 1
+    # The newest of the flood are kept, the oldest made way.
+    assert len(answers(directory, T, [bkey(399)])) == 1
+    assert answers(directory, T, [bkey(100)]) == []
+    # Past the total (two floods of 30 and one record > 50), the largest tenant gives way.
+    third = tenant_id("third")
+    directory.put(third, record_items([record(n) for n in range(500, 530)]))  # type: ignore[arg-type]
+    assert len(directory) == 50
+    assert len(answers(directory, OTHER, [bkey(1)])) == 1

@@ -41,6 +41,7 @@ from kvcache.shard import (
     header_verdicts,
     identity_matches,
     identity_prefixes,
+    repair_reference,
     shard_len_for,
 )
 
@@ -266,8 +267,20 @@ class LoadAssembly:
         return accepted
 
     def bad_shards(self, b: int, verdict: BlockVerdict) -> set[int]:
-        """Shards of block ``b`` its holders have wrong: rejected on arrival or found bad."""
-        return set(verdict.bad_indices) | set(np.flatnonzero(self.rejected[b]).tolist())
+        """Shards of verified block ``b`` its holders have wrong: rejected on arrival, found
+        bad, or with a header a repair may not copy (damaged, or claiming another payload
+        hash, class or time than the block's own: :func:`~kvcache.shard.repair_reference`).
+        Only blocks a repair is due for come here, so the healthy load never pays for it."""
+        _ref, deviating = self._reference(b)
+        return (
+            set(verdict.bad_indices)
+            | set(np.flatnonzero(self.rejected[b]).tolist())
+            | set(np.flatnonzero(deviating).tolist())
+        )
+
+    def _reference(self, b: int) -> tuple[int | None, npt.NDArray[np.bool_]]:
+        digest = xxhash.xxh3_128_digest(self.out[b].data)
+        return repair_reference(self.headers[b], self.got[b], digest)
 
     def verify(self, blocks: list[int]) -> list[BlockVerdict]:
         """A verdict for each of ``blocks`` (see the module docstring)."""
@@ -329,9 +342,18 @@ class LoadAssembly:
         return np.flatnonzero(~self.got[b]).astype(np.int64)
 
     def repair_shards(self, b: int, indices: tuple[int, ...]) -> list[RepairShard]:
-        """Good copies of shards ``indices`` of verified block ``b``, with their headers."""
+        """Good copies of shards ``indices`` of verified block ``b``, with their headers.
+
+        The headers' class and times are copied from a received header that passes every
+        rule and claims the verified payload (:func:`~kvcache.shard.repair_reference`),
+        never from an unchecked one; with no such header there is nothing to copy from
+        and nothing is repaired (an empty list).
+        """
+        at, _deviating = self._reference(b)
+        if at is None:
+            return []
         stripe = self._reencode(b)
-        ref = self.headers[b, int(np.flatnonzero(self.got[b])[0])]
+        ref = self.headers[b, at]
         # Only the shards put back need their hash (each header carries its own shard's).
         hashes = np.zeros(self.n, np.uint64)
         for i in indices:

@@ -30,7 +30,7 @@ from kvcache.client.pool import ClientPool
 from kvcache.client.storing import Payloads, StoreResult, store_keys, touch_or_delete
 from kvcache.client.transport import Transport
 from kvcache.cluster import ClusterMap
-from kvcache.errors import ArgumentError, ConfigError
+from kvcache.errors import ArgumentError, ClosedError, ConfigError
 from kvcache.gc_pause import gc_paused
 from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.wire import Op
@@ -47,6 +47,8 @@ def _data_call(method: Callable[Concatenate[Client, P], T]) -> Callable[Concaten
 
     @functools.wraps(method)
     def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        if self._closed:
+            raise ClosedError(f"Client.{method.__name__} called after close(); open a new Client")
         with gc_paused(self._core.config.pause_gc):
             return method(self, *args, **kwargs)
 

@@ -325,9 +325,13 @@ def _drop_broken(
     placement_rows: npt.NDArray[np.int64],
     b: int,
 ) -> None:
-    """Block ``b`` had k shards or more and no k of them rebuild it: its stripe is garbage.
+    """Block ``b`` had k shards or more and no k of them rebuild it, or more than m of its
+    shards are not the shard asked for (records of another key, of another stripe, or of
+    another erasure layout): its stripe can never be read, yet a match sees it whole and a
+    store would only touch it. It is dropped, so any client's next store rewrites it.
     ``placement_rows`` is one row: every node that may hold a shard of it."""
-    if int(assembly.got[b].sum()) < assembly.k:
+    unreadable = int(assembly.rejected[b].sum()) > assembly.m
+    if int(assembly.got[b].sum()) < assembly.k and not unreadable:
         return  # short of shards, not damaged: the next store rewrites it anyway
     stripe = int(assembly.stripes[b])
     if stripe == 0:
@@ -335,9 +339,12 @@ def _drop_broken(
     core.count("blocks_corrupt")
     key = match.keys[b]
     log.warning(
-        "block %s: stripe %016x fails verification from every set of %d shards; dropping it",
+        "block %s: stripe %016x cannot be read (%d of %d shards not the ones asked for, "
+        "no %d of the rest verify); dropping it",
         key.hex(),
         stripe,
+        int(assembly.rejected[b].sum()),
+        assembly.n,
         assembly.k,
     )
     core.suspect(key, stripe)

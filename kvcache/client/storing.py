@@ -101,7 +101,7 @@ def store_keys(
     placement_rows, redirected, order = view.targets(keys, up)
     read_rows = view.read_rows(keys, placement_rows)
     held = held_shards(core, keys, settle=config.min_write_shards, view=view, rows=read_rows)
-    best = best_counts(held, len(keys), n=n)
+    best = best_counts(without_foreign(held, n=n), len(keys), n=n)
     suspects = core.suspects(keys)
     present = best >= k
     for i in suspects:
@@ -195,7 +195,7 @@ def _fresh_expect(
     """:func:`_replaceable` for ``keys`` from a new HAS round."""
     config = core.config
     held = held_shards(core, keys, settle=config.min_write_shards, view=view, rows=read_rows)
-    best = best_counts(held, len(keys), n=config.n)
+    best = best_counts(without_foreign(held, n=config.n), len(keys), n=config.n)
     return _replaceable(held, placement_rows, best, core.suspects(keys), k=config.k)
 
 
@@ -214,7 +214,11 @@ def _replaceable(
     ``replace_after_s`` (its writer may be at work).
     """
     expect = np.zeros(placement_rows.shape, np.uint64)
+    n = placement_rows.shape[1]
     for h in held:
+        # A shard index past this client's k + m is another erasure layout's (a HAS answer
+        # is the daemon's, whatever it says): it names no shard of ours to replace.
+        h = _select(h, (h.index >= 0) & (h.index < n))
         if not len(h.ordinal):
             continue
         on_holder = placement_rows[h.ordinal, h.index] == h.node
@@ -226,6 +230,40 @@ def _replaceable(
         sel = on_holder & (weak | broken)
         expect[h.ordinal[sel], h.index[sel]] = h.stripe[sel]
     return expect
+
+
+def _select(h: HeldShards, sel: npt.NDArray[np.bool_]) -> HeldShards:
+    if sel.all():
+        return h
+    return HeldShards(h.node, h.ordinal[sel], h.index[sel], h.stripe[sel])
+
+
+def without_foreign(held: list[HeldShards], *, n: int) -> list[HeldShards]:
+    """``held`` without the stripes written with another erasure layout: those with a
+    shard index of k + m or more (a 10 + 4 stripe seen by a 10 + 2 client, a 10 + 2 one
+    by a 4 + 2 client). Such a stripe is never readable by this client (its headers name
+    other k and m), so it must not count as stored: the block is written again, and
+    :func:`_replaceable` lets the write replace the stripe's shards on their holders.
+    A stripe of fewer shards than this layout's (4 + 2 seen by 10 + 2) is short of k
+    anyway and is rewritten like any weak stripe."""
+    foreign: set[tuple[int, int]] = set()
+    for h in held:
+        over = h.index >= n
+        if over.any():
+            foreign.update(zip(h.ordinal[over].tolist(), h.stripe[over].tolist(), strict=True))
+    if not foreign:
+        return held
+    out = []
+    for h in held:
+        keep = np.array(
+            [
+                (b, s) not in foreign
+                for b, s in zip(h.ordinal.tolist(), h.stripe.tolist(), strict=True)
+            ],
+            bool,
+        )
+        out.append(_select(h, keep))
+    return out
 
 
 def _start_put(

@@ -140,6 +140,15 @@ def run(args: argparse.Namespace) -> int:
                 repairer = Repairer(core, tenant=name, options=options, stop=stop, on_batch=show)
                 progress = repairer.run_pass(state.tenant(name), state.save)
                 ok &= progress.blocks_unrecoverable == 0 and progress.blocks_failed == 0
+                # A pass that reached no node checked nothing: that is no success.
+                nowhere = len(progress.nodes_unreachable) >= len(core.cluster.nodes)
+                if nowhere:
+                    ok = False
+                    print(
+                        f"kvcache repair: tenant {name}: no node of the cluster could be "
+                        "reached; nothing was checked",
+                        file=sys.stderr,
+                    )
                 if args.json:
                     print(json.dumps(progress.to_dict(), sort_keys=True), flush=True)
                 else:

@@ -323,21 +323,26 @@ class Repairer:
         progress.bytes_read += read
         throttle.spend(read)
         per_node: dict[int, list[tuple[int, int, int, bytes, bytes]]] = {}
+        unsound: set[int] = set()
         for j, (block, verdict) in enumerate(zip(blocks, verdicts, strict=True)):
             if not verdict.good:
                 progress.blocks_failed += 1
                 log.warning("repair: block %s could not be rebuilt and verified", block.key.hex())
                 continue
             indices = tuple(i for i, _node, _expect in block.writes)
-            for shard, (_i, node, expect) in zip(
-                assembly.repair_shards(j, indices), block.writes, strict=True
-            ):
+            shards = assembly.repair_shards(j, indices)
+            if indices and not shards:
+                unsound.add(j)
+                progress.blocks_failed += 1
+                log.warning("repair: block %s has no sound header to copy", block.key.hex())
+                continue
+            for shard, (_i, node, expect) in zip(shards, block.writes, strict=True):
                 per_node.setdefault(node, []).append(
                     (j, shard.index, expect, shard.header, shard.body)
                 )
         written = self._put(pump, key_words, per_node)
         for j, block in enumerate(blocks):
-            if verdicts[j].good:
+            if verdicts[j].good and j not in unsound:
                 ok = written.get(j, 0)
                 progress.shards_written += ok
                 if ok == len(block.writes):

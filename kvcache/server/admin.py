@@ -1,6 +1,8 @@
 """The admin HTTP server (aiohttp) on its own port and thread.
 
-Reads: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /stats``
+Reads: ``GET /healthz`` (200 only when a request through the data port is answered:
+:mod:`kvcache.server.selfprobe`; 503 while starting, when the LMDB file is damaged, or
+when the data path does not answer), ``GET /metrics`` (Prometheus text), ``GET /stats``
 (JSON), ``GET /retention``, and the cluster status page under ``/dashboard``
 (:mod:`kvcache.dashboard`: it needs the admin token when one is configured, and
 shows the nodes of ``cluster_file``, or this node alone). Writes always need the admin token from the
@@ -33,6 +35,7 @@ from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.config import ServerConfig, parse_admin_listen
 from kvcache.server.loop import DataServer
 from kvcache.server.metrics import render_prometheus
+from kvcache.server.selfprobe import SelfProbe
 
 __all__ = ["AdminServer", "OffsetClock", "build_app"]
 
@@ -60,8 +63,10 @@ def build_app(
     admin_token: str | None,
     configured_policy: RetentionPolicy,
     clock: OffsetClock | None = None,
+    selfprobe: SelfProbe | None = None,
 ) -> web.Application:
-    """The admin application; ``clock`` enables ``/debug/clock`` when the config allows it."""
+    """The admin application; ``clock`` enables ``/debug/clock`` when the config allows it;
+    ``selfprobe`` makes ``/healthz`` check the data path (else: serving and not damaged)."""
     store = service.handler.store
 
     def guarded(handler: _Handler) -> _Handler:
@@ -81,9 +86,19 @@ def build_app(
         return check
 
     async def healthz(request: web.Request) -> web.Response:
-        ok = service.serving.is_set()
-        body = {"status": "ok" if ok else "starting", "node_id": config.node_id}
-        return _json(body, status=200 if ok else 503)
+        # Healthy only when the data path answers: serving, the store not damaged, and a
+        # real request through the data port answered (kvcache.server.selfprobe).
+        body: dict[str, Any] = {"node_id": config.node_id}
+        if not service.serving.is_set():
+            return _json({**body, "status": "starting"}, status=503)
+        if store.damaged is not None:
+            return _json({**body, "status": "damaged", "reason": store.damaged}, status=503)
+        if selfprobe is not None:
+            verdict = await asyncio.to_thread(selfprobe.verdict)
+            if not verdict.ok:
+                return _json({**body, "status": "unhealthy", "reason": verdict.reason}, status=503)
+            body["probe_ms"] = round(verdict.latency_s * 1000, 3)
+        return _json({**body, "status": "ok"})
 
     async def metrics(request: web.Request) -> web.Response:
         text = render_prometheus(

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from kvcache.errors import ConfigError
 from kvcache.server.config import SyncMode, load_server_config
 from kvcache.server.daemon import DaemonInfo, run_daemon
 
@@ -105,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
         "scrub_rate_bytes": args.scrub_rate_bytes,
         "scrub_interval_s": args.scrub_interval_s,
     }
+    if args.ready_file is not None and not args.ready_file.parent.is_dir():
+        raise ConfigError(
+            f"--ready-file {str(args.ready_file)!r}: directory {str(args.ready_file.parent)!r} "
+            "does not exist; create it first or name a file in an existing directory"
+        )
     config, policy = load_server_config(args.config, flags=flags)
     log.info("effective config: %s", json.dumps(config.redacted(), sort_keys=True))
     log.info("retention policy: %s", json.dumps(policy.to_dict(), sort_keys=True))

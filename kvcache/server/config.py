@@ -22,6 +22,7 @@ from kvcache.wire import Limits, parse_endpoint
 
 __all__ = [
     "ServerConfig",
+    "DamagedFile",
     "SyncMode",
     "default_map_size",
     "load_server_config",
@@ -54,6 +55,21 @@ class SyncMode(enum.Enum):
     COMMIT = "commit"
     PERIODIC = "periodic"
     NONE = "none"
+
+
+class DamagedFile(enum.Enum):
+    """What a daemon does when its LMDB file fails the start-up check
+    (:mod:`kvcache.server.lmdb_check`: cut short, or meta pages that are not LMDB's).
+
+    ``quarantine`` (the default) renames the file aside (``data.mdb.damaged``, replacing
+    an older one) and starts empty: the store is a cache, so the node loses only hits,
+    which read repair and ``kvcache repair`` put back, while a node that refuses to start
+    costs every block one shard of redundancy until someone acts. ``refuse`` exits with
+    a non-zero status and leaves the file untouched, for operators who want to look first.
+    """
+
+    QUARANTINE = "quarantine"
+    REFUSE = "refuse"
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -91,6 +107,8 @@ class ServerConfig:
     map_size_bytes: int = 0
     #: When writes are forced to disk (see SyncMode).
     sync: SyncMode = SyncMode.PERIODIC
+    #: A data file that fails the start-up check is quarantined or refused (see DamagedFile).
+    damaged_file: DamagedFile = DamagedFile.QUARANTINE
     #: Seconds between syncs in ``periodic`` mode.
     sync_interval_s: float = 5.0
     #: Tenants' secrets, quotas and the admin token (see kvcache.credentials). Empty: the
@@ -137,6 +155,8 @@ class ServerConfig:
     #: SWA holder records kept in RAM (DIR_PUT / HAS_DIR), in all and per block key.
     swa_directory_records: int = 1 << 18
     swa_directory_per_key: int = 8
+    #: ... and per tenant: one tenant's DIR_PUT flood evicts only its own records.
+    swa_directory_per_tenant: int = 1 << 17
     #: The cluster map the status page (``/dashboard``) shows, read again at every poll so an
     #: edited file shows without a restart. Unset: the page shows this node alone.
     cluster_file: Path | None = None
@@ -207,6 +227,10 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.replace_after_s < 0:
             raise ConfigError(f"replace_after_s must be >= 0, got {self.replace_after_s}")
+        if self.swa_directory_per_tenant < 1:
+            raise ConfigError(
+                f"swa_directory_per_tenant must be >= 1, got {self.swa_directory_per_tenant}"
+            )
         if self.swa_directory_records < 1 or self.swa_directory_per_key < 1:
             raise ConfigError(
                 "swa_directory_records and swa_directory_per_key must be >= 1, got "

@@ -32,6 +32,7 @@ from kvcache.server.handler import RequestHandler
 from kvcache.server.loop import DataServer
 from kvcache.server.metrics import Metrics
 from kvcache.server.scrub import Scrubber
+from kvcache.server.selfprobe import SelfProbe
 from kvcache.server.store import Clock, ShardStore
 from kvcache.server.swa_directory import SwaDirectory
 
@@ -129,12 +130,27 @@ def run_daemon(
         touch_flush_s=config.touch_flush_s,
         max_reply_bytes=config.max_data_bytes,
         max_readers=max(126, min(4096, 2 * config.max_connections)),
+        damaged_file=config.damaged_file,
     )
+    registered: list[Registrar] = []
+
+    def on_damaged(reason: str) -> None:
+        # Called on the loop thread: leaving etcd (revoking the lease) may wait on etcd,
+        # so it runs on a thread of its own. Clients then stop using this node.
+        for registrar in registered:
+            threading.Thread(target=registrar.stop, name="kvcache-leave", daemon=True).start()
+
+    store.on_damaged = on_damaged
     admin: AdminServer | None = None
     server: DataServer | None = None
     registrar: Registrar | None = None
     try:
         creds = credentials if credentials is not None else load_credentials(config)
+        if not creds.tenants:
+            raise ConfigError(
+                f"credentials {config.effective_credentials_file} list no tenant: every client "
+                "would be refused; add a [tenants.NAME] table with a secret"
+            )
         store.quotas = {
             t.id: Quota(total=t.quota_bytes, classes=dict(t.class_quotas)) for t in creds.tenants
         }
@@ -146,6 +162,7 @@ def run_daemon(
             swa_directory=SwaDirectory(
                 max_records=config.swa_directory_records,
                 max_per_key=config.swa_directory_per_key,
+                max_per_tenant=config.swa_directory_per_tenant,
             ),
         )
         handler.scrubber = Scrubber(
@@ -172,12 +189,20 @@ def run_daemon(
             ),
         )
         endpoint = server.bind()
+        probe_tenant = creds.tenants[0]
+        bound = server
         app = build_app(
             server,
             config,
             admin_token=creds.admin_token,
             configured_policy=policy,
             clock=offset_clock,
+            selfprobe=SelfProbe(
+                lambda: bound.endpoint,
+                tenant=probe_tenant.name,
+                secret=probe_tenant.secret,
+                tls=ssl_context is not None,
+            ),
         )
         admin = AdminServer(app, config.admin_listen)
         admin_url = admin.start()
@@ -207,6 +232,10 @@ def run_daemon(
                 )
             )
         registrar = _register(config, endpoint, admin_url)
+        if registrar is not None:
+            registered.append(registrar)
+            if store.damaged is not None:
+                on_damaged(store.damaged)
         _freeze_startup_objects()
         server.serve(stop)
     finally:

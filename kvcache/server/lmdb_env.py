@@ -9,6 +9,7 @@ module never imports ``lmdb`` for error handling.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -20,9 +21,10 @@ from pathlib import Path
 import lmdb
 
 from kvcache.errors import StorageError
-from kvcache.server.config import SyncMode
+from kvcache.server.config import DamagedFile, SyncMode
+from kvcache.server.lmdb_check import check_data_file
 
-__all__ = ["LmdbEnvironment", "storage_error"]
+__all__ = ["QUARANTINE_NAME", "LmdbEnvironment", "storage_error"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,20 @@ log = logging.getLogger(__name__)
 _PREALLOCATE_BYTES = 64 << 20
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 _STRERROR = {code: os.strerror(code) for code in (*_DISK_FULL_ERRNOS, errno.EIO)}
+#: LMDB's errors that mean the file itself is damaged (not full, not busy). BadTxnError
+#: is among them: the store never uses a transaction after an error, and py-lmdb reports a
+#: damaged page met inside one of its calls (MDB_CORRUPTED, which marks the transaction
+#: failed) as MDB_BAD_TXN from that call's next step; measured on pages whose flags or
+#: bounds were overwritten in a live file (tests/test_damaged_files.py).
+_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.PanicError,
+    lmdb.InvalidError,
+    lmdb.BadTxnError,
+)
+#: Where a data file that failed the start-up check is moved (one kept: it replaces an older).
+QUARANTINE_NAME = "data.mdb.damaged"
 
 
 def storage_error(exc: BaseException, what: str) -> StorageError:
@@ -38,7 +54,9 @@ def storage_error(exc: BaseException, what: str) -> StorageError:
 
     Kinds: ``map_full`` (the LMDB map is too small), ``disk_full`` (ENOSPC,
     EFBIG, EDQUOT), ``disk_io`` (EIO: LMDB reports a short write, which a
-    filling disk causes, as EIO) and ``storage`` (anything else).
+    filling disk causes, as EIO), ``corrupted`` (MDB_CORRUPTED, MDB_PAGE_NOTFOUND,
+    MDB_PANIC, MDB_INVALID, MDB_BAD_TXN: the file is damaged, nothing written will help) and
+    ``storage`` (anything else).
     """
     code = getattr(exc, "errno", None)
     if isinstance(exc, lmdb.Error):
@@ -51,6 +69,8 @@ def storage_error(exc: BaseException, what: str) -> StorageError:
             code = next((c for c, s in _STRERROR.items() if text.endswith(": " + s)), None)
     if isinstance(exc, lmdb.MapFullError):
         kind = "map_full"
+    elif isinstance(exc, _DAMAGE):
+        kind = "corrupted"
     elif isinstance(exc, lmdb.DiskError) or code in _DISK_FULL_ERRNOS:
         kind = "disk_full"
     elif code == errno.EIO:
@@ -71,8 +91,11 @@ class LmdbEnvironment:
         sync: SyncMode,
         sync_interval_s: float,
         max_readers: int = 256,
+        damaged_file: DamagedFile = DamagedFile.QUARANTINE,
     ) -> None:
         self.path = Path(path)
+        #: Why the data file found at start was quarantined (None: it was whole).
+        self.quarantined: str | None = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -85,6 +108,11 @@ class LmdbEnvironment:
                 kind="storage",
             ) from None
         self._lockfile = _lock_dir(self.path)
+        try:
+            self._check_file(damaged_file)
+        except BaseException:
+            os.close(self._lockfile)
+            raise
         try:
             self.env = lmdb.open(
                 str(self.path),
@@ -123,6 +151,40 @@ class LmdbEnvironment:
                 target=self._sync_periodically, name="kvcache-lmdb-sync", daemon=True
             )
             self._syncer.start()
+
+    def _check_file(self, damaged_file: DamagedFile) -> None:
+        """Refuse or quarantine a data file LMDB may not map (see kvcache.server.lmdb_check);
+        called with the directory lock held, before LMDB opens anything."""
+        data = self.path / "data.mdb"
+        reason = check_data_file(data)
+        if reason is None:
+            return
+        if damaged_file is DamagedFile.REFUSE:
+            log.error("LMDB file %s is damaged: %s; refusing to start (damaged_file = refuse)",
+                      data, reason)  # fmt: skip
+            raise StorageError(
+                f"LMDB file {data} is damaged: {reason}. Move it aside (the store is a cache) "
+                'or set damaged_file = "quarantine" to start empty',
+                kind="corrupted",
+            )
+        aside = self.path / QUARANTINE_NAME
+        try:
+            os.replace(data, aside)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path / "lock.mdb")
+        except OSError as exc:
+            raise StorageError(
+                f"LMDB file {data} is damaged ({reason}) and cannot be moved aside: {exc}",
+                kind="corrupted",
+            ) from None
+        self.quarantined = reason
+        log.error(
+            "LMDB file %s is damaged: %s; moved to %s and starting empty (its shards are "
+            "lost to this node; read repair and `kvcache repair` put them back)",
+            data,
+            reason,
+            aside,
+        )
 
     def _sync_periodically(self) -> None:
         while not self._stop_sync.wait(self._sync_interval):
