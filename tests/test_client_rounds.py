@@ -305,6 +305,30 @@ def test_has_round_settles_before_stragglers() -> None:
     assert r.done  # every block has k shards of stripe 7: the last two answers cannot matter
 
 
+def test_a_complete_has_round_hears_every_node_until_the_hedge() -> None:
+    """A store's HAS (``complete``): fresh blocks answered "nothing" by 10 nodes would
+    settle a match, but a leftover shard on one of the last two must be seen to be
+    replaced (issue 18: "two leftover shards, a store replaces only one")."""
+    rows = holders(1)
+    plain = HasRound(rows, list(range(N)), k=K, n=N, settle=11, hedge_s=0.5, timeout_s=1.0)
+    full = HasRound(
+        rows, list(range(N)), k=K, n=N, settle=11, hedge_s=0.5, timeout_s=1.0, complete=True
+    )
+    none = np.zeros(0, np.int64)
+    for r in (plain, full):
+        for send in r.start(0.0)[:K]:
+            r.on_reply(send.ticket, none, none, np.zeros(0, np.uint64), 0.001)
+    assert plain.done  # no block can reach 11 any more
+    assert not full.done  # the last two may hold leftovers
+    last = full.start(0.0)[K]
+    full.on_reply(
+        last.ticket, np.zeros(1, np.int64), np.array([last.node]), np.array([9], np.uint64), 0.002
+    )
+    assert not full.done
+    full.tick(0.5)
+    assert full.done and any(node == last.node for node, *_ in full.held)
+
+
 def test_has_round_waits_when_an_answer_could_still_matter() -> None:
     rows = holders(1)
     r = HasRound(rows, list(range(N)), k=K, n=N, settle=11, hedge_s=0.5, timeout_s=1.0)

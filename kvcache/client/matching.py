@@ -73,13 +73,15 @@ def held_shards(
     directory: list[DirectoryAnswer] | None = None,
     view: ClusterView | None = None,
     rows: npt.NDArray[np.int64] | None = None,
+    complete: bool = False,
 ) -> list[HeldShards]:
     """Every node's HAS answer for ``keys`` (nodes marked down are asked only when needed).
 
     ``rows`` are the nodes to ask per key (default: the view's read rows).
     Stragglers are not waited for once every block has ``settle`` shards of one
     stripe or cannot reach that many. With ``directory``, the nodes are asked
-    ``HAS_DIR`` and their SWA holder records are appended to it.
+    ``HAS_DIR`` and their SWA holder records are appended to it. With ``complete``
+    every node is waited for until the hedge time (a store replacing leftovers).
     """
     if not keys:
         return []
@@ -96,7 +98,7 @@ def held_shards(
             part: list[DirectoryAnswer] | None = [] if directory is not None else None
             for h in held_shards(
                 core, keys[start:stop], settle=settle, directory=part, view=view,
-                rows=rows[start:stop],
+                rows=rows[start:stop], complete=complete,
             ):  # fmt: skip
                 held.append(HeldShards(h.node, h.ordinal + start, h.index, h.stripe))
             if directory is not None and part is not None:
@@ -116,6 +118,7 @@ def held_shards(
         directory=directory,
         node_cap=cap,
         refused=refused,
+        complete=complete,
     )
     skipped = [nd for nd in nodes if not up[nd] and view.live[nd]]
     if skipped:
@@ -156,6 +159,7 @@ def _has_round(
     directory: list[DirectoryAnswer] | None = None,
     node_cap: int = 1,
     refused: list[int] | None = None,
+    complete: bool = False,
 ) -> list[HeldShards]:
     """One HAS round over ``nodes``; nodes whose request failed other than by a timeout are
     appended to ``refused``."""
@@ -170,6 +174,7 @@ def _has_round(
         hedge_s=core.hedge_s(core.meta_latency),
         timeout_s=config.timeout_s,
         node_cap=node_cap,
+        complete=complete,
     )
     pump = Pump(core.transport, core.health, core.clock)
     key_words = np.frombuffer(b"".join(keys), dtype="V16")

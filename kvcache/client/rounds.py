@@ -86,9 +86,13 @@ class HasRound:
         hedge_s: float,
         timeout_s: float,
         node_cap: int = 1,
+        complete: bool = False,
     ) -> None:
         self.rows = rows
         self.k, self.n, self.settle = k, n, settle
+        #: Wait for every node until the hedge time, whatever the counts say (a store: a
+        #: leftover shard on the last node to answer must be seen, to be replaced).
+        self.complete = complete
         self._hedge_s, self._timeout_s = hedge_s, timeout_s
         self.sends = {}
         for node in nodes:
@@ -177,6 +181,9 @@ class HasRound:
             return
         if now >= self.started + self._hedge_s:
             self._hedged = True
+        if self.complete:
+            self.done = self._hedged
+            return
         if self.answered < self.k:
             return
         best = self._count

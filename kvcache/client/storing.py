@@ -100,7 +100,9 @@ def store_keys(
     up = core.up_mask(view)
     placement_rows, redirected, order = view.targets(keys, up)
     read_rows = view.read_rows(keys, placement_rows)
-    held = held_shards(core, keys, settle=config.min_write_shards, view=view, rows=read_rows)
+    held = held_shards(
+        core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
+    )
     best = best_counts(without_foreign(held, n=n), len(keys), n=n)
     suspects = core.suspects(keys)
     present = best >= k
@@ -194,7 +196,9 @@ def _fresh_expect(
 ) -> npt.NDArray[np.uint64]:
     """:func:`_replaceable` for ``keys`` from a new HAS round."""
     config = core.config
-    held = held_shards(core, keys, settle=config.min_write_shards, view=view, rows=read_rows)
+    held = held_shards(
+        core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
+    )
     best = best_counts(without_foreign(held, n=config.n), len(keys), n=config.n)
     return _replaceable(held, placement_rows, best, core.suspects(keys), k=config.k)
 
