@@ -241,4 +241,6 @@ def test_daemon_logs_json_and_samples_its_request_lines(tmp_path: Path) -> None:
     # Sampled: 20 at once, 10 a second after that; the 201 requests took well under 15 s.
     assert 1 <= len(lines) < requests
     assert sum(1 + int(x["suppressed"]) for x in lines) <= requests  # type: ignore[call-overload]
-    assert {x["op"] for x in lines} <= {"put", "get"}
+    # The test's PUTs and GETs, and the HAS of /healthz's self-probe through the data path.
+    assert {"put", "get"} & {x["op"] for x in lines}
+    assert {x["op"] for x in lines} <= {"put", "get", "has"}
