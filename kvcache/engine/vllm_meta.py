@@ -167,22 +167,29 @@ class KVGeometry:
     page_bytes: int
     dtype: DType
     packing: str
+    #: A group whose pages differ in size (DeepSeek V4.1's MLA group, block-outermost):
+    #: the bytes of its contiguous span per block, which replace ``num_layers x page_bytes``.
+    span_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_layers", "page_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"KVGeometry.{name} must be a positive int, got {value!r}")
-        if (self.num_layers * self.page_bytes) % self.block_size:
+        if self.span_bytes is not None and self.span_bytes < 1:
+            raise ConfigError(f"KVGeometry.span_bytes must be positive, got {self.span_bytes}")
+        if self.payload_bytes % self.block_size:
             raise ConfigError(
-                f"a block of {self.num_layers} layers x {self.page_bytes} bytes does not split "
-                f"into {self.block_size} equal tokens; this KV cache (padded pages?) is not "
-                "supported by the kvcache connector"
+                f"a block of {self.payload_bytes} bytes does not split into {self.block_size} "
+                "equal tokens; this KV cache (padded pages?) is not supported by the kvcache "
+                "connector"
             )
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes of one stored block: every layer's page."""
+        """Bytes of one stored block: every layer's page (or the group's span)."""
+        if self.span_bytes is not None:
+            return self.span_bytes
         return self.num_layers * self.page_bytes
 
     @property
@@ -328,6 +335,9 @@ class _Tracked:
     swa_ids: list[list[int]] = field(default_factory=list)
     #: Whether this request's state was taken (once per scheduling, not again per step).
     swa_taken: bool = False
+    #: Prompt blocks that came from the store (or vLLM's cache) at allocation: never saved
+    #: again, also when vLLM replays their last tokens (bounded replay leaves them as stored).
+    loaded_blocks: int = 0
 
 
 class SchedulerBook:
@@ -390,6 +400,7 @@ class SchedulerBook:
             )
         first, end = local_tokens // b, (local_tokens + external) // b
         tracked = self._reqs.setdefault(req_id, _Tracked(as_token_array(prompt)))
+        tracked.loaded_blocks = end
         if block_ids is None:
             if swa is not None:
                 raise ConfigError(f"request {req_id}: a state is loaded only asynchronously")
@@ -510,8 +521,8 @@ class SchedulerBook:
         if not position or not begin <= position <= end:
             return None
         first, stop = layout.window_blocks(position)
-        ids = window_ids(tracked.swa_ids, first, stop)
-        if ids is None or len(ids) != len(layout.swa_groups):
+        ids = window_ids(tracked.swa_ids, first, stop, rings=len(layout.ring_groups))
+        if ids is None or len(ids) != len(layout.state_groups):
             return None
         tracked.swa_taken = True
         return SwaSaveSpec(req_id, tracked.tokens[:position], position, first, ids)
@@ -521,7 +532,7 @@ class SchedulerBook:
         b = self.block_size
         prompt_blocks = len(tracked.tokens) // b
         stop = min(end // b, prompt_blocks, len(tracked.block_ids))
-        return begin // b, stop
+        return max(begin // b, tracked.loaded_blocks), stop
 
 
 #: Steps computing fewer tokens than this are decode-sized and say little about prefill speed.
@@ -713,6 +724,11 @@ class ConnectorStats:
     from this worker's RAM / fetched from a peer), ``swa_misses`` (states that could
     not be had: the request was recomputed), and ``swa_state_dropped`` (states whose
     window was freed before they could be taken, or refused).
+
+    Bounded-replay models (DeepSeek V4.1), scheduler half: ``swa_state_restores`` (hits
+    loaded with their window: vLLM replays nothing), ``swa_bounded_replays`` (hits loaded
+    without it: vLLM replays the last window), ``swa_full_recomputes`` (loads that claimed
+    the window and failed: vLLM recomputed the request whole).
     """
 
     role: str
@@ -751,6 +767,9 @@ class ConnectorStats:
     swa_remote_hits: int = 0
     swa_misses: int = 0
     swa_state_dropped: int = 0
+    swa_state_restores: int = 0
+    swa_bounded_replays: int = 0
+    swa_full_recomputes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
