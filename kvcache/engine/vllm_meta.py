@@ -423,6 +423,12 @@ class SchedulerBook:
             )
         )
 
+    def on_load_failed(self, req_id: str) -> None:
+        """``req_id``'s load failed: vLLM recomputes it, and its blocks are saved again."""
+        tracked = self._reqs.get(req_id)
+        if tracked is not None:
+            tracked.loaded_blocks = 0
+
     def on_finished(self, req_id: str) -> None:
         """Forget a finished or aborted request."""
         self._reqs.pop(req_id, None)

@@ -347,6 +347,8 @@ class SchedulerSide:
         failed = getattr(output, "failed_recving", None)
         if failed:
             self._no_offer.update(failed)
+            for req_id in failed:
+                self.book.on_load_failed(req_id)
             with self._holders_lock:
                 recomputed = len(self._claims & set(failed))
             if recomputed:  # a claimed window whose load failed: vLLM recomputes it all
