@@ -43,7 +43,7 @@ def test_states_live_for_their_ttl_from_creation() -> None:
     # Continuations: turns 2 and 3, and the request sharing block 1.
     assert short.continuations == 3
     # Turn 2 finds turn 1's state (60 s old); turn 3's is 340 s old: expired.
-    assert short.hits == 1 and short.hit_rate == pytest.approx(1 / 3)
+    assert short.hits == 1 and short.boundary_hit_rate == pytest.approx(1 / 3)
     # Nobody ever ended at block 1: that continuation is unreachable for any TTL.
     assert short.unreachable == 1 and short.reachable_hit_rate == pytest.approx(1 / 2)
     assert short.peak_states_per_worker == 2 and short.peak_bytes_per_worker == 2000
@@ -80,7 +80,7 @@ def test_rates_are_ordered_and_grow_with_the_ttl(seed: int, workers: int, ttls: 
     trace = generate_workload(spec)
     results = [simulate(trace, workers=workers, ttl_s=t, seed=seed) for t in sorted(ttls)]
     for r in results:
-        assert 0 <= r.same_worker_hit_rate <= r.hit_rate <= r.reachable_hit_rate <= 1
+        assert 0 <= r.same_worker_hit_rate <= r.boundary_hit_rate <= r.reachable_hit_rate <= 1
         assert r.fetches == r.hits - r.same_worker_hits
         if workers == 1:
             assert r.fetches == 0
@@ -162,13 +162,14 @@ def test_cli_prints_one_json_object_and_draws_the_plot(
     argv = ["swa", "simulate", "--trace", str(trace), "--workers", "1", "--ttl", "3m"]
     assert main([*argv, "--json", "--plot", str(plot), "--sweep", "1m,3m,10m"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("hit_rate", "same_worker_hit_rate", "peak_bytes_per_worker", "fetch_bytes_per_s"):
+    for key in ("exact_hit_rate", "replayed_tokens", "boundary_hit_rate", "fetch_bytes_per_s"):
         assert key in out
-    assert out["hit_rate"] == pytest.approx(1 / 3)
+    assert "hit_rate" not in out  # the looser figure only under its own name
+    assert out["boundary_hit_rate"] == pytest.approx(1 / 3)
     assert [s["ttl_s"] for s in out["sweep"]] == [60, 180, 600]
     assert _decode_png(plot.read_bytes())[:2] == (760, 460)
     assert main(argv) == 0
-    assert "SWA hit rate, any worker:   33.3%" in capsys.readouterr().out
+    assert "state at any boundary, any worker:       33.3%" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -186,3 +187,22 @@ def test_cli_user_mistakes_are_one_line_errors(
     assert main(["swa", "simulate", "--trace", str(trace), *extra]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_exact_hits_need_the_state_at_the_hits_end_and_the_rest_replay() -> None:
+    # A state at block 2 is live when C arrives, the one at block 3 (C's hit end) is not.
+    trace = [req(0, (1, 2, 3)), req(90, (1, 2)), req(150, (1, 2, 3, 4))]
+    sim = simulate(trace, workers=1, ttl_s=100, state_bytes=1000, replay_tokens=128)
+    assert sim.continuations == 2
+    assert sim.hits == 1 and sim.exact_hits == 0  # C: a boundary hit, not an exact one
+    assert sim.exact_hit_rate == 0 and sim.boundary_hit_rate == pytest.approx(1 / 2)
+    assert sim.replayed_tokens == 2 * 128  # B and C replay one window each
+    long = simulate(TRACE, workers=1, ttl_s=500, state_bytes=1000)
+    assert long.exact_hits == 2 and long.replayed_tokens == 128  # only (1, 9) replays
+
+
+@given(st.integers(1, 4), st.floats(1, 1000))
+def test_exact_hits_are_boundary_hits(workers: int, ttl: float) -> None:
+    sim = simulate(TRACE, workers=workers, ttl_s=ttl, state_bytes=1)
+    assert sim.exact_hits <= sim.hits <= sim.continuations
+    assert sim.replayed_tokens == 128 * (sim.continuations - sim.exact_hits)

@@ -50,7 +50,14 @@ class HybridLayout:
     """Which KV cache groups hold what, and the bytes of a state.
 
     ``swa_block_bytes[i]`` is one block of sliding-window group ``swa_groups[i]``,
-    every layer of the group (its pages back to back).
+    every layer of the group (its pages back to back). ``swa_block_size`` is those
+    groups' tokens per block (0: the main group's ``block_size``); DeepSeek V4.1 has
+    32-token sliding-window blocks under 128-token main blocks. ``ring_groups`` are
+    groups of one block per request (V4.1's compressor ring, ``CircularBufferSpec``)
+    whose block is part of every state. ``replay_tokens`` > 0 says that vLLM runs
+    bounded replay for this model (the sliding-window specs declare
+    ``prefix_replay_tokens``): a hit loaded without its window is not lost, vLLM
+    recomputes its last ``replay_tokens`` tokens.
     """
 
     block_size: int
@@ -61,34 +68,58 @@ class HybridLayout:
     swa_layers: int
     dtype: DType
     packing: str
+    swa_block_size: int = 0
+    ring_groups: tuple[int, ...] = ()
+    ring_block_bytes: tuple[int, ...] = ()
+    replay_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.window < 2:
             raise ConfigError(f"bad hybrid layout: block {self.block_size}, window {self.window}")
         if not self.swa_groups or len(self.swa_groups) != len(self.swa_block_bytes):
             raise ConfigError("a hybrid layout needs sliding-window groups and their block sizes")
-        if self.main_group in self.swa_groups:
+        if self.main_group in self.swa_groups or self.main_group in self.ring_groups:
             raise ConfigError("the full-attention group cannot also be a sliding-window group")
+        if len(self.ring_groups) != len(self.ring_block_bytes):
+            raise ConfigError("each ring group needs its block size")
+        swa_block = self.swa_tokens_per_block
+        if swa_block < 1 or self.block_size % swa_block:
+            raise ConfigError(
+                f"sliding-window blocks of {swa_block} tokens do not divide main blocks of "
+                f"{self.block_size}"
+            )
+
+    @property
+    def swa_tokens_per_block(self) -> int:
+        """Tokens per sliding-window block."""
+        return self.swa_block_size or self.block_size
+
+    @property
+    def state_groups(self) -> tuple[int, ...]:
+        """The groups a state fills: the sliding-window groups, then the ring groups."""
+        return (*self.swa_groups, *self.ring_groups)
 
     def window_blocks(self, position: int) -> tuple[int, int]:
-        """Blocks ``[first, end)`` of the state at ``position``."""
-        return window_blocks(position, window=self.window, block_size=self.block_size)
+        """Sliding-window blocks ``[first, end)`` of the state at ``position``."""
+        return window_blocks(position, window=self.window, block_size=self.swa_tokens_per_block)
 
     def state_bytes(self, position: int) -> int:
         """Bytes of the state at ``position``."""
         first, end = self.window_blocks(position)
-        return (end - first) * sum(self.swa_block_bytes)
+        return (end - first) * sum(self.swa_block_bytes) + sum(self.ring_block_bytes)
 
     def state_layout(self) -> KVLayout:
-        """The layout of a state's blocks (part of the state namespace)."""
+        """The layout of a state's sliding-window blocks (part of the state namespace; the
+        ring's bytes are named in the packing)."""
         total = sum(self.swa_block_bytes)
-        if total % self.block_size:
+        block = self.swa_tokens_per_block
+        if total % block:
             raise ConfigError(
-                f"sliding-window blocks of {total} bytes do not split into {self.block_size} tokens"
+                f"sliding-window blocks of {total} bytes do not split into {block} tokens"
             )
         return KVLayout(
-            tokens_per_block=self.block_size,
-            bytes_per_token=total // self.block_size,
+            tokens_per_block=block,
+            bytes_per_token=total // block,
             dtype=self.dtype,
             layers_in_block=self.swa_layers,
         )
@@ -153,16 +184,25 @@ class SwaSaveSpec:
 
 
 def window_ids(
-    groups: Sequence[Sequence[int]], first: int, end: int
+    groups: Sequence[Sequence[int]], first: int, end: int, *, rings: int = 0
 ) -> tuple[tuple[int, ...], ...] | None:
     """Each group's block ids ``first .. end - 1``, or None when a group does not have them
-    all (too few tracked, or a null block among them: the window was already freed)."""
+    all (too few tracked, or a null block among them: the window was already freed).
+
+    The last ``rings`` groups are ring groups: their one block (index 0) is taken whole.
+    """
     out = []
-    for ids in groups:
+    split = len(groups) - rings
+    for ids in groups[split:] if rings else ():
+        if len(ids) < 1 or ids[0] == 0:
+            return None
+    for ids in groups[:split]:
         if len(ids) < end:
             return None
         window = tuple(ids[first:end])
         if any(b == 0 for b in window):
             return None
         out.append(window)
+    for ids in groups[split:] if rings else ():
+        out.append((ids[0],))
     return tuple(out)

@@ -84,8 +84,24 @@ class TransferHandle:
             self.done.synchronize()
 
 
+def _is_row_view(t: torch.Tensor, block_dim: int) -> bool:
+    """A (pages, bytes) uint8 view whose rows are contiguous but lie ``stride(0)`` apart:
+    a block-outermost group's span in each block of a shared allocation."""
+    return (
+        block_dim == 0
+        and t.dtype == torch.uint8
+        and t.dim() == 2
+        and t.stride(1) == 1
+        and t.stride(0) >= t.shape[1]
+    )
+
+
 class PagedKVAdapter:
-    """Gather and scatter kvcache blocks out of / into per-layer paged KV tensors."""
+    """Gather and scatter kvcache blocks out of / into per-layer paged KV tensors.
+
+    A "layer" may also be a (blocks, span) uint8 view with rows ``stride(0)`` bytes
+    apart: one block-outermost group's span per block (``kvcache.engine.block_span``).
+    """
 
     def __init__(
         self,
@@ -109,7 +125,7 @@ class PagedKVAdapter:
                     f"layer {i} cache is {tuple(t.shape)} {t.dtype} on {t.device}; layer 0 is "
                     f"{tuple(first.shape)} {first.dtype} on {first.device}: all must match"
                 )
-            if not t.is_contiguous():
+            if not (t.is_contiguous() or _is_row_view(t, block_dim)):
                 raise ConfigError(f"layer {i} cache is not contiguous")
         if page_tokens < 1 or pages_per_block < 1:
             raise ConfigError("page_tokens and pages_per_block must be >= 1")
@@ -141,6 +157,8 @@ class PagedKVAdapter:
     def _as_pages(self, t: torch.Tensor) -> torch.Tensor:
         """View the layer as bytes: (pages, tile) for block_dim 0, (outer, pages, tile) for 1."""
         raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+        if _is_row_view(raw, self.block_dim):
+            return raw  # a strided (blocks, span) view: rows are pages, kept as they lie
         if self.block_dim == 0:
             return raw.reshape(self.num_pages, -1)
         return raw.reshape(t.shape[0], self.num_pages, -1)

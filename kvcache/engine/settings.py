@@ -37,7 +37,9 @@ from kvcache.layout import DType, KVLayout
 from kvcache.swa_local.config import SwaConfig
 
 __all__ = [
+    "ConnectorSettings",
     "EngineSettings",
+    "LoadMode",
     "SwaMode",
     "engine_namespace",
     "load_swa_config",
@@ -45,6 +47,7 @@ __all__ = [
     "namespace_from_dict",
     "parallel_name",
     "split_engine_config",
+    "split_extra_config",
     "state_namespace",
 ]
 
@@ -214,3 +217,69 @@ def namespace_from_dict(data: Mapping[str, Any]) -> Namespace:
     if "seed" in data and ns.seed.hex() != data["seed"]:
         raise ConfigError(f"namespace seed {ns.seed.hex()} differs from recorded {data['seed']}")
     return ns
+
+
+# ---------------------------------------------------------------------- the vLLM connector
+
+
+class LoadMode(enum.Enum):
+    """When the worker half loads a hit (see ConnectorSettings.load_mode)."""
+
+    ASYNC = "async"
+    SYNC = "sync"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorSettings(EngineSettings):
+    """The connector's own settings from ``kv_connector_extra_config``.
+
+    The fields every engine adapter shares (cluster, model name, tenant, stats,
+    SWA tier) are :class:`~kvcache.engine.settings.EngineSettings`'. A fresh prefix
+    lookup may block scheduling for ``match_wait_ms``; after that the
+    scheduler is told to ask again next step, and after ``match_deadline_ms``
+    the request is treated as a miss. Saves waiting to be written may hold at
+    most ``max_pending_save_mb`` of host memory; beyond that new saves are
+    dropped (a cache may forget; it must not stall the engine).
+    """
+
+    match_wait_ms: float = 20.0
+    match_deadline_ms: float = 5000.0
+    max_pending_save_mb: int = 256
+    #: ``async``: a hit's blocks load while the request waits in WAITING_FOR_REMOTE_KVS and
+    #: other requests compute; ``sync``: before the forward pass that needs them.
+    load_mode: LoadMode = LoadMode.ASYNC
+    #: Offer a hit only when loading it, times this margin, is predicted to take no longer
+    #: than recomputing it (see FetchPlanner); 0 offers every hit.
+    recompute_margin: float = 1.0
+    #: Starting estimates until measured: load bandwidth of this worker (GB/s) and the
+    #: engine's prefill rate (tokens/s). Unset: hits are offered until both are measured.
+    load_gbps: float | None = None
+    prefill_tokens_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        EngineSettings.__post_init__(self)
+        if not (self.match_wait_ms >= 0 and self.match_deadline_ms >= self.match_wait_ms):
+            raise ConfigError(
+                f"need 0 <= match_wait_ms <= match_deadline_ms, got {self.match_wait_ms} and "
+                f"{self.match_deadline_ms}"
+            )
+        if self.recompute_margin < 0:
+            raise ConfigError(f"recompute_margin must be >= 0, got {self.recompute_margin}")
+        for name in ("load_gbps", "prefill_tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 when given, got {value}")
+        if self.max_pending_save_mb < 1:
+            raise ConfigError(f"max_pending_save_mb must be >= 1, got {self.max_pending_save_mb}")
+
+
+def split_extra_config(
+    extra: Mapping[str, Any],
+) -> tuple[ConnectorSettings, dict[str, Any], dict[str, Any]]:
+    """Split vLLM's extra config into connector settings, ClientConfig overrides and SwaConfig
+    overrides (``swa_<field>``); see :func:`kvcache.engine.settings.split_engine_config`.
+
+    Unknown keys are errors that list every known key, so a typo in a
+    deployment's config fails at start-up instead of being ignored.
+    """
+    return split_engine_config(extra, ConnectorSettings, source="kv_connector_extra_config")

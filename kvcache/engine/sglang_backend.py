@@ -157,11 +157,14 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
             getattr(storage_config, "model_name", None) or "unknown"
         )
         self._tenant = settings.tenant
-        overrides.setdefault("traffic_class", "chat")
-        self._traffic_class = str(overrides["traffic_class"])
         if client is None:
             client = Client(ClientConfig.load(settings.client_config, overrides=overrides))
         self._client = client
+        # The client's traffic class (its config file, KVCACHE_CLIENT_*, or the extra
+        # config): the same default as the vLLM connector's, and a file's choice is kept.
+        self._traffic_class = str(
+            overrides.get("traffic_class") or getattr(client.config, "traffic_class", "default")
+        )
         self._namespace: Namespace | None = None
         self._page_bytes = 0
         self._dtype: torch.dtype | None = None

@@ -133,6 +133,7 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
                 ctx,
                 num_blocks=int(kv_cache_config.num_blocks),
                 layers=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
+                tensors=list(kv_cache_config.kv_cache_tensors or ()),
             )
         log.info(
             "kvcache connector (%s) on %s: namespace %s%s",
@@ -189,13 +190,15 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``request_finished`` of a hybrid-manager engine (every group's blocks)."""
+        """``request_finished`` of a hybrid-manager engine (``block_ids``: one list per group,
+        0 for null blocks). Nothing is held past the end: states are taken earlier."""
         return self._sched().request_finished(request)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        """Every group is restored by a load (the full group from the store, the others from
-        the SWA tier)."""
-        return self._sched().loaded_group_ids()
+        """The groups a load restores: the full group from the store, the others from the
+        SWA tier when the state is in hand (a bounded-replay model without it: the full
+        group only, and vLLM replays the window)."""
+        return self._sched().loaded_group_ids(request.request_id)
 
     # ================================================================ worker half
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.client import Client, ClientConfig
+from kvcache.engine.block_span import GroupSpan, group_span, is_block_outermost
 from kvcache.engine.hybrid import HybridLayout
 from kvcache.engine.paged import kv_dtype
 from kvcache.engine.settings import (
@@ -41,67 +42,140 @@ from kvcache.keys import Namespace
 from kvcache.swa_local.config import SwaConfig
 from kvcache.swa_local.state import state_namespace_id
 
-__all__ = ["ConnectorContext", "GroupRoles", "group_roles", "kv_geometry"]
+__all__ = [
+    "ConnectorContext",
+    "GroupRoles",
+    "group_roles",
+    "group_spans",
+    "kv_geometry",
+    "layer_specs",
+]
 
 _FULL = ("FullAttentionSpec",)
 _SLIDING = ("SlidingWindowSpec",)
+_RING = ("CircularBufferSpec",)
 
 
 @dataclass(frozen=True, slots=True)
 class GroupRoles:
-    """Index of the full-attention group, and of each sliding-window group (and its window)."""
+    """Index of the full-attention group, of each sliding-window group (and their window),
+    of each ring group (one block per request: DeepSeek V4.1's compressor ring), and the
+    tokens vLLM replays after a hit loaded without its window (0: no bounded replay)."""
 
     main: int
     swa: tuple[int, ...] = ()
     window: int = 0
+    ring: tuple[int, ...] = ()
+    replay_tokens: int = 0
+
+
+def layer_specs(spec: Any) -> list[Any]:
+    """The per-layer specs of a group's spec: those of a ``UniformTypeKVCacheSpecs``
+    (the worker half's view of a mixed-page group), else the spec itself."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, dict) and inner else [spec]
+
+
+def first_spec(spec: Any) -> Any:
+    """The group's first layer spec: what the scheduler half sees of it (vLLM's
+    ``generate_scheduler_kv_cache_config`` flattens ``UniformTypeKVCacheSpecs`` to it)."""
+    return layer_specs(spec)[0]
+
+
+def is_mla(spec: Any) -> bool:
+    """Whether every layer of a group is MLA (one latent KV, identical on every TP rank)."""
+    return all(
+        any(c.__name__ == "MLAAttentionSpec" for c in type(layer).__mro__)
+        for layer in layer_specs(spec)
+    )
 
 
 def _kind(spec: Any) -> str:
-    """``full`` or ``sliding`` for the attention specs the connector knows, else the name."""
-    for cls in type(spec).__mro__:
-        if cls.__name__ in _SLIDING:
-            return "sliding"
-        if cls.__name__ in _FULL:
-            return "full"
-    return type(spec).__name__
+    """``full``, ``sliding`` or ``ring`` for the specs the connector knows, else the name."""
+    kinds = set()
+    for layer in layer_specs(spec):
+        kind = type(layer).__name__
+        for cls in type(layer).__mro__:
+            if cls.__name__ in _SLIDING:
+                kind = "sliding"
+                break
+            if cls.__name__ in _FULL:
+                kind = "full"
+                break
+            if cls.__name__ in _RING:
+                kind = "ring"
+                break
+        kinds.add(kind)
+    return kinds.pop() if len(kinds) == 1 else type(spec).__name__
 
 
 def group_roles(kv_cache_config: Any) -> GroupRoles:
     """Which vLLM KV cache group is the block store's and which are the SWA tier's.
 
     Supported: one full-attention group (any model vLLM runs with uniform
-    attention, or with its hybrid manager off), optionally with sliding-window
-    groups of one window (a hybrid model). Anything else is refused by name.
+    attention, or with its hybrid manager off; MLA groups with pages of several
+    sizes count as one), optionally with sliding-window groups of one window (a
+    hybrid model), and with ring groups only beside sliding-window groups
+    (DeepSeek V4.1: 4-7 ``SlidingWindowMLASpec`` groups, the MLA group and one
+    ``CircularBufferSpec`` group). Anything else is refused by name.
     """
     groups = kv_cache_config.kv_cache_groups
     kinds = [_kind(g.kv_cache_spec) for g in groups]
     full = [i for i, k in enumerate(kinds) if k == "full"]
     sliding = [i for i, k in enumerate(kinds) if k == "sliding"]
-    other = [k for k in kinds if k not in ("full", "sliding")]
-    if other or len(full) != 1:
+    ring = [i for i, k in enumerate(kinds) if k == "ring"]
+    other = [k for k in kinds if k not in ("full", "sliding", "ring")]
+    if other or len(full) != 1 or (ring and not sliding):
         raise ConfigError(
             "the kvcache connector supports one full-attention KV cache group, optionally with "
-            f"sliding-window groups; this model has {kinds}"
+            f"sliding-window groups (and ring groups beside them); this model has {kinds}"
         )
-    windows = {int(groups[i].kv_cache_spec.sliding_window) for i in sliding}
+    specs = [first_spec(groups[i].kv_cache_spec) for i in sliding]
+    windows = {int(s.sliding_window) for s in specs}
     if len(windows) > 1:
         raise ConfigError(f"sliding-window groups with different windows {sorted(windows)}")
-    return GroupRoles(full[0], tuple(sliding), windows.pop() if windows else 0)
+    replays = {int(getattr(groups[i].kv_cache_spec, "prefix_replay_tokens", 0)) for i in sliding}
+    if len(replays) > 1:
+        raise ConfigError(f"sliding-window groups with different replay windows {sorted(replays)}")
+    return GroupRoles(
+        full[0],
+        tuple(sliding),
+        windows.pop() if windows else 0,
+        tuple(ring),
+        replays.pop() if replays else 0,
+    )
 
 
-def _packing(spec: Any, layout: str | None) -> str:
+def group_spans(kv_cache_config: Any) -> dict[int, GroupSpan]:
+    """Each group's span per block when vLLM packed blocks outermost (BLHNC), else {}."""
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or ())
+    if not is_block_outermost(tensors):
+        return {}
+    return {
+        i: group_span(tensors, list(g.layer_names))
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+    }
+
+
+def _packing(spec: Any, layout: str | None, span: GroupSpan | None = None) -> str:
+    """The record format of a group, for the namespace: spec class, layout, heads, head
+    sizes, quantisation; for a packed (block-outermost) group also its first layer's cache
+    dtype (``nvfp4_ds_mla``, ``fp8_ds_mla``...) and its pages in byte order, which tell
+    the indexer's fp8 and MXFP4 records (and 528- from 584-byte SWA records) apart."""
+    spec = first_spec(spec)
     quant = getattr(spec, "kv_quant_mode", None)
     head_size = getattr(spec, "head_size", "?")
-    return ",".join(
-        [
-            type(spec).__name__,
-            f"layout={layout or 'default'}",
-            f"heads={getattr(spec, 'num_heads', getattr(spec, 'num_kv_heads', '?'))}",
-            f"k={head_size}",
-            f"v={getattr(spec, 'head_size_v', head_size)}",
-            f"quant={getattr(quant, 'name', quant)}",
-        ]
-    )
+    parts = [
+        type(spec).__name__,
+        f"layout={layout or 'default'}",
+        f"heads={getattr(spec, 'num_heads', getattr(spec, 'num_kv_heads', '?'))}",
+        f"k={head_size}",
+        f"v={getattr(spec, 'head_size_v', head_size)}",
+        f"quant={getattr(quant, 'name', quant)}",
+    ]
+    if span is not None:
+        parts += [f"rec={getattr(spec, 'cache_dtype_str', None)}", f"pages={span.describe()}"]
+    return ",".join(parts)
 
 
 def _layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
@@ -116,36 +190,70 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any, group: int = 0) -> KVGeo
     the tensors it is given.
     """
     g = kv_cache_config.kv_cache_groups[group]
-    spec = g.kv_cache_spec
+    spec = first_spec(g.kv_cache_spec)
+    span = group_spans(kv_cache_config).get(group)
     return KVGeometry(
         block_size=int(spec.block_size),
         num_layers=len(g.layer_names),
         page_bytes=int(spec.page_size_bytes),
         dtype=kv_dtype(spec.dtype),
-        packing=_packing(spec, _layout(vllm_config, kv_cache_config)),
+        packing=_packing(spec, _layout(vllm_config, kv_cache_config), span),
+        span_bytes=None if span is None else span.nbytes,
     )
 
 
 def hybrid_layout(vllm_config: Any, kv_cache_config: Any, roles: GroupRoles) -> HybridLayout:
     """The sliding-window groups' part of a hybrid model's KV cache."""
     groups = kv_cache_config.kv_cache_groups
-    main_block = int(groups[roles.main].kv_cache_spec.block_size)
-    specs = [groups[i].kv_cache_spec for i in roles.swa]
-    if any(int(s.block_size) != main_block for s in specs):
-        raise ConfigError("sliding-window groups with another block size than the full group's")
+    main_block = int(first_spec(groups[roles.main].kv_cache_spec).block_size)
+    specs = [first_spec(groups[i].kv_cache_spec) for i in roles.swa]
+    swa_blocks = {int(s.block_size) for s in specs}
+    if len(swa_blocks) != 1 or main_block % next(iter(swa_blocks)):
+        raise ConfigError(
+            f"sliding-window groups of blocks {sorted(swa_blocks)} under full-attention blocks "
+            f"of {main_block}: they must share one size that divides the full group's"
+        )
+    spans = group_spans(kv_cache_config)
+
+    def block_bytes(i: int) -> int:
+        if i in spans:
+            return spans[i].nbytes
+        return int(first_spec(groups[i].kv_cache_spec).page_size_bytes) * len(groups[i].layer_names)
+
+    packing = _packing(specs[0], _layout(vllm_config, kv_cache_config), spans.get(roles.swa[0]))
+    if roles.ring:
+        packing += ",ring=" + "+".join(str(block_bytes(i)) for i in roles.ring)
     return HybridLayout(
         block_size=main_block,
         window=roles.window,
         main_group=roles.main,
         swa_groups=roles.swa,
-        swa_block_bytes=tuple(
-            int(groups[i].kv_cache_spec.page_size_bytes) * len(groups[i].layer_names)
-            for i in roles.swa
-        ),
+        swa_block_bytes=tuple(block_bytes(i) for i in roles.swa),
         swa_layers=sum(len(groups[i].layer_names) for i in roles.swa),
         dtype=kv_dtype(specs[0].dtype),
-        packing=_packing(specs[0], _layout(vllm_config, kv_cache_config)),
+        packing=packing,
+        swa_block_size=swa_blocks.pop(),
+        ring_groups=roles.ring,
+        ring_block_bytes=tuple(block_bytes(i) for i in roles.ring),
+        replay_tokens=roles.replay_tokens,
     )
+
+
+def replica_ranks(ranks: dict[str, int], replicas: int) -> tuple[dict[str, int], bool]:
+    """The ranks that name the stored KV, and whether this rank writes it.
+
+    vLLM's ``kv_tp_replicas`` counts consecutive TP ranks that hold identical KV for
+    every layer (MLA: all of them). Such a group stores its KV once: the namespace
+    names the group (``tp{rank // replicas}of{size // replicas}``), its first rank
+    writes, and every rank loads the same blocks.
+    """
+    size = ranks.get("tp_size", 1)
+    if replicas <= 1 or size % replicas:
+        return ranks, True
+    rank = ranks.get("tp_rank", 0)
+    out = dict(ranks)
+    out["tp_rank"], out["tp_size"] = rank // replicas, size // replicas
+    return out, rank % replicas == 0
 
 
 @dataclass
@@ -164,6 +272,11 @@ class ConnectorContext:
     save: bool
     stats: ConnectorStats
     stats_file: StatsFile
+    #: Each group's span per block when vLLM packed blocks outermost (BLHNC), else empty.
+    spans: dict[int, GroupSpan] = field(default_factory=dict)
+    #: Whether this rank writes the store's blocks: under tensor parallelism a group of
+    #: ``kv_tp_replicas`` ranks holds identical KV (MLA), which the first of them writes.
+    writes_blocks: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -192,11 +305,15 @@ class ConnectorContext:
             raise ConfigError("swa = 'on' but this model has no sliding-window KV cache group")
         geometry = kv_geometry(vllm_config, kv_cache_config, roles.main)
         model = vllm_config.model_config
+        replicas = int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
+        if is_mla(kv_cache_config.kv_cache_groups[roles.main].kv_cache_spec):
+            replicas = ranks.get("tp_size", 1)  # MLA's latent KV is the same on every TP rank
+        stored_ranks, writes = replica_ranks(ranks, replicas)
         namespace = make_namespace(
             model=settings.model_name or str(model.model),
             revision=settings.model_revision or model.revision,
             geometry=geometry,
-            parallel=parallel_name(**ranks),
+            parallel=parallel_name(**stored_ranks),
             tenant=settings.tenant,
         )
         state_ns = None
@@ -223,6 +340,8 @@ class ConnectorContext:
             save=bool(xfer.is_kv_producer),
             stats=stats,
             stats_file=StatsFile(settings.stats_dir, role, stats.pid),
+            spans=group_spans(kv_cache_config),
+            writes_blocks=writes,
         )
 
     @property

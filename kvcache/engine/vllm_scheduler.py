@@ -84,6 +84,10 @@ class SchedulerSide:
         self._holders_lock = threading.Lock()
         #: Hybrid: requests whose load failed; offered nothing again (they are recomputed).
         self._no_offer: set[str] = set()
+        #: Bounded-replay models: requests whose offer restores the window (a state is held
+        #: at the hit's end); only these report every group as loaded. Filled on the lookup
+        #: thread, read by vLLM's scheduling thread.
+        self._claims: set[str] = set()
         self.planner = FetchPlanner(
             margin=settings.recompute_margin,
             load_gbps=settings.load_gbps,
@@ -170,6 +174,10 @@ class SchedulerSide:
             )
             if good:
                 usable[(block + 1) * b] = good
+        hybrid = ctx.hybrid
+        assert hybrid is not None
+        if hybrid.replay_tokens:
+            return self._bounded_hit(req_id, match.hit_blocks, len(keys), local_tokens, usable)
         blocks = state_hit(
             hit_blocks=match.hit_blocks,
             loadable=len(keys),
@@ -185,6 +193,39 @@ class SchedulerSide:
             if blocks:
                 ctx.stats.swa_hits += 1
             ctx.stats.swa_tokens_without_state += max(0, match.hit_blocks - blocks) * b
+        return blocks
+
+    def _bounded_hit(
+        self,
+        req_id: str,
+        hit_blocks: int,
+        loadable: int,
+        local_tokens: int,
+        usable: dict[int, tuple[HolderRecord, ...]],
+    ) -> int:
+        """A bounded-replay model's hit (DeepSeek V4.1): the whole stored prefix. The window
+        is claimed only when a state lies exactly at the hit's end; otherwise vLLM replays
+        the hit's last ``replay_tokens`` tokens (a state short of the end is worth nothing:
+        vLLM would load the stored KV to the end and replay anyway). A hit no longer than
+        the replay, without the state, is not offered: vLLM would drop it."""
+        ctx = self.ctx
+        hybrid = ctx.hybrid
+        assert hybrid is not None
+        b = ctx.block_size
+        blocks = min(hit_blocks, loadable)
+        holders = usable.get(blocks * b, ()) if blocks * b > local_tokens else ()
+        if holders:
+            with self._holders_lock:
+                self._holders[req_id] = holders
+                self._claims.add(req_id)
+        elif blocks * b <= hybrid.replay_tokens:
+            blocks = 0
+        with ctx.lock:
+            ctx.stats.lookups += 1
+            if holders:
+                ctx.stats.swa_hits += 1
+            elif blocks:
+                ctx.stats.swa_tokens_without_state += blocks * b
         return blocks
 
     def _sync_lookup_stats(self) -> None:
@@ -214,8 +255,19 @@ class SchedulerSide:
         groups = blocks.get_block_ids() if self._async_loads else None
         block_ids = None if groups is None else list(groups[ctx.roles.main])
         swa = None
-        if ctx.hybrid is not None and groups is not None:
+        claimed = self.claims(req_id)
+        if (
+            ctx.hybrid is not None
+            and groups is not None
+            and (claimed or not ctx.hybrid.replay_tokens)
+        ):
             swa = self._swa_load(local, local + num_external_tokens, groups, holders)
+        if ctx.hybrid is not None and ctx.hybrid.replay_tokens:
+            with ctx.lock:
+                if claimed:
+                    ctx.stats.swa_state_restores += 1
+                else:
+                    ctx.stats.swa_bounded_replays += 1
         self.book.on_alloc(
             req_id,
             request.prompt_token_ids,
@@ -241,23 +293,27 @@ class SchedulerSide:
         hybrid = self.ctx.hybrid
         assert hybrid is not None
         first, end = hybrid.window_blocks(position)
-        ids = window_ids([groups[g] for g in hybrid.swa_groups], first, end)
+        ids = window_ids(
+            [groups[g] for g in hybrid.state_groups], first, end, rings=len(hybrid.ring_groups)
+        )
         key = holders[0].key if holders else None
         if ids is None or key is None:
             log.warning("kvcache: no state to fill the window at %d; the load will fail", position)
             ids, holders, key = (), (), None
+        # Bounded-replay groups are not prefix-cached by vLLM: every window block is written.
+        own = 0 if hybrid.replay_tokens else local // hybrid.swa_tokens_per_block
         return SwaLoadSpec(
             key=key,
             holders=holders,
             first_block=first,
-            write_from=max(first, local // self.ctx.block_size),
+            write_from=max(first, own),
             block_ids=ids,
         )
 
     def build_connector_meta(self, so: Any) -> StepPlan:
         """This step's loads, saves and states, for the worker halves."""
         main = self.ctx.roles.main
-        swa_groups = self.ctx.roles.swa
+        swa_groups = self.ctx.hybrid.state_groups if self.ctx.hybrid is not None else ()
         new = [
             NewReq(
                 r.req_id,
@@ -291,6 +347,13 @@ class SchedulerSide:
         failed = getattr(output, "failed_recving", None)
         if failed:
             self._no_offer.update(failed)
+            for req_id in failed:
+                self.book.on_load_failed(req_id)
+            with self._holders_lock:
+                recomputed = len(self._claims & set(failed))
+            if recomputed:  # a claimed window whose load failed: vLLM recomputes it all
+                with self.ctx.lock:
+                    self.ctx.stats.swa_full_recomputes += recomputed
         meta = output.kv_connector_worker_meta
         loads = getattr(meta, "loads", None)
         steps = getattr(meta, "steps", None)
@@ -316,11 +379,23 @@ class SchedulerSide:
         self._no_offer.discard(req_id)
         with self._holders_lock:
             self._holders.pop(req_id, None)
+            self._claims.discard(req_id)
         return False, None
 
-    def loaded_group_ids(self) -> tuple[int, ...]:
-        """The groups a load restores: all of them for a hybrid model, else the one group."""
-        return (self.ctx.roles.main, *self.ctx.roles.swa)
+    def claims(self, req_id: str) -> bool:
+        """Whether ``req_id``'s offer restores the sliding-window window (bounded replay)."""
+        with self._holders_lock:
+            return req_id in self._claims
+
+    def loaded_group_ids(self, req_id: str) -> tuple[int, ...]:
+        """The groups a load of ``req_id`` restores. A bounded-replay model (V4.1): every
+        group when the state at the hit's end is in hand (vLLM replays nothing), else the
+        full group only (vLLM replays). Other hybrid models: all of them (their loads always
+        carry the state). Otherwise the one group."""
+        roles = self.ctx.roles
+        if roles.replay_tokens and not self.claims(req_id):
+            return (roles.main,)
+        return (roles.main, *roles.swa, *roles.ring)
 
     def shutdown(self) -> None:
         """Stop the lookup thread and close the client."""

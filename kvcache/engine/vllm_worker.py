@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcache.engine.block_span import GroupSpan, layer_places
 from kvcache.engine.hybrid import SwaLoadSpec, SwaSaveSpec
 from kvcache.engine.paged import PagedKVAdapter, TransferHandle
 from kvcache.engine.vllm_context import ConnectorContext
@@ -56,8 +57,17 @@ SHUTDOWN_DRAIN_S = 30.0
 class WorkerSide:
     """Everything the worker half does (see the module docstring)."""
 
-    def __init__(self, ctx: ConnectorContext, *, num_blocks: int, layers: list[list[str]]) -> None:
+    def __init__(
+        self,
+        ctx: ConnectorContext,
+        *,
+        num_blocks: int,
+        layers: list[list[str]],
+        tensors: list[Any] | None = None,
+    ) -> None:
         self.ctx = ctx
+        #: vLLM's KVCacheTensor records (where each layer's pages lie in the allocation).
+        self._tensors = list(tensors or ())
         self.client = ctx.make_client()
         self._num_blocks = num_blocks
         #: Layer names per KV cache group, in vLLM's group order.
@@ -84,10 +94,13 @@ class WorkerSide:
         ctx = self.ctx
         self.adapter = self._adapter(kv_caches, ctx.roles.main, ctx.geometry.payload_bytes)
         self._layer_index = {name: i for i, name in enumerate(self._layers[ctx.roles.main])}
+        if ctx.spans:  # one span per block, not per layer: no per-layer waits
+            self._layer_index = {}
         if ctx.hybrid is not None:
+            sizes = (*ctx.hybrid.swa_block_bytes, *ctx.hybrid.ring_block_bytes)
             self.swa_adapters = [
                 self._adapter(kv_caches, g, size)
-                for g, size in zip(ctx.hybrid.swa_groups, ctx.hybrid.swa_block_bytes, strict=True)
+                for g, size in zip(ctx.hybrid.state_groups, sizes, strict=True)
             ]
             self.tier = SwaTier(ctx.swa_config(), self.client)
             self.tier.start()
@@ -109,6 +122,9 @@ class WorkerSide:
             raise ConfigError(
                 f"KV caches of layers {missing} were not registered with the connector"
             )
+        span = self.ctx.spans.get(group)
+        if span is not None:
+            return self._span_adapter(kv_caches, group, span, payload_bytes)
         caches = [kv_caches[name] for name in names]
         first = caches[0]
         block_dim = next(
@@ -138,6 +154,42 @@ class WorkerSide:
                 "whose layout is not what their keys claim"
             )
         return adapter
+
+    def _span_adapter(
+        self, kv_caches: dict[str, torch.Tensor], group: int, span: GroupSpan, payload_bytes: int
+    ) -> PagedKVAdapter:
+        """An adapter over a block-outermost group: each block is one contiguous span of the
+        backing allocation every layer's view shares (``kvcache.engine.block_span``)."""
+        if span.nbytes != payload_bytes:
+            raise ConfigError(
+                f"group {group}: a span of {span.nbytes} bytes per block, the KV cache spec "
+                f"says {payload_bytes}"
+            )
+        names = self._layers[group]
+        first = kv_caches[names[0]]
+        storage = first.untyped_storage()
+        base = storage.data_ptr()
+        places = layer_places(self._tensors)
+        for name in names:
+            view = kv_caches[name]
+            if view.untyped_storage().data_ptr() != base:
+                raise ConfigError(f"layer {name}'s KV cache is not in the shared allocation")
+            if view.data_ptr() - base != places[name].offset:
+                raise ConfigError(
+                    f"layer {name}'s KV cache starts at byte {view.data_ptr() - base} of the "
+                    f"allocation, vLLM's KVCacheTensor says {places[name].offset}; refusing to "
+                    "store blocks whose layout is not what their keys claim"
+                )
+        needed = span.start + (self._num_blocks - 1) * span.block_stride + span.nbytes
+        if storage.nbytes() < needed:
+            raise ConfigError(
+                f"the KV cache allocation holds {storage.nbytes()} bytes, {needed} are addressed"
+            )
+        backing = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+        pages = backing.as_strided(
+            (self._num_blocks, span.nbytes), (span.block_stride, 1), span.start
+        )
+        return PagedKVAdapter([pages], page_tokens=self.ctx.block_size)
 
     def require_adapter(self) -> PagedKVAdapter:
         """The full-attention group's adapter."""
@@ -236,25 +288,29 @@ class WorkerSide:
         ``write_from``: vLLM's own)."""
         hybrid = self.ctx.hybrid
         assert hybrid is not None
-        rows = len(swa.block_ids[0])
+        n_swa = len(hybrid.swa_groups)
         skip = swa.write_from - swa.first_block
+        sizes = (*hybrid.swa_block_bytes, *hybrid.ring_block_bytes)
         handles = []
         offset = 0
-        for adapter, ids, size in zip(
-            self.swa_adapters, swa.block_ids, hybrid.swa_block_bytes, strict=True
+        for g, (adapter, ids, size) in enumerate(
+            zip(self.swa_adapters, swa.block_ids, sizes, strict=True)
         ):
+            rows = len(ids)
             part = state[offset : offset + rows * size].view(rows, size)
             offset += rows * size
-            if skip < rows:
-                pages = page_ids(ids[skip:], adapter.pages_per_block)
-                handles.append(adapter.scatter(part[skip:].contiguous(), pages))
+            start = skip if g < n_swa else 0  # a ring block is always written
+            if start < rows:
+                pages = page_ids(ids[start:], adapter.pages_per_block)
+                handles.append(adapter.scatter(part[start:].contiguous(), pages))
         return handles
 
     def finish_load(self, spec: LoadSpec, loaded: int) -> None:
         """Count a load and report what did not arrive, for vLLM to recompute."""
         ctx = self.ctx
         failed = failed_block_ids(spec, loaded)
-        hybrid = spec.swa is not None
+        # Several groups: block ids are unique per group only, so failures are per request.
+        hybrid = ctx.hybrid is not None
         with ctx.lock:
             ctx.stats.load_requests += 1
             ctx.stats.blocks_loaded += loaded
@@ -305,7 +361,7 @@ class WorkerSide:
         if plan is None or not (plan.saves or plan.swa_saves):
             return
         adapter = self.require_adapter()
-        for spec in plan.saves:
+        for spec in plan.saves if ctx.writes_blocks else ():
             if spec.req_id in failed_reqs:
                 # This step's KV of the request was computed over blocks that never arrived.
                 with ctx.lock:

@@ -88,7 +88,7 @@ def _simulate(args: argparse.Namespace) -> int:
             hit_rate_chart(
                 ttls,
                 [
-                    ("any worker", [s.hit_rate for s in sims]),
+                    ("any worker", [s.boundary_hit_rate for s in sims]),
                     ("same worker", [s.same_worker_hit_rate for s in sims]),
                 ],
                 title=f"swa hit rate vs ttl: {args.workers} workers, {routing.value}",
@@ -101,7 +101,8 @@ def _simulate(args: argparse.Namespace) -> int:
         out["sweep"] = [
             {
                 "ttl_s": s.ttl_s,
-                "hit_rate": s.hit_rate,
+                "exact_hit_rate": s.exact_hit_rate,
+                "boundary_hit_rate": s.boundary_hit_rate,
                 "same_worker_hit_rate": s.same_worker_hit_rate,
             }
             for s in sims
@@ -114,8 +115,10 @@ def _simulate(args: argparse.Namespace) -> int:
         f"{routing.value} routing, TTL {ttl} s, {args.state_bytes} bytes per state"
     )
     print(f"  continuations (store hit):  {out['continuations']}")
-    print(f"  SWA hit rate, any worker:   {out['hit_rate']:.1%}")
-    print(f"  SWA hit rate, same worker:  {out['same_worker_hit_rate']:.1%}")
+    print(f"  exact hit rate (state at the hit's end): {out['exact_hit_rate']:.1%}")
+    print(f"  tokens replayed (bounded replay):        {out['replayed_tokens']}")
+    print(f"  state at any boundary, any worker:       {out['boundary_hit_rate']:.1%}")
+    print(f"  state at any boundary, same worker:      {out['same_worker_hit_rate']:.1%}")
     print(
         f"  hit rate, reachable only:   {out['reachable_hit_rate']:.1%} "
         f"({out['unreachable']} continuations no state could serve)"

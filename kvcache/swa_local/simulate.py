@@ -12,9 +12,15 @@ trace's own, routing randomness is seeded.
   *continuations*; they are the ones that can use a state.
 - A request takes a state at the end of its full blocks (what the vLLM
   connector does), on the worker it was routed to.
-- A continuation *hits* when a live state lies at a block boundary inside its
-  store hit, on any worker (``hit_rate``) or on its own worker
-  (``same_worker_hit_rate``); the longest one is used. A hit held only
+- A continuation *hits exactly* when a live state lies at the end of its store
+  hit (``exact_hit_rate``): with bounded replay (DeepSeek V4.1 in vLLM 0.32) that
+  is the only useful state, since the engine loads the stored KV to the end of the
+  hit either way and, without the state there, replays the last ``replay_tokens``
+  tokens (``replayed_tokens``, counted for continuations whose hit is longer than
+  that; shorter ones are recomputed). The older, looser figure is
+  ``boundary_hit_rate``: a live state at *any* block boundary inside the store hit,
+  on any worker, or on its own worker (``same_worker_hit_rate``); the longest one is
+  used. A hit held only
   elsewhere is fetched: ``state_bytes`` each (``fetch_bytes_per_s`` over the
   trace's duration). ``state_token_fraction`` is the part of the store hits'
   tokens that the states used cover (a state at an earlier boundary serves
@@ -69,11 +75,19 @@ class SwaSimulation:
     peak_states_per_worker: int
     duration_s: float
     unreachable: int = 0
+    exact_hits: int = 0
+    replayed_tokens: int = 0
 
     @property
-    def hit_rate(self) -> float:
-        """Continuations that found a usable state on some worker."""
+    def boundary_hit_rate(self) -> float:
+        """Continuations that found a state at some block boundary of their store hit, on
+        some worker (a state short of the hit's end is worth nothing under bounded replay)."""
         return self.hits / max(1, self.continuations)
+
+    @property
+    def exact_hit_rate(self) -> float:
+        """Continuations whose state lies at the end of their store hit, on some worker."""
+        return self.exact_hits / max(1, self.continuations)
 
     @property
     def same_worker_hit_rate(self) -> float:
@@ -96,9 +110,11 @@ class SwaSimulation:
         return self.fetches * self.state_bytes / max(self.duration_s, 1e-9)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the four headline figures first, then the counts behind them."""
+        """JSON-ready: the headline figures first, then the counts behind them."""
         return {
-            "hit_rate": self.hit_rate,
+            "exact_hit_rate": self.exact_hit_rate,
+            "replayed_tokens": self.replayed_tokens,
+            "boundary_hit_rate": self.boundary_hit_rate,
             "same_worker_hit_rate": self.same_worker_hit_rate,
             "peak_bytes_per_worker": self.peak_bytes_per_worker,
             "fetch_bytes_per_s": self.fetch_bytes_per_s,
@@ -111,6 +127,7 @@ class SwaSimulation:
             "unreachable": self.unreachable,
             "reachable_hit_rate": self.reachable_hit_rate,
             "hits": self.hits,
+            "exact_hits": self.exact_hits,
             "same_worker_hits": self.same_worker_hits,
             "state_token_fraction": self.state_tokens / max(1, self.store_hit_tokens),
             "fetches": self.fetches,
@@ -127,6 +144,7 @@ def simulate(
     routing: Routing = Routing.RANDOM,
     state_bytes: int = REFERENCE_STATE_BYTES,
     seed: int = 0,
+    replay_tokens: int = 128,
 ) -> SwaSimulation:
     """Replay ``requests`` (in arrival order); see the module docstring."""
     if workers < 1 or not ttl_s > 0 or state_bytes < 1:
@@ -140,7 +158,7 @@ def simulate(
     live = [0] * workers
     peak = 0
     expiries: list[tuple[float, int, tuple[int, int]]] = []
-    count = continuations = hits = same = fetches = unreachable = 0
+    count = continuations = hits = same = fetches = unreachable = exact = replayed = 0
     taken: set[tuple[int, int]] = set()
     store_tokens = state_tokens = 0
     first_ms = last_ms = None
@@ -177,6 +195,10 @@ def simulate(
             store_tokens += hit * TRACE_BLOCK_TOKENS
             if not any((b, full[b - 1]) in taken for b in range(1, hit + 1)):
                 unreachable += 1
+            if best_blocks == hit:
+                exact += 1
+            elif hit * TRACE_BLOCK_TOKENS > replay_tokens:
+                replayed += replay_tokens
             if best:
                 hits += 1
                 state_tokens += best_blocks * TRACE_BLOCK_TOKENS
@@ -210,6 +232,8 @@ def simulate(
         peak_states_per_worker=peak,
         duration_s=duration,
         unreachable=unreachable,
+        exact_hits=exact,
+        replayed_tokens=replayed,
     )
 
 
