@@ -285,7 +285,7 @@ def test_mla_is_stored_once_per_tp_group() -> None:
 
 
 def test_book_does_not_save_the_blocks_a_bounded_replay_recomputes() -> None:
-    book = vm.SchedulerBook(block_size=128)
+    book = vm.SchedulerBook(block_size=128, hybrid=V41_LAYOUT)
     prompt = list(range(1000))
     ids = list(range(1, 9))
     book.on_alloc("r", prompt, local_tokens=0, external=896, block_ids=ids)
@@ -298,6 +298,12 @@ def test_book_does_not_save_the_blocks_a_bounded_replay_recomputes() -> None:
     plan = book.plan_step([vm.NewReq("r", prompt, ids, 0)], [], {"r": 1000})
     (save,) = plan.saves
     assert (save.first_block, save.block_ids) == (0, tuple(ids[:7]))
+    # Without bounded replay a loaded block is recomputed only after a failed load: saved.
+    plain = vm.SchedulerBook(block_size=128)
+    plain.on_alloc("r", prompt, local_tokens=0, external=896, block_ids=ids)
+    plain.plan_step([], [], {})
+    (again,) = plain.plan_step([vm.NewReq("r", prompt, ids, 768)], [], {"r": 232}).saves
+    assert again.first_block == 6
 
 
 def test_span_adapter_moves_one_groups_block_and_nothing_else() -> None:

@@ -205,7 +205,11 @@ class SchedulerBook:
             )
         first, end = local_tokens // b, (local_tokens + external) // b
         tracked = self._reqs.setdefault(req_id, _Tracked(as_token_array(prompt)))
-        tracked.loaded_blocks = end
+        if self.hybrid is not None and self.hybrid.replay_tokens:
+            # Bounded replay recomputes loaded blocks' last tokens: do not save them again.
+            # (Elsewhere vLLM recomputes loaded blocks only after a failed load, reported per
+            # block, and those recomputed blocks must be stored again.)
+            tracked.loaded_blocks = end
         if block_ids is None:
             if swa is not None:
                 raise ConfigError(f"request {req_id}: a state is loaded only asynchronously")
