@@ -9,7 +9,8 @@ need=()
 # systemd: systemd-analyze verifies deploy/kvcache-server.service (tests/test_deploy.py);
 # etcd-server: membership (`kvcache up --etcd`, tests/test_membership_*.py start their own etcd);
 # iproute2: the multi-host test's network namespaces (tests/test_multihost.py).
-for pkg in libisal2 redis-server chromium chromium-driver systemd etcd-server iproute2; do
+# gcc + libxxhash-dev: kvcache/native's helpers (scripts/build-native.sh, below).
+for pkg in gcc libxxhash-dev libisal2 redis-server chromium chromium-driver systemd etcd-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
@@ -31,4 +32,6 @@ fi
 # (PIP_FIND_LINKS); a bare `torch` requirement would pull a multi-GB CUDA build from PyPI.
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q 'torch==2.13.0'
 .venv/bin/python -m pip install -q -e '.[dev,engine,plot]'
+# The data path's batched hashing and scatter/gather I/O (kvcache/native/libkvfast.so).
+bash scripts/build-native.sh
 echo "kvcache installed in $(pwd)/.venv"

@@ -141,7 +141,7 @@ def encoded(
         items, data = batch.node_sections(b, i)
         shard_len = batch.shard_len
         assert list(items["length"]) == [HEADER_BYTES + shard_len] * count
-        raw = b"".join(bytes(v) for v in data)
+        raw = b"".join(bytes(v) for v in data.views())
         for row, (bb, ii) in enumerate(zip(b, i, strict=True)):
             rec = raw[row * (HEADER_BYTES + shard_len) : (row + 1) * (HEADER_BYTES + shard_len)]
             header, _body = split_shard(rec)  # every record is a valid shard
@@ -213,9 +213,9 @@ def land(
     """One GET reply received into the assembly's landing buffers, then accepted."""
     claim = asm.landing(blocks, idx, status, lengths)
     assert claim is not None
-    views, writes = claim
+    segments, writes = claim
     at = 0
-    for view in views:
+    for view in segments.views():
         view[:] = data[at : at + view.nbytes]
         at += view.nbytes
     assert at == len(data)
@@ -458,9 +458,9 @@ def test_a_block_is_not_verified_while_a_reply_is_landing_in_it() -> None:
         )
         is not None
     )  # a later reply is claimed, but lands in scratch
-    views, writes = claim
+    segments, writes = claim
     at = 0
-    for view in views:
+    for view in segments.views():
         view[:] = rec[at : at + view.nbytes]
         at += view.nbytes
     asm.landed(writes)

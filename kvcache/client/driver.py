@@ -26,6 +26,7 @@ from kvcache.client.health import NodeHealth
 from kvcache.client.rounds import Send
 from kvcache.client.transport import Exchange, RemoteStatusError, Transport
 from kvcache.errors import AuthError, KVCacheError, NodeError
+from kvcache.native import Segments
 from kvcache.net import open_session
 from kvcache.wire import Frame, Header, Message, Op
 
@@ -52,7 +53,7 @@ class PumpedExchange(Exchange):
         node: int,
         op: Op,
         items: npt.NDArray[np.void],
-        data: Sequence[Frame] = (),
+        data: Sequence[Frame] | Segments = (),
         *,
         traffic_class: str = "",
     ) -> None:
@@ -78,7 +79,7 @@ class GetExchange(PumpedExchange):
         #: The reply's data went into the assembly (only then may its shards be accepted).
         self.landed_in_assembly = False
 
-    def landing(self, header: Header, items: npt.NDArray[np.void]) -> list[memoryview] | None:
+    def landing(self, header: Header, items: npt.NDArray[np.void]) -> Segments | None:
         if len(items) != len(self.send.blocks):
             return None
         claim = self.assembly.landing(

@@ -4,22 +4,25 @@ Zero copy where it can be: a block's data shards are slices of the caller's
 payload buffer (only rows that cross the payload's end are copied, padded
 with zeros, into a small scratch), parity is computed into its own array by
 :meth:`kvcache.erasure.Codec.encode_rows` reading the rows where they are,
-and a node's PUT is a list of views (``header, body, header, body, ...``)
-that the transport hands to ``sendmsg``. Headers come from
+and a node's PUT is a list of (address, length) segments (``header, body,
+header, body, ...``, :class:`kvcache.native.Segments`) that the transport
+sends with one gather call. Hashes are taken in one batched call per batch
+(:mod:`kvcache.native`), not one call per shard. Headers come from
 :func:`kvcache.shard.build_headers`, the one vectorised home of the header
 layout.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
+from kvcache import native
 from kvcache.erasure import Codec
 from kvcache.errors import ConfigError
 from kvcache.keys import BlockKey
@@ -71,28 +74,37 @@ class EncodedBatch:
     stripe_ids: npt.NDArray[np.uint64]
     #: (blocks, n) shard headers, one HEADER_DTYPE record each.
     headers: npt.NDArray[np.void]
-    #: bodies[b][i]: the bytes of shard i of block b.
-    bodies: list[list[memoryview]]
+    #: addresses[b, i]: where the shard_len bytes of shard i of block b are.
+    addresses: npt.NDArray[np.uint64]
     shard_len: int
-    #: Arrays the views point into (kept alive with the batch).
+    #: Arrays the addresses point into (kept alive with the batch).
     keepalive: list[Any]
+
+    def body(self, b: int, i: int) -> bytes:
+        """A copy of shard ``i`` of block ``b`` (tests and diagnostics)."""
+        return ctypes.string_at(int(self.addresses[b, i]), self.shard_len)
 
     def node_sections(
         self, blocks: npt.NDArray[np.int64], indices: npt.NDArray[np.int64], expect: Any = 0
-    ) -> tuple[npt.NDArray[np.void], list[memoryview]]:
-        """PUT items and data sections for the shards (blocks[j], indices[j]) of one node."""
+    ) -> tuple[npt.NDArray[np.void], native.Segments]:
+        """PUT items and the data section for the shards (blocks[j], indices[j]) of one
+        node: each shard's header, then its body, as segments for one gather send."""
         items = make_items(Op.PUT, len(blocks), reply=False)
         key_words = np.frombuffer(b"".join(self.keys), "V16")
         items["key"] = key_words[blocks] if len(blocks) else b""
         items["index"] = indices
         items["length"] = HEADER_BYTES + self.shard_len
         items["expect"] = expect
-        raw_headers = self.headers.view(np.uint8).reshape(*self.headers.shape, HEADER_BYTES)
-        data: list[memoryview] = []
-        for b, i in zip(blocks.tolist(), indices.tolist(), strict=True):
-            data.append(raw_headers[b, i].data)
-            data.append(self.bodies[b][i])
-        return items, data
+        n = self.headers.shape[1]
+        addrs = np.empty((len(blocks), 2), np.uint64)
+        lens = np.empty((len(blocks), 2), np.uint64)
+        if len(blocks):
+            base = native.addresses_of(self.headers)
+            addrs[:, 0] = base + (blocks * n + indices).astype(np.uint64) * np.uint64(HEADER_BYTES)
+            addrs[:, 1] = self.addresses[blocks, indices]
+        lens[:, 0] = HEADER_BYTES
+        lens[:, 1] = self.shard_len
+        return items, native.Segments.of(addrs, lens, self)
 
 
 def encode_batch(
@@ -117,32 +129,22 @@ def encode_batch(
     addresses = np.empty((blocks, n), np.uint64)
     scratch_base = scratch.ctypes.data
     parity_base = parity.ctypes.data
-    payload_hashes = np.empty(blocks, "V16")
-    digest128 = xxhash.xxh3_128_digest
+    bases = np.empty(blocks, np.uint64)
     for b, row in enumerate(rows):
-        base = row.ctypes.data
+        base = bases[b] = row.ctypes.data
         addresses[b, :inside] = base + np.arange(inside, dtype=np.uint64) * length
         if copied:
             scratch[b].reshape(-1)[:tail] = row[inside * length :]
             addresses[b, inside:k] = (
                 scratch_base + (b * copied + np.arange(copied, dtype=np.uint64)) * length
             )
-        payload_hashes[b] = digest128(row.data)
     addresses[:, k:] = (
         parity_base
         + (np.arange(blocks, dtype=np.uint64)[:, None] * (n - k) + np.arange(n - k)) * length
     )
+    payload_hashes = native.xxh3_128_many(bases, np.uint64(payload_len))
     codec.encode_rows(addresses, length, keepalive=(rows, scratch, parity))
-    bodies: list[list[memoryview]] = []
-    shard_hashes = np.empty((blocks, n), np.uint64)
-    digest64 = xxhash.xxh3_64_intdigest
-    for b, row in enumerate(rows):
-        views = [row[i * length : (i + 1) * length].data for i in range(inside)]
-        views += [scratch[b, j].data for j in range(copied)]
-        views += [parity[b, j].data for j in range(n - k)]
-        for i, view in enumerate(views):
-            shard_hashes[b, i] = digest64(view)
-        bodies.append(views)
+    shard_hashes = native.xxh3_64_many(addresses, np.uint64(length))
     stripe_ids = np.array([new_stripe_id() for _ in range(blocks)], np.uint64)
     headers = build_headers(
         keys=np.frombuffer(b"".join(keys), "V16") if blocks else np.zeros(0, "V16"),
@@ -160,7 +162,7 @@ def encode_batch(
         keys=list(keys),
         stripe_ids=stripe_ids,
         headers=headers,
-        bodies=bodies,
+        addresses=addresses,
         shard_len=length,
         keepalive=[list(rows), scratch, parity],
     )

@@ -28,6 +28,7 @@ from kvcache.client.transport import Exchange
 from kvcache.cluster import NodeInfo
 from kvcache.credentials import TenantId
 from kvcache.errors import NodeError
+from kvcache.native import Segments
 from kvcache.server.handler import Request, RequestHandler
 from kvcache.wire import Header, Message, decode, encode, join
 
@@ -162,7 +163,10 @@ class LocalTransport:
         exchange.finish(reply, error)
 
     def _answer(self, handler: RequestHandler, exchange: Exchange) -> Message:
-        data = b"".join(bytes(memoryview(d).cast("B")) for d in exchange.data)
+        sections = exchange.data
+        if isinstance(sections, Segments):
+            sections = sections.views()
+        data = b"".join(bytes(memoryview(d).cast("B")) for d in sections)
         header = Header(
             op=exchange.op,
             request_id=1,
@@ -181,7 +185,7 @@ class LocalTransport:
             landing = exchange.landing(message.header, message.items)
             if landing is not None:
                 at = 0
-                for view in landing:
+                for view in landing.views() if isinstance(landing, Segments) else landing:
                     view[:] = message.data[at : at + view.nbytes]
                     at += view.nbytes
                 exchange.landed()

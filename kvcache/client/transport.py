@@ -56,6 +56,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvcache import native
 from kvcache.cluster import NodeInfo
 from kvcache.errors import KVCacheError, NodeError, ProtocolError
 from kvcache.net import open_session
@@ -120,7 +121,7 @@ class Exchange:
         node: int,
         op: Op,
         items: npt.NDArray[np.void],
-        data: Sequence[Frame] = (),
+        data: Sequence[Frame] | native.Segments = (),
         *,
         traffic_class: str = "",
     ) -> None:
@@ -134,7 +135,9 @@ class Exchange:
         #: :meth:`landing` was asked: its data may be partly written, so it is never resent.
         self.landing_asked = False
 
-    def landing(self, header: Header, items: npt.NDArray[np.void]) -> list[memoryview] | None:
+    def landing(
+        self, header: Header, items: npt.NDArray[np.void]
+    ) -> list[memoryview] | native.Segments | None:
         """Where the reply's data section goes (None: a scratch buffer)."""
         return None
 
@@ -198,6 +201,7 @@ class _Conn:
         "raw",
         "rgot",
         "rstate",
+        "segments",
         "sent",
         "sock",
         "tls",
@@ -216,7 +220,7 @@ class _Conn:
         self.ids = itertools.count(1)
         self.queue: collections.deque[Exchange] = collections.deque()
         self.sent: collections.deque[_Sent] = collections.deque()
-        self.out: list[memoryview] = []  # unsent request bytes, in order
+        self.out: list[memoryview | native.Segments] = []  # unsent request bytes, in order
         self._reset_reader()
 
     def _reset_reader(self) -> None:
@@ -228,6 +232,7 @@ class _Conn:
         self.data: npt.NDArray[np.uint8] | None = None
         self.landing = False
         self.views: list[memoryview] = []
+        self.segments: native.Segments | None = None
         self.index = 0
 
     @property
@@ -435,11 +440,29 @@ class TcpTransport:
         if sock is None:
             return
         out = conn.out
+        gather = native.AVAILABLE and not conn.tls
         try:
             while out:
-                sent = sock.send(out[0]) if conn.tls else sock.sendmsg(out[:_IOV_MAX])
+                first = out[0]
+                if isinstance(first, native.Segments):
+                    if not gather:
+                        out[0:1] = first.views()
+                        continue
+                    native.send_gather(sock.fileno(), first)
+                    if not first.done:
+                        break  # the socket's buffer is full: wait until it is writable
+                    del out[0]
+                    continue
+                if conn.tls:
+                    sent = sock.send(first)
+                else:
+                    end = 1
+                    while end < len(out) and end < _IOV_MAX and type(out[end]) is memoryview:
+                        end += 1
+                    sent = sock.sendmsg(out[:end])  # type: ignore[arg-type]
                 while sent:
                     head = out[0]
+                    assert isinstance(head, memoryview)
                     if sent >= head.nbytes:
                         sent -= head.nbytes
                         del out[0]
@@ -537,7 +560,18 @@ class TcpTransport:
                 exchange = conn.sent[0].exchange
                 exchange.landing_asked = True
                 views = exchange.landing(header, conn.items)
-                if views is None:
+                if isinstance(views, native.Segments):
+                    if views.nbytes != header.data_len:
+                        raise ProtocolError(
+                            f"landing of {views.nbytes} bytes for a data section of "
+                            f"{header.data_len}"
+                        )
+                    if native.AVAILABLE and not conn.tls:
+                        conn.segments = views
+                    else:
+                        conn.views = views.views()
+                    conn.landing = True
+                elif views is None:
                     conn.data = np.empty(header.data_len, np.uint8)
                     conn.views = [conn.data.data]
                 else:
@@ -554,6 +588,16 @@ class TcpTransport:
 
     def _recv_data(self, conn: _Conn, sock: socket.socket) -> None:
         """Receive into the landing buffers until all are full (or the socket would block)."""
+        segments = conn.segments
+        if segments is not None:
+            while not segments.done:
+                native.recv_scatter(sock.fileno(), segments)  # BlockingIOError: nothing yet
+                if segments.closed:
+                    node = self.node_id(conn.node)
+                    raise NodeError(f"node {node} closed the connection mid-reply", node=node)
+                if not segments.done:
+                    raise BlockingIOError  # the rest has not arrived yet
+            return
         views = conn.views
         while conn.index < len(views):
             if conn.tls:
@@ -743,9 +787,14 @@ def _finish(exchange: Exchange, reply: Message | None, error: BaseException | No
         log.exception("exchange completion failed")
 
 
-def _request(exchange: Exchange, request_id: int) -> list[memoryview]:
-    """The sections of ``exchange``'s request (header, items, data), as byte views."""
-    sizes = [memoryview(d).nbytes for d in exchange.data]
+def _request(exchange: Exchange, request_id: int) -> list[memoryview | native.Segments]:
+    """The sections of ``exchange``'s request (header, items, data): byte views, or one
+    set of segments (header and items first) when the data is given as segments."""
+    data = exchange.data
+    if isinstance(data, native.Segments):
+        sizes = [data.nbytes]
+    else:
+        sizes = [memoryview(d).nbytes for d in data]
     header = Header(
         op=exchange.op,
         request_id=request_id,
@@ -753,11 +802,21 @@ def _request(exchange: Exchange, request_id: int) -> list[memoryview]:
         data_len=sum(sizes),
         traffic_class=exchange.traffic_class,
     )
-    views = [memoryview(header.pack())]
+    packed = np.frombuffer(header.pack(), np.uint8)
     items = np.ascontiguousarray(exchange.items).view(np.uint8)
+    if isinstance(data, native.Segments):
+        lead = np.array([native.addresses_of(packed), native.addresses_of(items)], np.uint64)
+        sizes_lead = np.array([packed.nbytes, items.nbytes], np.uint64)
+        combined = native.Segments.of(
+            np.concatenate([lead, data.addrs]),
+            np.concatenate([sizes_lead, data.lens]),
+            (packed, items, data.keepalive),
+        )
+        return [combined]
+    views: list[memoryview | native.Segments] = [packed.data]
     if items.nbytes:
         views.append(items.data)
-    views += [_flat(d) for d, n in zip(exchange.data, sizes, strict=True) if n]
+    views += [_flat(d) for d, n in zip(data, sizes, strict=True) if n]
     return views
 
 

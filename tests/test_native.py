@@ -1,0 +1,193 @@
+"""kvcache.native: batched hashes equal the xxhash package's, scatter/gather I/O moves
+exactly the bytes of its segments, and the data path runs the same without the library."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache import native
+from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, header_checks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_library_is_loaded_where_ci_requires_it() -> None:
+    # CI sets KVCACHE_NATIVE=require: there the helpers must be the ones under test.
+    if os.environ.get(native.ENV) == "require":
+        assert native.AVAILABLE
+    else:
+        assert native.LIBRARY.exists() == native.AVAILABLE or not native.AVAILABLE
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=5000), min_size=0, max_size=20))
+def test_batched_hashes_equal_xxhash(chunks: list[bytes]) -> None:
+    arrays = [np.frombuffer(c, np.uint8) if c else np.zeros(0, np.uint8) for c in chunks]
+    addrs = np.array([native.addresses_of(a) if a.size else 0 for a in arrays], np.uint64)
+    lens = np.array([len(c) for c in chunks], np.uint64)
+    h64 = native.xxh3_64_many(addrs, lens)
+    h128 = native.xxh3_128_many(addrs, lens)
+    assert h64.tolist() == [xxhash.xxh3_64_intdigest(c) for c in chunks]
+    assert [bytes(d) for d in h128.tolist()] == [xxhash.xxh3_128_digest(c) for c in chunks]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 2**32))
+def test_header_checks_equal_one_hash_per_record(count: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    records = np.frombuffer(
+        rng.integers(0, 256, count * HEADER_BYTES, dtype=np.uint8).tobytes(), HEADER_DTYPE
+    )
+    raw = records.view(np.uint8).reshape(count, HEADER_BYTES)
+    expected = [xxhash.xxh3_64_intdigest(raw[i, :100].tobytes()) & 0xFFFFFFFF for i in range(count)]
+    assert header_checks(records).tolist() == expected
+
+
+def _segments_of(buf: np.ndarray, cuts: list[int]) -> native.Segments:
+    """``buf`` cut at ``cuts`` into segments, in a shuffled order of places in ``buf``."""
+    bounds = sorted({0, buf.nbytes, *(c % (buf.nbytes + 1) for c in cuts)})
+    base = native.addresses_of(buf)
+    addrs = np.array([base + a for a in bounds[:-1]], np.uint64)
+    lens = np.array([b - a for a, b in itertools.pairwise(bounds)], np.uint64)
+    return native.Segments.of(addrs, lens, buf)
+
+
+needs_native = pytest.mark.skipif(not native.AVAILABLE, reason="native helpers not built")
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 3_000_000), st.lists(st.integers(0, 3_000_000), max_size=40))
+def test_gather_send_and_scatter_receive_move_every_byte(size: int, cuts: list[int]) -> None:
+    rng = np.random.default_rng(size)
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, np.uint8)
+    send_seg = _segments_of(src, cuts)
+    recv_seg = _segments_of(dst, [c * 7 for c in cuts])
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    try:
+        # One thread, both ends non-blocking: every call moves what the buffers allow, so
+        # partial sends and receives (the paths that resume mid-segment) are exercised.
+        rounds = 0
+        while not recv_seg.done:
+            rounds += 1
+            assert rounds < 100_000
+            if not send_seg.done:
+                with contextlib.suppress(BlockingIOError):
+                    native.send_gather(a.fileno(), send_seg)
+            with contextlib.suppress(BlockingIOError):
+                native.recv_scatter(b.fileno(), recv_seg)
+        assert send_seg.done and not recv_seg.closed
+        assert np.array_equal(src, dst)
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_native
+def test_scatter_receive_reports_a_closed_peer() -> None:
+    dst = np.zeros(100, np.uint8)
+    seg = _segments_of(dst, [10, 50])
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    a.sendall(b"x" * 30)
+    a.close()
+    got = native.recv_scatter(b.fileno(), seg)
+    b.close()
+    assert got == 30 and seg.closed and not seg.done
+    assert bytes(dst[:30]) == b"x" * 30
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5000), st.lists(st.integers(0, 5000), max_size=10), st.integers(0, 5000))
+def test_views_and_advance_describe_what_is_left(size: int, cuts: list[int], done: int) -> None:
+    buf = np.arange(size, dtype=np.uint64).astype(np.uint8)
+    seg = _segments_of(buf, cuts)
+    done = min(done, size)
+    seg.advance(done)
+    left = b"".join(bytes(v) for v in seg.views())
+    assert left == buf.tobytes()[done:]
+    assert seg.done == (done == size)
+
+
+def test_a_view_keeps_its_buffer_alive() -> None:
+    seg = native.Segments.of(
+        np.array([0], np.uint64), np.array([0], np.uint64), None
+    )  # empty: nothing to view
+    assert seg.views() == [] and seg.done
+    buf = np.full(64, 7, np.uint8)
+    seg = native.Segments.of(
+        np.array([native.addresses_of(buf)], np.uint64), np.array([64], np.uint64), buf
+    )
+    (view,) = seg.views()
+    del buf, seg
+    assert bytes(view) == b"\x07" * 64
+
+
+def _round_trip(env: dict[str, str]) -> str:
+    code = (
+        "import numpy as np, tempfile, pathlib\n"
+        "from kvcache import native\n"
+        "from kvcache.client import Client\n"
+        "from kvcache.client.localcluster import LocalCluster\n"
+        "from kvcache.keys import Namespace\n"
+        "from kvcache.layout import REFERENCE_LAYOUT as L\n"
+        "P = L.payload_bytes\n"
+        "tmp = pathlib.Path(tempfile.mkdtemp())\n"
+        "with LocalCluster(tmp / 'c').start(nodes=12) as cl:\n"
+        "    with Client(cl.client_config()) as c:\n"
+        "        rng = np.random.default_rng(3)\n"
+        "        tokens = rng.integers(0, 9999, 20 * L.tokens_per_block).astype(np.uint32)\n"
+        "        src = rng.integers(0, 256, (20, P), dtype=np.uint8)\n"
+        "        ns = Namespace(model='m', revision='1', layout=L)\n"
+        "        assert c.store(ns, tokens, src).written == 20\n"
+        "        out = np.zeros_like(src)\n"
+        "        assert c.load(ns, c.match_prefix(ns, tokens), out=out).blocks == 20\n"
+        "        assert np.array_equal(out, src)\n"
+        "        print('native' if native.AVAILABLE else 'python')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_data_path_without_the_library_stores_and_loads_the_same_bytes() -> None:
+    assert _round_trip({native.ENV: "0"}) == "python"
+
+
+def test_a_required_library_that_cannot_load_is_a_clear_error(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        native.ENV: "require",
+        native.LIBRARY_ENV: str(tmp_path / "missing" / "libkvfast.so"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", "import kvcache.native"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "ConfigError" in done.stderr and "scripts/build-native.sh" in done.stderr
