@@ -191,3 +191,75 @@ def test_a_required_library_that_cannot_load_is_a_clear_error(tmp_path: Path) ->
     )
     assert done.returncode != 0
     assert "ConfigError" in done.stderr and "scripts/build-native.sh" in done.stderr
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.sampled_from([(10, 2, 114_688), (3, 2, 1000), (4, 0, 4096), (2, 1, 65)]),
+    st.integers(0, 2**32),
+)
+def test_native_landing_segments_equal_the_numpy_ones(
+    count: int, code: tuple[int, int, int], seed: int
+) -> None:
+    from kvcache.client.assembly import LoadAssembly
+    from kvcache.erasure import get_codec
+    from kvcache.shard import shard_len_for
+
+    k, m, payload = code
+    blocks_in_load = 8
+    rng = np.random.default_rng(seed)
+    out = np.zeros((blocks_in_load, payload), np.uint8)
+    asm = LoadAssembly(
+        key_words=np.zeros(blocks_in_load, "V16"),
+        stripes=np.ones(blocks_in_load, np.uint64),
+        out=out,
+        k=k,
+        n=k + m,
+        payload_len=payload,
+        codec=get_codec(),
+    )
+    record = HEADER_BYTES + shard_len_for(payload, k)
+    blocks = rng.integers(0, blocks_in_load, count).astype(np.int64)
+    indices = rng.integers(0, k + m, count).astype(np.int64)
+    statuses = rng.choice(np.array([0, 0, 0, 1, 2], np.uint8), count)
+    lengths = np.where(rng.random(count) < 0.8, record, rng.integers(0, 3 * record, count))
+    lengths = np.where(statuses == 0, lengths, 0).astype(np.int64)
+    live = rng.random(count) < 0.9
+    fast = asm._segments(blocks, indices, statuses, lengths, live)
+    slow = asm._segments_numpy(blocks, indices, statuses, lengths, live)
+    assert fast.lens.tolist() == slow.lens.tolist()
+    assert fast.nbytes == slow.nbytes == int(lengths[statuses == 0].sum())
+    # Addresses agree except inside the per-reply scratch buffers (each has its own).
+    scratch = (statuses == 0) & ~((lengths == record) & live)
+    kinds = []
+    for j in range(count):
+        if statuses[j] != 0 or lengths[j] == 0:
+            continue
+        shard = record - HEADER_BYTES
+        straddles = indices[j] < k and indices[j] * shard < payload < (indices[j] + 1) * shard
+        parts = 1 if scratch[j] else (3 if straddles else 2)
+        kinds += [scratch[j]] * parts
+    assert len(kinds) == fast.count
+    for a, b, is_scratch in zip(fast.addrs.tolist(), slow.addrs.tolist(), kinds, strict=True):
+        if not is_scratch:
+            assert a == b
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 30), st.integers(0, 2**32))
+def test_put_segments_interleave_headers_and_bodies(count: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, blocks_in_batch = 12, 5
+    bodies = rng.integers(1, 2**40, (blocks_in_batch, n)).astype(np.uint64)
+    b = rng.integers(0, blocks_in_batch, count).astype(np.int64)
+    i = rng.integers(0, n, count).astype(np.int64)
+    seg = native.put_segments(
+        b, i, n=n, header_bytes=104, headers_at=4096, bodies=bodies, body_len=777, keepalive=None
+    )
+    want_addrs, want_lens = [], []
+    for bb, ii in zip(b.tolist(), i.tolist(), strict=True):
+        want_addrs += [4096 + (bb * n + ii) * 104, int(bodies[bb, ii])]
+        want_lens += [104, 777]
+    assert seg.addrs.tolist() == want_addrs and seg.lens.tolist() == want_lens

@@ -118,6 +118,23 @@ class LoadAssembly:
         self._pad_at = np.uint64(native.addresses_of(self.pad))
         self._parity_at = np.uint64(native.addresses_of(self.parity))
         self._headers_at = np.uint64(native.addresses_of(self.headers))
+        #: What kv_landing_segments needs to know (its last entry, scratch, is per reply).
+        self._geometry = np.array(
+            [
+                length,
+                payload_len,
+                k,
+                n,
+                self.pad_len,
+                HEADER_BYTES,
+                self._out_at,
+                self._pad_at,
+                self._parity_at,
+                self._headers_at,
+                0,
+            ],
+            np.uint64,
+        )
         self._header_rows = self.headers.view(np.uint8).reshape(blocks * n, HEADER_BYTES)
         self._identities = identity_prefixes(
             key_words, stripes, k=k, m=n - k, payload_len=payload_len
@@ -181,15 +198,37 @@ class LoadAssembly:
         """The reply's data section as segments, computed over the whole reply: per item a
         header and a body (one part in ``out``, one in the pad, or one in parity), or one
         scratch segment for a record not asked for or too late. Items not OK send nothing."""
+        if native.AVAILABLE:
+            ok = statuses == 0
+            scratch_rows = ok & ~((lengths == HEADER_BYTES + self.length) & live)
+            scratch: npt.NDArray[np.uint8] | None = None
+            geometry = self._geometry.copy()
+            if scratch_rows.any():
+                scratch = np.empty(max(int(lengths[scratch_rows].sum()), 1), np.uint8)
+                geometry[10] = native.addresses_of(scratch)
+            return native.landing_segments(
+                blocks, indices, statuses, lengths, live, geometry, (self, scratch)
+            )
+        return self._segments_numpy(blocks, indices, statuses, lengths, live)
+
+    def _segments_numpy(
+        self,
+        blocks: IntArray,
+        indices: IntArray,
+        statuses: npt.NDArray[np.uint8],
+        lengths: IntArray,
+        live: npt.NDArray[np.bool_],
+    ) -> native.Segments:
+        """:meth:`_segments` without the native library (the same segments)."""
         length, payload, k = self.length, self.payload_len, self.k
         count = len(blocks)
         record = HEADER_BYTES + length
-        addrs = np.zeros((count, 4), np.uint64)
-        lens = np.zeros((count, 4), np.uint64)
         ok = statuses == 0
         wanted = ok & (lengths == record) & live
         scratch_rows = ok & ~wanted
         scratch: npt.NDArray[np.uint8] | None = None
+        addrs = np.zeros((count, 4), np.uint64)
+        lens = np.zeros((count, 4), np.uint64)
         if scratch_rows.any():
             sizes = lengths[scratch_rows].astype(np.uint64)
             scratch = np.empty(max(int(sizes.sum()), 1), np.uint8)

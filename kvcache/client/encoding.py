@@ -95,16 +95,16 @@ class EncodedBatch:
         items["index"] = indices
         items["length"] = HEADER_BYTES + self.shard_len
         items["expect"] = expect
-        n = self.headers.shape[1]
-        addrs = np.empty((len(blocks), 2), np.uint64)
-        lens = np.empty((len(blocks), 2), np.uint64)
-        if len(blocks):
-            base = native.addresses_of(self.headers)
-            addrs[:, 0] = base + (blocks * n + indices).astype(np.uint64) * np.uint64(HEADER_BYTES)
-            addrs[:, 1] = self.addresses[blocks, indices]
-        lens[:, 0] = HEADER_BYTES
-        lens[:, 1] = self.shard_len
-        return items, native.Segments.of(addrs, lens, self)
+        return items, native.put_segments(
+            blocks,
+            indices,
+            n=self.headers.shape[1],
+            header_bytes=HEADER_BYTES,
+            headers_at=native.addresses_of(self.headers),
+            bodies=self.addresses,
+            body_len=self.shard_len,
+            keepalive=self,
+        )
 
 
 def encode_batch(

@@ -28,7 +28,6 @@ import ctypes
 import errno
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,8 @@ __all__ = [
     "LIBRARY_ENV",
     "Segments",
     "addresses_of",
+    "landing_segments",
+    "put_segments",
     "recv_scatter",
     "send_gather",
     "xxh3_64_many",
@@ -57,7 +58,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -83,6 +84,11 @@ def _load() -> Any:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, size, ptr]
         fn.restype = None
+    lib.kv_landing_segments.argtypes = [ptr, ptr, ptr, ptr, ptr, size, ptr, ptr, ptr]
+    lib.kv_landing_segments.restype = size
+    u64 = ctypes.c_uint64
+    lib.kv_put_segments.argtypes = [ptr, ptr, size, u64, u64, u64, ptr, u64, ptr, ptr]
+    lib.kv_put_segments.restype = size
     for name in ("kv_recv_scatter", "kv_send_gather"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_int, ptr, ptr, size, ptr]
@@ -142,58 +148,90 @@ def xxh3_128_many(addrs: U64Array, lens: U64Array | np.uint64 | int) -> npt.NDAr
     return out
 
 
-@dataclass(slots=True)
 class Segments:
     """A message section as (address, length) pairs, with the progress of sending or
     receiving it, and what keeps the buffers alive.
 
-    ``state`` is (segment, offset within it, peer closed): the native calls advance it.
+    One uint64 table holds the addresses (``[0, cap)``), the lengths (``[cap, 2 cap)``)
+    and the state (segment, offset within it, peer closed), so the native calls get three
+    pointers into one buffer whose address is taken once.
     """
 
-    addrs: U64Array
-    lens: U64Array
-    keepalive: Any
-    state: U64Array
+    __slots__ = ("_at", "cap", "count", "keepalive", "nbytes", "table")
+
+    def __init__(self, table: U64Array, cap: int, count: int, keepalive: Any) -> None:
+        self.table = table
+        self.cap = cap
+        self.count = count
+        self.keepalive = keepalive
+        self._at = _address_of_writable(table)
+        self.nbytes = int(table[cap : cap + count].sum())
 
     @classmethod
-    def of(cls, addrs: U64Array, lens: U64Array, keepalive: Any) -> Segments:
+    def empty(cls, cap: int) -> tuple[U64Array, int]:
+        """A zeroed table with room for ``cap`` segments, and its cap (for builders)."""
+        return np.zeros(2 * cap + 3, np.uint64), cap
+
+    @classmethod
+    def of(cls, addrs: Any, lens: Any, keepalive: Any) -> Segments:
         """Segments of nonzero length (zero-length ones are dropped)."""
-        addrs = np.ascontiguousarray(addrs, np.uint64).reshape(-1)
-        lens = np.ascontiguousarray(lens, np.uint64).reshape(-1)
+        addrs = np.asarray(addrs, np.uint64).reshape(-1)
+        lens = np.asarray(lens, np.uint64).reshape(-1)
         keep = lens > 0
         if not keep.all():
             addrs, lens = addrs[keep], lens[keep]
-        return cls(addrs, lens, keepalive, np.zeros(3, np.uint64))
+        count = len(lens)
+        table = np.empty(2 * count + 3, np.uint64)
+        table[:count] = addrs
+        table[count : 2 * count] = lens
+        table[2 * count :] = 0
+        return cls(table, count, count, keepalive)
 
     @property
-    def nbytes(self) -> int:
-        return int(self.lens.sum())
+    def addrs(self) -> U64Array:
+        return self.table[: self.count]
+
+    @property
+    def lens(self) -> U64Array:
+        return self.table[self.cap : self.cap + self.count]
+
+    @property
+    def state(self) -> U64Array:
+        return self.table[2 * self.cap :]
+
+    @property
+    def pointers(self) -> tuple[int, int, int]:
+        """Addresses of the addresses, the lengths and the state, for the native calls."""
+        at = self._at
+        return at, at + 8 * self.cap, at + 16 * self.cap
 
     @property
     def done(self) -> bool:
-        return int(self.state[0]) >= len(self.lens)
+        return int(self.table[2 * self.cap]) >= self.count
 
     @property
     def closed(self) -> bool:
-        return bool(self.state[2])
+        return bool(self.table[2 * self.cap + 2])
 
     def views(self) -> list[memoryview]:
         """The remaining segments as memoryviews (the Python path, e.g. under TLS); each
         view keeps the buffers alive."""
-        start, offset = int(self.state[0]), int(self.state[1])
+        state = self.state
+        start, offset = int(state[0]), int(state[1])
         out: list[memoryview] = []
         for j, (a, n) in enumerate(
             zip(self.addrs[start:].tolist(), self.lens[start:].tolist(), strict=True)
         ):
             skip = offset if j == 0 else 0
             buf = (ctypes.c_char * (n - skip)).from_address(a + skip)
-            buf.keepalive = self.keepalive  # type: ignore[attr-defined]  # lives with the view
+            buf.keepalive = self.keepalive  # lives with the view
             out.append(memoryview(buf).cast("B"))
         return out
 
     def advance(self, nbytes: int) -> None:
         """Mark ``nbytes`` more as done (after a Python-path send or receive)."""
-        i, off = int(self.state[0]), int(self.state[1])
+        state = self.state
+        i, off = int(state[0]), int(state[1])
         lens = self.lens
         while nbytes and i < len(lens):
             left = int(lens[i]) - off
@@ -203,7 +241,12 @@ class Segments:
                 break
             nbytes -= left
             i, off = i + 1, 0
-        self.state[0], self.state[1] = i, off
+        state[0], state[1] = i, off
+
+
+def _address_of_writable(array: npt.NDArray[Any]) -> int:
+    # ~1.4 µs against ~7 µs for ``array.ctypes.data`` on a loaded 2-core VM.
+    return ctypes.addressof(ctypes.c_char.from_buffer(array.data))
 
 
 def recv_scatter(fd: int, seg: Segments) -> int:
@@ -211,17 +254,10 @@ def recv_scatter(fd: int, seg: Segments) -> int:
     has nothing more; the bytes received (``seg.closed`` tells whether the peer closed).
     Raises ``BlockingIOError`` when nothing at all could be read, ``OSError`` on errors."""
     assert _LIB is not None
-    got = int(
-        _LIB.kv_recv_scatter(
-            fd,
-            addresses_of(seg.addrs),
-            addresses_of(seg.lens),
-            len(seg.lens),
-            addresses_of(seg.state),
-        )
-    )
+    addrs, lens, state = seg.pointers
+    got = int(_LIB.kv_recv_scatter(fd, addrs, lens, seg.count, state))
     if got < 0:
-        raise OSError(-got, os.strerror(-got)) if -got not in _BLOCKING else BlockingIOError()
+        raise BlockingIOError() if -got in _BLOCKING else OSError(-got, os.strerror(-got))
     return got
 
 
@@ -229,18 +265,79 @@ def send_gather(fd: int, seg: Segments) -> int:
     """Send ``seg`` on non-blocking socket ``fd`` until done or the socket buffer is full;
     the bytes sent. Raises ``BlockingIOError`` when nothing could be sent."""
     assert _LIB is not None
-    sent = int(
-        _LIB.kv_send_gather(
-            fd,
-            addresses_of(seg.addrs),
-            addresses_of(seg.lens),
-            len(seg.lens),
-            addresses_of(seg.state),
-        )
-    )
+    addrs, lens, state = seg.pointers
+    sent = int(_LIB.kv_send_gather(fd, addrs, lens, seg.count, state))
     if sent < 0:
-        raise OSError(-sent, os.strerror(-sent)) if -sent not in _BLOCKING else BlockingIOError()
+        raise BlockingIOError() if -sent in _BLOCKING else OSError(-sent, os.strerror(-sent))
     return sent
+
+
+def landing_segments(
+    blocks: npt.NDArray[np.int64],
+    indices: npt.NDArray[np.int64],
+    statuses: npt.NDArray[np.uint8],
+    lengths: npt.NDArray[np.int64],
+    live: npt.NDArray[np.bool_],
+    geometry: U64Array,
+    keepalive: Any,
+) -> Segments:
+    """The segments a GET reply's records land in (see ``kv_landing_segments`` in
+    kvfast.c for the rules and ``geometry``); the native library must be loaded."""
+    assert _LIB is not None
+    count = len(blocks)
+    table, cap = Segments.empty(3 * count)
+    at = _address_of_writable(table)
+    arrays = [np.ascontiguousarray(a) for a in (blocks, indices, statuses, lengths, live)]
+    used = _LIB.kv_landing_segments(
+        *(_address_of_writable(a) if a.flags.writeable else addresses_of(a) for a in arrays),
+        count,
+        addresses_of(geometry),
+        at,
+        at + 8 * cap,
+    )
+    seg = Segments(table, cap, int(used), keepalive)
+    return seg
+
+
+def put_segments(
+    blocks: npt.NDArray[np.int64],
+    indices: npt.NDArray[np.int64],
+    *,
+    n: int,
+    header_bytes: int,
+    headers_at: int,
+    bodies: U64Array,
+    body_len: int,
+    keepalive: Any,
+) -> Segments:
+    """A PUT's data section: per shard (blocks[j], indices[j]) its header in the
+    (blocks, n) table at ``headers_at``, then its body at ``bodies[b, i]``."""
+    count = len(blocks)
+    table, cap = Segments.empty(2 * count)
+    if _LIB is None:
+        at = np.asarray(blocks, np.uint64) * np.uint64(n) + np.asarray(indices, np.uint64)
+        table[0 : 2 * count : 2] = headers_at + at * np.uint64(header_bytes)
+        table[1 : 2 * count : 2] = bodies.reshape(-1)[at.astype(np.int64)]
+        table[cap : cap + 2 * count : 2] = header_bytes
+        table[cap + 1 : cap + 2 * count : 2] = body_len
+        return Segments(table, cap, 2 * count, keepalive)
+    b = np.ascontiguousarray(blocks, np.int64)
+    i = np.ascontiguousarray(indices, np.int64)
+    flat = np.ascontiguousarray(bodies, np.uint64)
+    base = _address_of_writable(table)
+    used = _LIB.kv_put_segments(
+        addresses_of(b),
+        addresses_of(i),
+        count,
+        n,
+        header_bytes,
+        headers_at,
+        addresses_of(flat),
+        body_len,
+        base,
+        base + 8 * cap,
+    )
+    return Segments(table, cap, int(used), (keepalive, b, i, flat))
 
 
 _BLOCKING = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})

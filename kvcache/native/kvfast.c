@@ -20,7 +20,7 @@
 
 #define KV_IOV_MAX 1024
 
-int kv_abi_version(void) { return 1; }
+int kv_abi_version(void) { return 2; }
 
 /* out[i] = XXH3-64 of the lens[i] bytes at addrs[i]. */
 void kv_xxh3_64_many(const uint64_t *addrs, const uint64_t *lens, size_t n, uint64_t *out) {
@@ -137,4 +137,76 @@ int64_t kv_send_gather(int fd, const uint64_t *addrs, const uint64_t *lens, size
         total += sent;
     }
     return total;
+}
+
+/* Where the data section of a GET reply lands (kvcache.client.assembly.LoadAssembly):
+ * per item, in item order, the segments its record is received into. An item with a
+ * status other than 0 has no record. An item that is not the record asked for (its
+ * length is not HEADER + L) or whose block is no longer open goes to scratch, at the next
+ * free place of the scratch buffer (scratch_at, filled in order). Otherwise its 104-byte
+ * header goes to the headers table and its body to the caller's out buffer (a data shard;
+ * the part past the payload's end to the pad) or to the parity scratch.
+ * geom = {L, payload, k, n, pad_len, header_bytes, out_at, pad_at, parity_at, headers_at,
+ * scratch_at}. addrs/lens have room for 3 segments per item. Returns the segment count. */
+size_t kv_landing_segments(const int64_t *blocks, const int64_t *indices,
+                           const uint8_t *statuses, const int64_t *lengths,
+                           const uint8_t *live, size_t count, const uint64_t *geom,
+                           uint64_t *addrs, uint64_t *lens) {
+    const uint64_t L = geom[0], payload = geom[1], k = geom[2], n = geom[3], pad_len = geom[4];
+    const uint64_t hb = geom[5], out_at = geom[6], pad_at = geom[7], parity_at = geom[8];
+    const uint64_t headers_at = geom[9];
+    uint64_t scratch = geom[10];
+    const uint64_t m = n - k;
+    size_t c = 0;
+    for (size_t j = 0; j < count; j++) {
+        if (statuses[j] != 0) continue;
+        uint64_t size = (uint64_t)lengths[j];
+        if (size != hb + L || !live[j]) {
+            if (size) {
+                addrs[c] = scratch;
+                lens[c++] = size;
+                scratch += size;
+            }
+            continue;
+        }
+        uint64_t b = (uint64_t)blocks[j], i = (uint64_t)indices[j];
+        addrs[c] = headers_at + (b * n + i) * hb;
+        lens[c++] = hb;
+        if (i >= k) {
+            addrs[c] = parity_at + (b * m + (i - k)) * L;
+            lens[c++] = L;
+            continue;
+        }
+        uint64_t begin = i * L, end = begin + L;
+        if (end <= payload) {
+            addrs[c] = out_at + b * payload + begin;
+            lens[c++] = L;
+        } else if (begin >= payload) {
+            addrs[c] = pad_at + b * pad_len + (begin - payload);
+            lens[c++] = L;
+        } else {
+            addrs[c] = out_at + b * payload + begin;
+            lens[c++] = payload - begin;
+            addrs[c] = pad_at + b * pad_len;
+            lens[c++] = end - payload;
+        }
+    }
+    return c;
+}
+
+/* A PUT's data section (kvcache.client.encoding.EncodedBatch.node_sections): per shard
+ * (blocks[j], indices[j]) its header in the (blocks, n) headers table, then its body at
+ * bodies[b * n + i]. Returns the segment count (2 per shard). */
+size_t kv_put_segments(const int64_t *blocks, const int64_t *indices, size_t count,
+                       uint64_t n, uint64_t header_bytes, uint64_t headers_at,
+                       const uint64_t *bodies, uint64_t body_len, uint64_t *addrs,
+                       uint64_t *lens) {
+    for (size_t j = 0; j < count; j++) {
+        uint64_t at = (uint64_t)blocks[j] * n + (uint64_t)indices[j];
+        addrs[2 * j] = headers_at + at * header_bytes;
+        lens[2 * j] = header_bytes;
+        addrs[2 * j + 1] = bodies[at];
+        lens[2 * j + 1] = body_len;
+    }
+    return 2 * count;
 }
