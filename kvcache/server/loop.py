@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvcache import native
 from kvcache.credentials import Credentials
 from kvcache.errors import KVCacheError, ProtocolError, StorageError
 from kvcache.server.admission import Admission, AdmissionLimits
@@ -96,7 +97,7 @@ class _Conn:
         self.auth_buf = bytearray()
         self.tenant: Any = None
         self.reader = MessageReader(limits=limits, replies=False)
-        self.out: collections.deque[memoryview] = collections.deque()
+        self.out: collections.deque[memoryview | native.Segments] = collections.deque()
         self.reply: Reply | None = None
         #: Selector events registered (0: not registered).
         self.events = 0
@@ -457,19 +458,37 @@ class DataServer:
     def _send(self, conn: _Conn, reply: Reply) -> None:
         """Start sending ``reply`` on ``conn``; the connection is read again once it is out."""
         conn.reply = reply
+        out = conn.out
         for frame in reply.frames:
+            if isinstance(frame, native.Segments):
+                if frame.count:
+                    out.append(frame)
+                continue
             view = memoryview(frame)
             if view.nbytes:
-                conn.out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+                out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
         sock = conn.sock
         out = conn.out
         tls = isinstance(sock, ssl.SSLSocket)
+        gather = native.AVAILABLE and not tls
         while out:
             try:
-                sent = sock.send(out[0]) if tls else sock.sendmsg(list(_head(out)))
+                first = out[0]
+                if isinstance(first, native.Segments):
+                    if not gather:
+                        out.popleft()
+                        out.extendleft(reversed(first.views()))
+                        continue
+                    native.send_gather(sock.fileno(), first)
+                    conn.last_progress = time.monotonic()
+                    if not first.done:
+                        raise BlockingIOError  # the socket's buffer is full
+                    out.popleft()
+                    continue
+                sent = sock.send(first) if tls else sock.sendmsg(_head(out))
             except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
                 self._watch(conn, selectors.EVENT_WRITE)
                 return
@@ -479,6 +498,7 @@ class DataServer:
             conn.last_progress = time.monotonic()
             while sent:
                 head = out[0]
+                assert isinstance(head, memoryview)
                 if sent >= head.nbytes:
                     sent -= head.nbytes
                     out.popleft()
@@ -613,7 +633,14 @@ class DataServer:
                 future.set_exception(exc)
 
 
-def _head(out: collections.deque[memoryview]) -> list[memoryview]:
-    if len(out) <= _IOV_MAX:
-        return list(out)
-    return [out[i] for i in range(_IOV_MAX)]
+def _head(out: collections.deque[memoryview | native.Segments]) -> list[memoryview]:
+    """The views at the head of ``out``, up to IOV_MAX or the first segments."""
+    if len(out) <= _IOV_MAX and type(out[-1]) is memoryview and type(out[0]) is memoryview:
+        # A reply is header and items, then its data: segments, if any, are at the end.
+        return list(out)  # type: ignore[arg-type]
+    views: list[memoryview] = []
+    for item in out:
+        if type(item) is not memoryview or len(views) == _IOV_MAX:
+            break
+        views.append(item)
+    return views
