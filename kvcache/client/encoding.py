@@ -34,8 +34,11 @@ __all__ = ["EncodedBatch", "as_payload_rows", "encode_batch"]
 Payloads = Sequence[Any] | npt.NDArray[np.uint8]
 
 
-def as_payload_rows(payloads: Payloads, payload_len: int) -> list[npt.NDArray[np.uint8]]:
-    """Each payload as a flat, contiguous uint8 array of exactly ``payload_len`` bytes.
+def as_payload_rows(
+    payloads: Payloads, payload_len: int
+) -> list[npt.NDArray[np.uint8]] | npt.NDArray[np.uint8]:
+    """Each payload as a flat, contiguous uint8 array of exactly ``payload_len`` bytes: the
+    caller's (blocks, payload_len) array itself, or a list of rows.
 
     Raises ConfigError (before any I/O) for a payload of another size, dtype or layout.
     """
@@ -49,7 +52,7 @@ def as_payload_rows(payloads: Payloads, payload_len: int) -> list[npt.NDArray[np
             raise ConfigError(
                 f"payload rows are {payloads.shape[1]} bytes, the layout needs {payload_len}"
             )
-        return list(payloads)
+        return payloads
     rows = []
     for b, payload in enumerate(payloads):
         try:
@@ -110,14 +113,15 @@ class EncodedBatch:
 def encode_batch(
     codec: Codec,
     keys: Sequence[BlockKey],
-    rows: Sequence[npt.NDArray[np.uint8]],
+    rows: Sequence[npt.NDArray[np.uint8]] | npt.NDArray[np.uint8],
     *,
     payload_len: int,
     traffic_class: str,
     now_ms: int,
     ttl_ms: int = 0,
 ) -> EncodedBatch:
-    """Encode blocks whose payloads are ``rows`` (see :func:`as_payload_rows`)."""
+    """Encode blocks whose payloads are ``rows``: a list of rows, or one 2-D array of
+    C-contiguous rows (see :func:`as_payload_rows`)."""
     k, n = codec.params.k, codec.params.n
     blocks = len(keys)
     length = shard_len_for(payload_len, k)
@@ -129,15 +133,24 @@ def encode_batch(
     addresses = np.empty((blocks, n), np.uint64)
     scratch_base = scratch.ctypes.data
     parity_base = parity.ctypes.data
-    bases = np.empty(blocks, np.uint64)
-    for b, row in enumerate(rows):
-        base = bases[b] = row.ctypes.data
-        addresses[b, :inside] = base + np.arange(inside, dtype=np.uint64) * length
-        if copied:
-            scratch[b].reshape(-1)[:tail] = row[inside * length :]
-            addresses[b, inside:k] = (
-                scratch_base + (b * copied + np.arange(copied, dtype=np.uint64)) * length
-            )
+    if isinstance(rows, np.ndarray):  # one (blocks, payload_len) array: no per-block work
+        bases = np.uint64(rows.ctypes.data if blocks else 0) + np.arange(
+            blocks, dtype=np.uint64
+        ) * np.uint64(rows.strides[0] if blocks else 0)
+        if copied and blocks:
+            scratch.reshape(blocks, -1)[:, :tail] = rows[:, inside * length :]
+    else:
+        bases = np.empty(blocks, np.uint64)
+        for b, row in enumerate(rows):
+            bases[b] = row.ctypes.data
+            if copied:
+                scratch[b].reshape(-1)[:tail] = row[inside * length :]
+    addresses[:, :inside] = bases[:, None] + np.arange(inside, dtype=np.uint64) * np.uint64(length)
+    if copied:
+        addresses[:, inside:k] = np.uint64(scratch_base) + (
+            np.arange(blocks, dtype=np.uint64)[:, None] * np.uint64(copied)
+            + np.arange(copied, dtype=np.uint64)
+        ) * np.uint64(length)
     addresses[:, k:] = (
         parity_base
         + (np.arange(blocks, dtype=np.uint64)[:, None] * (n - k) + np.arange(n - k)) * length
@@ -164,5 +177,5 @@ def encode_batch(
         headers=headers,
         addresses=addresses,
         shard_len=length,
-        keepalive=[list(rows), scratch, parity],
+        keepalive=[rows, scratch, parity],
     )

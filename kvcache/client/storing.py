@@ -122,7 +122,7 @@ def store_keys(
         return encode_batch(
             core.codec,
             [keys[i] for i in group],
-            [rows[i] for i in group],
+            _rows_of(rows, group),
             payload_len=payload_len,
             traffic_class=cls,
             now_ms=now_ms,
@@ -394,3 +394,13 @@ def touch_or_delete(
                 found[blocks_of[event.ticket][event.reply.items["status"] == 0]] = True
     pump.abandon(core.config.timeout_s)
     return int(found.sum())
+
+
+def _rows_of(
+    rows: list[npt.NDArray[np.uint8]] | npt.NDArray[np.uint8], group: npt.NDArray[np.int64]
+) -> list[npt.NDArray[np.uint8]] | npt.NDArray[np.uint8]:
+    """The payload rows of ``group``: a view of the caller's array when they are a range of
+    it (no copy, and the encoder needs no work per block), else a list of rows."""
+    if isinstance(rows, np.ndarray) and len(group) and group[-1] - group[0] == len(group) - 1:
+        return rows[int(group[0]) : int(group[-1]) + 1]
+    return [rows[i] for i in group]
