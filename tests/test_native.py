@@ -263,3 +263,45 @@ def test_put_segments_interleave_headers_and_bodies(count: int, seed: int) -> No
         want_addrs += [4096 + (bb * n + ii) * 104, int(bodies[bb, ii])]
         want_lens += [104, 777]
     assert seg.addrs.tolist() == want_addrs and seg.lens.tolist() == want_lens
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=3000), min_size=1, max_size=8))
+def test_every_hash_kernel_equals_xxhash(chunks: list[bytes]) -> None:
+    """The run-time choice of kernel must not change a hash: each kernel the CPU can run is
+    checked, not only the one this machine picks."""
+    import ctypes
+
+    lib = native._LIB
+    arrays = [np.frombuffer(c, np.uint8) if c else np.zeros(1, np.uint8) for c in chunks]
+    addrs = np.array([native.addresses_of(a) for a in arrays], np.uint64)
+    lens = np.array([len(c) for c in chunks], np.uint64)
+    flags = Path("/proc/cpuinfo").read_text().split()
+    runnable = ["sse2"] + [
+        k for k in ("avx2", "avx512") if (k if k != "avx512" else "avx512f") in flags
+    ]
+    for kernel in runnable:
+        f64 = getattr(lib, f"kv_xxh3_64_many_{kernel}")
+        f128 = getattr(lib, f"kv_xxh3_128_many_{kernel}")
+        for f in (f64, f128):
+            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            f.restype = None
+        out64 = np.empty(len(chunks), np.uint64)
+        out128 = np.empty(len(chunks), "V16")
+        f64(
+            native.addresses_of(addrs),
+            native.addresses_of(lens),
+            len(chunks),
+            native.addresses_of(out64),
+        )
+        f128(
+            native.addresses_of(addrs),
+            native.addresses_of(lens),
+            len(chunks),
+            native.addresses_of(out128),
+        )
+        assert out64.tolist() == [xxhash.xxh3_64_intdigest(c) for c in chunks], kernel
+        assert [bytes(d) for d in out128.tolist()] == [xxhash.xxh3_128_digest(c) for c in chunks], (
+            kernel
+        )

@@ -40,6 +40,7 @@ from kvcache.errors import ConfigError
 __all__ = [
     "AVAILABLE",
     "ENV",
+    "HASH_KERNEL",
     "LIBRARY",
     "LIBRARY_ENV",
     "Segments",
@@ -84,6 +85,7 @@ def _load() -> Any:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, size, ptr]
         fn.restype = None
+    lib.kv_hash_kernel.restype = ctypes.c_char_p
     lib.kv_landing_segments.argtypes = [ptr, ptr, ptr, ptr, ptr, size, ptr, ptr, ptr]
     lib.kv_landing_segments.restype = size
     u64 = ctypes.c_uint64
@@ -99,6 +101,8 @@ def _load() -> Any:
 _LIB = _load()
 #: True when the native helpers are loaded (else the callers' Python fallbacks run).
 AVAILABLE: bool = _LIB is not None
+#: The hash kernel in use: "avx512", "avx2" or "sse2" (native), or "python".
+HASH_KERNEL: str = _LIB.kv_hash_kernel().decode() if _LIB is not None else "python"
 
 
 def addresses_of(array: npt.NDArray[Any]) -> int:

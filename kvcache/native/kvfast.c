@@ -5,11 +5,9 @@
  * destinations, send many sections. Buffers are passed as arrays of addresses and lengths;
  * the caller keeps every buffer alive for the call. Plain C with no Python API, loaded
  * through ctypes, which releases the GIL for the call. Hashes come from the xxHash library
- * (header-only use, XXH_INLINE_ALL), bit-identical to the Python xxhash package.
+ * (header-only use, XXH_INLINE_ALL, in kvfast_hash.c, built for SSE2, AVX2 and AVX-512 and chosen
+ * at run time), bit-identical to the Python xxhash package.
  */
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
 #include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -22,21 +20,49 @@
 
 int kv_abi_version(void) { return 2; }
 
+/* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
+void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
+void kv_xxh3_128_many_sse2(const uint64_t *, const uint64_t *, size_t, uint8_t *);
+void kv_xxh3_64_many_avx2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
+void kv_xxh3_128_many_avx2(const uint64_t *, const uint64_t *, size_t, uint8_t *);
+void kv_xxh3_64_many_avx512(const uint64_t *, const uint64_t *, size_t, uint64_t *);
+void kv_xxh3_128_many_avx512(const uint64_t *, const uint64_t *, size_t, uint8_t *);
+
+enum { KERNEL_SSE2, KERNEL_AVX2, KERNEL_AVX512 };
+
+static int kernel(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512f")
+                     ? KERNEL_AVX512
+                     : (__builtin_cpu_supports("avx2") ? KERNEL_AVX2 : KERNEL_SSE2);
+    }
+    return cached;
+}
+
+/* The kernel the hashes run on: "avx512", "avx2" or "sse2" (reported by kvcache.native). */
+const char *kv_hash_kernel(void) {
+    static const char *names[] = {"sse2", "avx2", "avx512"};
+    return names[kernel()];
+}
+
 /* out[i] = XXH3-64 of the lens[i] bytes at addrs[i]. */
 void kv_xxh3_64_many(const uint64_t *addrs, const uint64_t *lens, size_t n, uint64_t *out) {
-    for (size_t i = 0; i < n; i++) {
-        out[i] = XXH3_64bits((const void *)(uintptr_t)addrs[i], (size_t)lens[i]);
+    switch (kernel()) {
+    case KERNEL_AVX512: kv_xxh3_64_many_avx512(addrs, lens, n, out); break;
+    case KERNEL_AVX2: kv_xxh3_64_many_avx2(addrs, lens, n, out); break;
+    default: kv_xxh3_64_many_sse2(addrs, lens, n, out);
     }
 }
 
 /* out[16 i .. 16 i + 15] = canonical (big-endian) XXH3-128 digest of buffer i, as
  * xxhash.xxh3_128_digest returns it. */
 void kv_xxh3_128_many(const uint64_t *addrs, const uint64_t *lens, size_t n, uint8_t *out) {
-    for (size_t i = 0; i < n; i++) {
-        XXH128_hash_t h = XXH3_128bits((const void *)(uintptr_t)addrs[i], (size_t)lens[i]);
-        XXH128_canonical_t c;
-        XXH128_canonicalFromHash(&c, h);
-        memcpy(out + 16 * i, c.digest, 16);
+    switch (kernel()) {
+    case KERNEL_AVX512: kv_xxh3_128_many_avx512(addrs, lens, n, out); break;
+    case KERNEL_AVX2: kv_xxh3_128_many_avx2(addrs, lens, n, out); break;
+    default: kv_xxh3_128_many_sse2(addrs, lens, n, out);
     }
 }
 
