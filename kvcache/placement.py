@@ -34,6 +34,7 @@ per position over a (keys, nodes) array).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 
@@ -202,7 +203,7 @@ class Placement:
 
     def _rows_locked(self, keys: Sequence[BlockKey]) -> IntArray:
         slot_of = self._slot
-        slots = np.fromiter((slot_of.get(k, -1) for k in keys), np.int64, len(keys))
+        slots = np.fromiter(map(slot_of.get, keys, itertools.repeat(-1)), np.int64, len(keys))
         missing = np.flatnonzero(slots < 0)
         if len(missing):
             computed = self._compute([keys[i] for i in missing.tolist()])
