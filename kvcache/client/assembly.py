@@ -110,9 +110,6 @@ class LoadAssembly:
         #: Shards that arrived but are not the shard asked for (wrong length or header).
         self.rejected = np.zeros((blocks, n), bool)
         self._last_digest = b""
-        self._out = out.reshape(-1).data
-        self._pad = self.pad.reshape(-1).data
-        self._parity = self.parity.reshape(-1).data
         self._headers = self.headers.view(np.uint8).reshape(-1).data
         self._out_at = np.uint64(native.addresses_of(out))
         self._pad_at = np.uint64(native.addresses_of(self.pad))
@@ -149,22 +146,6 @@ class LoadAssembly:
         self._writing = np.zeros(blocks, np.int64)
 
     # -------------------------------------------------------------- landing (I/O threads)
-
-    def shard_views(self, b: int, i: int) -> list[memoryview]:
-        """Where shard ``i`` of block ``b`` lives: 1 view, or 2 across the payload's end."""
-        length, payload = self.length, self.payload_len
-        if i >= self.k:
-            start = (b * self.m + i - self.k) * length
-            return [self._parity[start : start + length]]
-        begin = i * length
-        end = begin + length
-        base = b * payload
-        pbase = b * self.pad_len
-        if end <= payload:
-            return [self._out[base + begin : base + end]]
-        if begin >= payload:
-            return [self._pad[pbase + begin - payload : pbase + end - payload]]
-        return [self._out[base + begin : base + payload], self._pad[pbase : pbase + end - payload]]
 
     def landing(
         self,
@@ -524,23 +505,69 @@ class LoadAssembly:
             self.pad[b, : self.pad_len] = flat[self.payload_len :]
 
     def _rebuild(self, group: list[int], present: tuple[int, ...]) -> list[bool]:
-        stripes = self._stripes(group)
+        """Rebuild the missing data rows of ``group`` (one erasure pattern) where they are
+        read from, then check each block's payload hash; a verdict per block."""
+        k, length, payload = self.k, self.length, self.payload_len
+        idx = np.asarray(group, np.int64)
+        rows = self._row_addresses(idx)
+        # The data row that crosses the payload's end is split between out and the pad:
+        # the codec gets a contiguous copy of it (and it is split back if rebuilt).
+        cut = self.inside if self.inside < k and self.inside * length < payload else None
+        scratch = None
+        if cut is not None:
+            head = payload - cut * length
+            scratch = np.zeros((len(idx), length), np.uint8)
+            if cut in present:
+                scratch[:, :head] = self.out[idx, cut * length :]
+                scratch[:, head:] = self.pad[idx, : length - head]
+            rows[:, cut] = np.uint64(native.addresses_of(scratch)) + np.arange(
+                len(idx), dtype=np.uint64
+            ) * np.uint64(length)
         try:
-            self.codec.reconstruct(stripes, present)
+            written = self.codec.reconstruct_rows(rows, length, present, keepalive=(self, scratch))
         except ErasureError:
             return [False] * len(group)
-        # Only the data rows that were missing are written back: the others are in place.
-        rebuilt = [i for i in range(self.k) if i not in present]
-        good = []
-        for j, b in enumerate(group):
-            for i in rebuilt:
-                row = stripes[j, i]
-                at = 0
-                for view in self.shard_views(b, i):
-                    view[:] = row[at : at + view.nbytes].data
-                    at += view.nbytes
-            good.append(self._matches(b))
-        return good
+        if cut is not None and cut in written and scratch is not None:
+            head = payload - cut * length
+            self.out[idx, cut * length :] = scratch[:, :head]
+            self.pad[idx, : length - head] = scratch[:, head:]
+        ok: list[bool] = self._hash_matches(idx).tolist()
+        return ok
+
+    def _row_addresses(self, idx: IntArray) -> npt.NDArray[np.uint64]:
+        """(blocks, n) addresses of each shard row where a load keeps it: data rows in
+        ``out`` (or wholly in the pad), parity rows in the parity scratch. The one data row
+        that crosses the payload's end has no single address: its entry is 0."""
+        k, n, length, payload = self.k, self.n, self.length, self.payload_len
+        b = idx.astype(np.uint64)[:, None]
+        rows = np.zeros((len(idx), n), np.uint64)
+        begin = np.arange(k, dtype=np.uint64) * np.uint64(length)
+        inside = begin + np.uint64(length) <= np.uint64(payload)
+        past = begin >= np.uint64(payload)
+        rows[:, :k][:, inside] = self._out_at + b * np.uint64(payload) + begin[inside]
+        if past.any():
+            rows[:, :k][:, past] = (
+                self._pad_at + b * np.uint64(self.pad_len) + (begin[past] - np.uint64(payload))
+            )
+        if self.m:
+            rows[:, k:] = self._parity_at + (
+                b * np.uint64(self.m) + np.arange(self.m, dtype=np.uint64)
+            ) * np.uint64(length)
+        return rows
+
+    def _hash_matches(self, idx: IntArray) -> npt.NDArray[np.bool_]:
+        """Per block: does its payload hash to what its headers claim? One batched hash
+        call; a block whose first received header claims otherwise is checked against
+        every claim (:meth:`_matches`)."""
+        if not len(idx):
+            return np.zeros(0, bool)
+        addrs = self._out_at + idx.astype(np.uint64) * np.uint64(self.payload_len)
+        digests = native.xxh3_128_many(addrs, np.uint64(self.payload_len))
+        first = self.got[idx].argmax(axis=1)
+        same: npt.NDArray[np.bool_] = digests == self.headers["payload_hash"][idx, first]
+        for j in np.flatnonzero(~same).tolist():  # a claim that differs: rare
+            same[j] = self._matches(int(idx[j]))
+        return same
 
     def _locate(self, b: int) -> BlockVerdict:
         """Find k shards of block ``b`` that rebuild its payload; report the ones that do not fit."""

@@ -296,8 +296,12 @@ def _repair(
     # Besides what the load found bad or missing: a gone holder's shards the match saw
     # nowhere (their stand-ins may not even have been asked: likely holders go first).
     missing = assembly.not_found[:good] | (unseen & holder_gone)
-    bad = assembly.rejected[:good].any(axis=1)
-    candidates = set(np.flatnonzero(missing.any(axis=1) | bad).tolist())
+    # Only shards a repair may write make a block worth examining: with a holder down
+    # but not yet gone, its stand-in answers NOT_FOUND for every block, and examining
+    # each of those blocks (a hash and a header check apiece) for nothing it may repair
+    # doubled a degraded load's client CPU.
+    repairable = (missing | assembly.rejected[:good]) & allowed
+    candidates = set(np.flatnonzero(repairable.any(axis=1)).tolist())
     candidates.update(b for b in range(good) if verdicts[b].bad_indices)
     for b in sorted(candidates):
         wanted = assembly.bad_shards(b, verdicts[b]) | set(np.flatnonzero(missing[b]).tolist())

@@ -94,9 +94,7 @@ def _stripe_groups(
     # shards of two stripes (a race; rare) need the stripe in the key: then lexsort.
     order = np.argsort(ordinal * 256 + index, kind="stable")
     ordinal, index, stripe, node = ordinal[order], index[order], stripe[order], node[order]
-    if len(ordinal) > 1 and (
-        (ordinal[1:] == ordinal[:-1]) & (stripe[1:] != stripe[:-1])
-    ).any():
+    if len(ordinal) > 1 and ((ordinal[1:] == ordinal[:-1]) & (stripe[1:] != stripe[:-1])).any():
         order = np.lexsort((index, stripe, ordinal))
         ordinal, index, stripe, node = ordinal[order], index[order], stripe[order], node[order]
     dup = np.zeros(len(ordinal), bool)

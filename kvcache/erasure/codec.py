@@ -213,6 +213,45 @@ class Codec(abc.ABC):
         if chosen.size:
             self._rebuild_blocks(stripes, plan, chosen)
 
+    def reconstruct_rows(
+        self,
+        rows: npt.NDArray[np.uint64],
+        length: int,
+        present: Sequence[int],
+        *,
+        targets: Sequence[int] | None = None,
+        keepalive: object = None,
+    ) -> tuple[int, ...]:
+        """Rebuild shard rows that live anywhere in memory, without gathering the stripe.
+
+        ``rows[b, i]`` is the address of shard row i of block b (shape (B, n), uint64;
+        ``length`` bytes each): the rows in ``present`` are read, the missing rows of
+        ``targets`` (default: the missing data rows) are written; other entries are not
+        used. Returns the rows written. Raises as :meth:`reconstruct`. A load rebuilds
+        the data shards a dead node held this way, straight into the caller's buffer.
+        This default gathers the rows into a stripe array (the numpy backend); ISA-L
+        reads and writes them where they are.
+        """
+        if rows.ndim != 2 or rows.shape[1] != self._params.n:
+            raise ErasureError(f"rows must have shape (B, n={self._params.n}), got {rows.shape}")
+        plan = plan_rebuild(self._params, present, targets)
+        if not (plan.targets and rows.shape[0] and length):
+            return plan.targets
+        self._rebuild_rows(rows, length, plan)
+        return plan.targets
+
+    def _rebuild_rows(self, rows: npt.NDArray[np.uint64], length: int, plan: RebuildPlan) -> None:
+        """Backend hook of :meth:`reconstruct_rows`: by default on a gathered copy."""
+        blocks = rows.shape[0]
+        stripes = np.zeros((blocks, self._params.n, length), np.uint8)
+        for b in range(blocks):
+            for i in plan.sources:
+                stripes[b, i] = _at(int(rows[b, i]), length)
+        self._rebuild(stripes, plan)
+        for b in range(blocks):
+            for i in plan.targets:
+                _at(int(rows[b, i]), length)[:] = stripes[b, i]
+
     def _rebuild_blocks(
         self, stripes: StripeArray, plan: RebuildPlan, blocks: npt.NDArray[np.int64]
     ) -> None:

@@ -151,6 +151,23 @@ class IsalCodec(Codec):
     def _rebuild(self, stripes: StripeArray, plan: RebuildPlan) -> None:
         self._run(stripes, self._rebuild_program(plan.sources, plan.targets))
 
+    def _rebuild_rows(self, rows: npt.NDArray[np.uint64], length: int, plan: RebuildPlan) -> None:
+        """See :meth:`Codec.reconstruct_rows`: ISA-L reads and writes the rows in place."""
+        if length > _MAX_LEN:
+            raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
+        program = self._rebuild_program(plan.sources, plan.targets)
+        table = np.ascontiguousarray(rows[:, list(program.rows)], dtype=np.uint64)
+        self._lib.encode_blocks(
+            length,
+            self._params.k,
+            program.outputs,
+            program.tables_address,
+            first=_address(table),
+            count=rows.shape[0],
+            stride=len(program.rows) * _POINTER,
+            coding_offset=self._params.k * _POINTER,
+        )
+
     def _rebuild_blocks(
         self, stripes: StripeArray, plan: RebuildPlan, blocks: npt.NDArray[np.int64]
     ) -> None:
