@@ -84,6 +84,12 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--block-bytes", type=int, default=112 * 1024, help="payload bytes per 512-token block"
     )
+    sim.add_argument(
+        "--touch-resolution",
+        default="60s",
+        help="the daemons' touch_resolution_s: slides shorter than this are not written "
+        "(default %(default)s, as the daemons)",
+    )
     sim.add_argument("--json", action="store_true", help="print JSON")
     sim.add_argument(
         "--plot",
@@ -234,7 +240,11 @@ def _simulate(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     swept: list[tuple[int, SimulationResult]] = []
     for label, policy, ttl_s in candidates:
-        res = simulate(requests, policy)
+        res = simulate(
+            requests,
+            policy,
+            touch_resolution_s=parse_duration(args.touch_resolution, what="--touch-resolution"),
+        )
         if ttl_s is not None:
             swept.append((ttl_s, res))
         rows.append(

@@ -8,8 +8,10 @@ of hundreds of shards pass with numpy instead of a Python object per item.
 The layout on disk is in :mod:`kvcache.server.records`; the environment, its
 sync thread and its errors in :mod:`kvcache.server.lmdb_env`; the counters in
 :mod:`kvcache.server.accounting`; whose shards make room in
-:mod:`kvcache.server.eviction`; retention rules in
-:mod:`kvcache.retention.policy`.
+:mod:`kvcache.server.eviction`; the retention rules (expiry of a write, when a
+write may replace, slide on hit, merging two classes' expiries, pins, hint
+clamping) in :mod:`kvcache.retention.decide`, which the trace simulator uses
+too: this module only applies its decisions to LMDB records.
 
 Rules, in short (``docs/spec/wire.md`` has them in full):
 
@@ -48,6 +50,8 @@ import numpy.typing as npt
 
 from kvcache.credentials import TenantId
 from kvcache.errors import CapacityError, ConfigError, ProtocolError, QuotaError, StorageError
+from kvcache.retention import decide
+from kvcache.retention.decide import Applied, WriteAction, clamp
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.accounting import Deltas, UsageBook
 from kvcache.server.config import DamagedFile, SyncMode, default_map_size
@@ -186,6 +190,7 @@ class ShardStore:
         capacity_bytes: int,
         policy: RetentionPolicy | None = None,
         clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
         map_size_bytes: int | None = None,
@@ -209,6 +214,9 @@ class ShardStore:
         # usage is down to the low one.
         self._draining = False
         self._clock = clock
+        #: When pending hits are due (``touch_flush_s``): a clock of its own, injected too,
+        #: so a test steps the flusher without sleeping.
+        self._monotonic = monotonic
         self._sweep_batch = sweep_batch
         self._resolution_ms = max(1, int(touch_resolution_s * 1000))
         self._touch_flush_s = touch_flush_s
@@ -402,7 +410,6 @@ class ShardStore:
         )
         self._lmdb.preallocate(total)
         now = self.now_ms()
-        policy = self.policy
         resolved: dict[str, tuple[str, int]] = {}
         replace_after_ms = self._replace_after_ms
         deltas = Deltas()
@@ -429,21 +436,22 @@ class ShardStore:
                         zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
                     ):
                         if cls not in resolved:
-                            name = policy.resolve(cls)
-                            resolved[cls] = (name, policy.expiry_for(name, now / 1000))
+                            resolved[cls] = self._write_retention(cls, now)
                         name, expiry = resolved[cls]
                         before = retention_rows.get(skey) or old.get(skey)
                         if before is not None:
                             rec = Retention.unpack(before)
-                            old_expiry = self._expiry_of(skey, before)
-                            live = old_expiry > now
-                            if (
-                                live
-                                and rec.stripe != stripe
-                                and (
-                                    rec.stripe != expect or now - rec.written_ms < replace_after_ms
-                                )
-                            ):
+                            current = self._current(skey, before)
+                            action = decide.write_action(
+                                stored_expiry_ms=current[0],
+                                stored_stripe=rec.stripe,
+                                stored_written_ms=rec.written_ms,
+                                stripe=stripe,
+                                expect=expect,
+                                now_ms=now,
+                                replace_after_ms=replace_after_ms,
+                            )
+                            if action is WriteAction.CONFLICT:
                                 conflicts.append(j)
                                 continue
                             old_part = partition(skey[:TENANT_LEN], rec.traffic_class)
@@ -457,9 +465,9 @@ class ShardStore:
                                     *expiry_entry(skey, rec.traffic_class, rec.expiry_ms),
                                     db=self._expiry,
                                 )
-                            if live and rec.stripe == stripe and old_expiry > expiry:
+                            if action is WriteAction.REPEAT:
                                 # A repeat of the same write keeps the later expiry and its class.
-                                expiry, name = old_expiry, rec.traffic_class
+                                expiry, name = decide.merge(current, (expiry, name))
                             self._pending.pop(skey, None)
                         size = len(record)
                         shard_rows.append((skey, record))
@@ -504,7 +512,6 @@ class ShardStore:
     ) -> int:
         """Rows of a batch of new shards (no previous record of any); returns the earliest
         expiry written."""
-        policy = self.policy
         earliest = 2**63
         groups: dict[str, list[int]] = {}
         for j, cls in enumerate(c.classes):
@@ -514,8 +521,7 @@ class ShardStore:
         tenant = c.keys[0][:TENANT_LEN]
         for cls, idx in groups.items():
             if cls not in resolved:
-                name = policy.resolve(cls)
-                resolved[cls] = (name, policy.expiry_for(name, now / 1000))
+                resolved[cls] = self._write_retention(cls, now)
             name, expiry = resolved[cls]
             keys = c.keys if len(idx) == len(c.keys) else [c.keys[j] for j in idx]
             records = c.records if len(idx) == len(c.keys) else [c.records[j] for j in idx]
@@ -607,8 +613,13 @@ class ShardStore:
         # Above this expiry a hit is live and no class's TTL could slide it by a
         # whole touch resolution: no bookkeeping, only the expiry test.
         policy = self.policy
-        reach_ms = (policy.ttl_s(traffic_class) if traffic_class else policy.max_ttl_s) * 1000
-        quiet_above = now + max(0, reach_ms - self._resolution_ms)
+        hit = self._hit(traffic_class)
+        quiet_above = decide.quiet_above(
+            policy,
+            now,
+            self._resolution_ms,
+            reach_s=hit.ttl_s if hit is not None else policy.max_ttl_s,
+        )
         txn = self._env.begin(buffers=True)
         try:
             parts = self._get_quiet(txn, keys, wanted, quiet_above)
@@ -630,7 +641,7 @@ class ShardStore:
                 expiry, _size, stripe, _written = unpack(raw)
                 if wanted[i] and stripe != wanted[i]:
                     continue
-                if expiry <= quiet_above and not self._alive(key, raw, now, traffic_class):
+                if expiry <= quiet_above and not self._alive(key, raw, now, hit):
                     continue
                 record = lookup(key, None, sdb)
                 if record is None:  # pragma: no cover - retention without shard: never so
@@ -836,11 +847,12 @@ class ShardStore:
         """Slide the expiry of every live shard of each key, without reading shard bytes."""
         status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
         now = self.now_ms()
+        hit = self._hit(traffic_class)
         with self._env.begin(buffers=True) as txn:
             cursor = txn.cursor(db=self._retention)
             for i, key in enumerate(_prefixes(tenant, items)):
                 for skey, raw in _walk(cursor, key):
-                    if self._alive(bytes(skey), raw, now, traffic_class):
+                    if self._alive(bytes(skey), raw, now, hit):
                         status[i] = Status.OK
         reply = make_items(Op.TOUCH, len(items), reply=True)
         reply["status"] = status
@@ -896,7 +908,7 @@ class ShardStore:
         more = False
         if self._pending and (
             len(self._pending) >= _MAX_PENDING_TOUCHES
-            or time.monotonic() - self._pending_since >= self._touch_flush_s
+            or self._monotonic() - self._pending_since >= self._touch_flush_s
         ):
             self.flush_touches()
         if self.now_ms() >= self._next_sweep_ms:
@@ -924,7 +936,10 @@ class ShardStore:
                     if raw is None:
                         continue
                     rec = Retention.unpack(raw)
-                    if candidate <= rec.expiry_ms:
+                    candidate, cls = decide.merge(
+                        (rec.expiry_ms, rec.traffic_class), (candidate, cls)
+                    )
+                    if candidate == rec.expiry_ms and cls == rec.traffic_class:
                         continue
                     new = Retention(candidate, rec.size, rec.stripe, rec.written_ms, cls)
                     txn.delete(
@@ -998,6 +1013,8 @@ class ShardStore:
         self.flush_touches()
         freed = 0
         shards = 0
+        # Pinned shards have partitions of their own, which pressure passes by.
+        parts = [p for p in parts if decide.evictable(_partition_class(p))]
         heads = {p: h for p in parts if (h := self._head_expiry(p)) is not None}
         while freed < nbytes and heads and (limit is None or shards < limit):
             part = min(heads, key=heads.__getitem__)
@@ -1046,29 +1063,45 @@ class ShardStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _alive(self, key: bytes, raw: bytes | memoryview, now: int, traffic_class: str) -> bool:
+    def _write_retention(self, traffic_class: str, now: int) -> tuple[str, int]:
+        """(stored class, expiry) of a write of ``traffic_class`` at ``now``."""
+        applied = clamp(self.policy, traffic_class)
+        return (
+            decide.stored_class(applied.traffic_class, applied.pin),
+            decide.write_expiry(now, applied.ttl_s),
+        )
+
+    def _hit(self, traffic_class: str) -> Applied | None:
+        """What a hit of ``traffic_class`` does (None: each shard's own class)."""
+        return clamp(self.policy, traffic_class) if traffic_class else None
+
+    def _alive(self, key: bytes, raw: bytes | memoryview, now: int, hit: Applied | None) -> bool:
         """Whether the shard is live; if so, record the hit's expiry slide."""
-        expiry = self._expiry_of(key, raw)
-        if expiry <= now:
+        expiry, stored = self._current(key, raw)
+        if not decide.is_live(expiry, now):
             return False
         policy = self.policy
         if now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
             return True  # no class could move the expiry enough to be worth a write
-        cls = policy.resolve(traffic_class or record_class(raw))
-        candidate = now + policy.ttl_s(cls) * 1000
-        if candidate - expiry >= self._resolution_ms:
+        if hit is None:
+            hit = clamp(policy, decide.split_stored(stored)[0])
+        move = decide.slide(
+            expiry_ms=expiry, stored=stored, hit=hit, now_ms=now, resolution_ms=self._resolution_ms
+        )
+        if move is not None:
             if not self._pending:
-                self._pending_since = time.monotonic()
-            self._pending[bytes(key)] = (candidate, cls)
+                self._pending_since = self._monotonic()
+            self._pending[bytes(key)] = move
         return True
 
-    def _expiry_of(self, key: bytes | memoryview, raw: bytes | memoryview) -> int:
+    def _current(self, key: bytes | memoryview, raw: bytes | memoryview) -> tuple[int, str]:
+        """(expiry, stored class) of a shard: its record's, or a pending hit's when later."""
         expiry = record_expiry(raw)
         if self._pending:
             pending = self._pending.get(bytes(key))
             if pending is not None and pending[0] > expiry:
-                return pending[0]
-        return expiry
+                return pending
+        return expiry, record_class(raw)
 
     def _remove(self, txn: lmdb.Transaction, skey: bytes, rec: Retention, deltas: Deltas) -> None:
         txn.delete(skey, db=self._shards)
@@ -1177,6 +1210,11 @@ class ShardStore:
                 )
             self.policy = persisted
         self._next_sweep_ms = self._first_expiry_ms()
+
+
+def _partition_class(part: bytes) -> str:
+    """The stored class name of an expiry-index partition."""
+    return part[TENANT_LEN:].rstrip(b"\x00").decode("ascii")
 
 
 def _prefixes(tenant: bytes, items: npt.NDArray[np.void]) -> list[bytes]:
