@@ -273,11 +273,13 @@ def slide(
     """The (expiry, stored class) a live shard's hit should write, or None to write nothing.
 
     ``expiry = max(expiry, now + ttl)``: a hit never shortens a life. A slide
-    smaller than ``resolution_ms`` is not worth a write and is dropped; the
-    class that set the later expiry becomes the stored class, keeping a pin.
+    smaller than ``resolution_ms`` is not worth a write and is dropped, unless
+    the hit pins a shard not pinned yet; the class that set the later expiry
+    becomes the stored class, keeping a pin.
     """
     candidate = write_expiry(now_ms, hit.ttl_s)
-    if candidate - expiry_ms < resolution_ms:
+    pins = hit.pin and not split_stored(stored)[1]
+    if candidate - expiry_ms < resolution_ms and not pins:
         return None
     return merge((expiry_ms, stored), (candidate, stored_class(hit.traffic_class, hit.pin)))
 

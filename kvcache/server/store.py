@@ -40,7 +40,7 @@ import operator
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -76,7 +76,7 @@ from kvcache.server.records import (
     store_keys,
 )
 from kvcache.shard import HEADER_DTYPE
-from kvcache.wire import NO_INDEX, Op, Status, make_items
+from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 __all__ = ["COUNTERS", "Clock", "GetResult", "PutBatch", "ReplyTooLargeError", "ShardStore"]
 
@@ -102,6 +102,8 @@ COUNTERS = (
     "quota_evicted_shards",
     "quota_evicted_bytes",
     "touches_written",
+    "hints_clamped",
+    "pins_refused",
     "put_conflicts",
     "error_capacity",
     "error_quota",
@@ -150,6 +152,8 @@ class PutBatch:
     tenant: TenantId
     items: npt.NDArray[np.void]
     data: memoryview
+    #: The request's retention hint (its header's TTL and pin flags).
+    retain: Retain = NO_RETAIN
 
 
 class GetResult:
@@ -343,7 +347,10 @@ class ShardStore:
         checked: list[CheckedPut | ProtocolError] = []
         for batch in batches:
             try:
-                checked.append(check_put(batch.tenant, batch.items, batch.data))
+                one = check_put(batch.tenant, batch.items, batch.data)
+                checked.append(
+                    one if batch.retain is NO_RETAIN else replace(one, retain=batch.retain)
+                )
             except ProtocolError as exc:
                 checked.append(exc)
         passed = [c for c in checked if not isinstance(c, ProtocolError) and c.keys]
@@ -410,7 +417,8 @@ class ShardStore:
         )
         self._lmdb.preallocate(total)
         now = self.now_ms()
-        resolved: dict[str, tuple[str, int]] = {}
+        resolved: dict[tuple[str, Retain], tuple[str, int]] = {}
+        pins = self._pin_rooms(passed)
         replace_after_ms = self._replace_after_ms
         deltas = Deltas()
         status_updates: list[tuple[CheckedPut, list[int]]] = []
@@ -427,7 +435,7 @@ class ShardStore:
                         # The common PUT: every shard new. Rows built as columns.
                         earliest = min(
                             earliest,
-                            self._write_fresh(c, now, resolved, shard_rows, retention_rows,
+                            self._write_fresh(c, now, resolved, pins, shard_rows, retention_rows,
                                               expiry_rows, deltas),
                         )  # fmt: skip
                         continue
@@ -435,9 +443,9 @@ class ShardStore:
                     for j, (skey, record, cls, stripe, expect) in enumerate(
                         zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
                     ):
-                        if cls not in resolved:
-                            resolved[cls] = self._write_retention(cls, now)
-                        name, expiry = resolved[cls]
+                        if (cls, c.retain) not in resolved:
+                            resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
+                        name, expiry = resolved[cls, c.retain]
                         before = retention_rows.get(skey) or old.get(skey)
                         if before is not None:
                             rec = Retention.unpack(before)
@@ -504,7 +512,8 @@ class ShardStore:
         self,
         c: CheckedPut,
         now: int,
-        resolved: dict[str, tuple[str, int]],
+        resolved: dict[tuple[str, Retain], tuple[str, int]],
+        pins: dict[int, bool],
         shard_rows: list[tuple[bytes, memoryview]],
         retention_rows: dict[bytes, bytes],
         expiry_rows: list[tuple[bytes, bytes]],
@@ -520,9 +529,9 @@ class ShardStore:
         stripes = np.array(c.stripes, np.uint64)
         tenant = c.keys[0][:TENANT_LEN]
         for cls, idx in groups.items():
-            if cls not in resolved:
-                resolved[cls] = self._write_retention(cls, now)
-            name, expiry = resolved[cls]
+            if (cls, c.retain) not in resolved:
+                resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
+            name, expiry = resolved[cls, c.retain]
             keys = c.keys if len(idx) == len(c.keys) else [c.keys[j] for j in idx]
             records = c.records if len(idx) == len(c.keys) else [c.records[j] for j in idx]
             sel = np.asarray(idx, np.int64)
@@ -597,7 +606,11 @@ class ShardStore:
 
     @_watch_damage
     def get(
-        self, tenant: TenantId, items: npt.NDArray[np.void], traffic_class: str = ""
+        self,
+        tenant: TenantId,
+        items: npt.NDArray[np.void],
+        traffic_class: str = "",
+        retain: Retain = NO_RETAIN,
     ) -> GetResult:
         """Per-item status and length, and the found records as views (no copy).
 
@@ -613,13 +626,14 @@ class ShardStore:
         # Above this expiry a hit is live and no class's TTL could slide it by a
         # whole touch resolution: no bookkeeping, only the expiry test.
         policy = self.policy
-        hit = self._hit(traffic_class)
+        hit = self._hit(traffic_class, retain)
         quiet_above = decide.quiet_above(
             policy,
             now,
             self._resolution_ms,
             reach_s=hit.ttl_s if hit is not None else policy.max_ttl_s,
         )
+        ttl_hint = retain.ttl_s
         txn = self._env.begin(buffers=True)
         try:
             parts = self._get_quiet(txn, keys, wanted, quiet_above)
@@ -641,7 +655,7 @@ class ShardStore:
                 expiry, _size, stripe, _written = unpack(raw)
                 if wanted[i] and stripe != wanted[i]:
                     continue
-                if expiry <= quiet_above and not self._alive(key, raw, now, hit):
+                if expiry <= quiet_above and not self._alive(key, raw, now, hit, ttl_hint):
                     continue
                 record = lookup(key, None, sdb)
                 if record is None:  # pragma: no cover - retention without shard: never so
@@ -842,18 +856,32 @@ class ShardStore:
 
     @_watch_damage
     def touch(
-        self, tenant: TenantId, items: npt.NDArray[np.void], traffic_class: str = ""
+        self,
+        tenant: TenantId,
+        items: npt.NDArray[np.void],
+        traffic_class: str = "",
+        retain: Retain = NO_RETAIN,
     ) -> npt.NDArray[np.void]:
-        """Slide the expiry of every live shard of each key, without reading shard bytes."""
+        """Slide the expiry of every live shard of each key, without reading shard bytes.
+
+        With ``retain.pin`` the live shards are pinned too, as far as the tenant's pin
+        quota holds them (shard by shard, in request order); pins are written at once.
+        """
         status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
         now = self.now_ms()
-        hit = self._hit(traffic_class)
+        hit = self._hit(traffic_class, retain)
+        budget: list[int] | None = None
+        if retain.pin:
+            quota = self.quotas.get(tenant)
+            budget = [(quota.pins if quota else 0) - self._pinned_bytes(tenant)]
         with self._env.begin(buffers=True) as txn:
             cursor = txn.cursor(db=self._retention)
             for i, key in enumerate(_prefixes(tenant, items)):
                 for skey, raw in _walk(cursor, key):
-                    if self._alive(bytes(skey), raw, now, hit):
+                    if self._alive(bytes(skey), raw, now, hit, retain.ttl_s, budget):
                         status[i] = Status.OK
+        if budget is not None:
+            self.flush_touches()  # a pin counts against the quota from now on
         reply = make_items(Op.TOUCH, len(items), reply=True)
         reply["status"] = status
         return reply
@@ -1063,28 +1091,102 @@ class ShardStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _write_retention(self, traffic_class: str, now: int) -> tuple[str, int]:
-        """(stored class, expiry) of a write of ``traffic_class`` at ``now``."""
-        applied = clamp(self.policy, traffic_class)
+    def _pin_rooms(self, passed: list[CheckedPut]) -> dict[int, bool]:
+        """Per pinning batch (by id), whether its tenant's pin quota holds all its bytes;
+        batches of one tenant are granted in order, each taking from what is left."""
+        rooms: dict[int, bool] = {}
+        left: dict[bytes, int] = {}
+        for c in passed:
+            if not c.retain.pin or not c.keys:
+                continue
+            tenant = c.keys[0][:TENANT_LEN]
+            if tenant not in left:
+                quota = self.quotas.get(TenantId(tenant))
+                left[tenant] = (quota.pins if quota else 0) - self._pinned_bytes(tenant)
+            need = sum(map(len, c.records))
+            rooms[id(c)] = need <= left[tenant]
+            if rooms[id(c)]:
+                left[tenant] -= need
+        return rooms
+
+    def _pinned_bytes(self, tenant: bytes) -> int:
+        """Bytes of the tenant's pinned shards on this node (its pinned partitions)."""
+        return sum(
+            self.book.partition_bytes(p)
+            for p in self.book.partitions(TenantId(tenant))
+            if not decide.evictable(_partition_class(p))
+        )
+
+    def _write_retention(
+        self, traffic_class: str, now: int, c: CheckedPut | None = None,
+        pins: dict[int, bool] | None = None,
+    ) -> tuple[str, int]:  # fmt: skip
+        """(stored class, expiry) of a write of ``traffic_class`` at ``now`` (of batch ``c``,
+        with its hint: TTL clamped into the class's bounds, pin if its quota holds it)."""
+        retain = c.retain if c is not None else NO_RETAIN
+        applied = clamp(
+            self.policy,
+            traffic_class,
+            ttl_s=retain.ttl_s or None,
+            pin=retain.pin,
+            pin_room=bool(pins and c is not None and pins.get(id(c))),
+        )
+        if applied.clamped is not None:
+            self._clamped(applied.clamped, pin_dropped=retain.pin and not applied.pin)
         return (
             decide.stored_class(applied.traffic_class, applied.pin),
             decide.write_expiry(now, applied.ttl_s),
         )
 
-    def _hit(self, traffic_class: str) -> Applied | None:
-        """What a hit of ``traffic_class`` does (None: each shard's own class)."""
-        return clamp(self.policy, traffic_class) if traffic_class else None
+    def _hit(self, traffic_class: str, retain: Retain = NO_RETAIN) -> Applied | None:
+        """What a hit of ``traffic_class`` does (None: each shard's own class decides)."""
+        if not traffic_class:
+            return None
+        applied = clamp(self.policy, traffic_class, ttl_s=retain.ttl_s or None)
+        if applied.clamped is not None:
+            self._clamped(applied.clamped, pin_dropped=False)
+        return applied
 
-    def _alive(self, key: bytes, raw: bytes | memoryview, now: int, hit: Applied | None) -> bool:
-        """Whether the shard is live; if so, record the hit's expiry slide."""
+    def _clamped(self, why: str, *, pin_dropped: bool) -> None:
+        """A hint the policy did not grant as asked: counted, and logged (rate-limited by
+        the counter: the first and every 1000th)."""
+        self.counters["hints_clamped"] += 1
+        if pin_dropped:
+            self.counters["pins_refused"] += 1
+        if self.counters["hints_clamped"] % 1000 == 1:
+            log.warning(
+                "retention hint clamped (%d so far): %s", self.counters["hints_clamped"], why
+            )
+
+    def _alive(
+        self,
+        key: bytes,
+        raw: bytes | memoryview,
+        now: int,
+        hit: Applied | None,
+        ttl_hint: int = 0,
+        pin_budget: list[int] | None = None,
+    ) -> bool:
+        """Whether the shard is live; if so, record the hit's expiry slide (and pin, while
+        ``pin_budget[0]`` bytes of pin quota are left)."""
         expiry, stored = self._current(key, raw)
         if not decide.is_live(expiry, now):
             return False
         policy = self.policy
-        if now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
+        pin = False
+        if pin_budget is not None and decide.evictable(stored):
+            size = int(RETENTION_HEAD.unpack_from(raw)[1])
+            pin = size <= pin_budget[0]
+            if pin:
+                pin_budget[0] -= size
+            else:
+                self._clamped("pin dropped: the tenant's pin quota is full", pin_dropped=True)
+        if not pin and now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
             return True  # no class could move the expiry enough to be worth a write
         if hit is None:
-            hit = clamp(policy, decide.split_stored(stored)[0])
+            hit = clamp(policy, decide.split_stored(stored)[0], ttl_s=ttl_hint or None)
+        if pin:
+            hit = replace(hit, pin=True)
         move = decide.slide(
             expiry_ms=expiry, stored=stored, hit=hit, now_ms=now, resolution_ms=self._resolution_ms
         )
