@@ -11,7 +11,7 @@ from kvcache.credentials import tenant_id
 from kvcache.retention import RetentionPolicy
 from kvcache.server.eviction import Quota
 from kvcache.server.store import PutBatch, ShardStore
-from kvcache.wire import NO_RETAIN, Op, Retain, Status
+from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 T = tenant_id("default")
 POLICY = RetentionPolicy(
@@ -107,3 +107,34 @@ def test_a_touch_pins_stored_blocks_and_a_tenant_without_pin_quota_gets_none(
         assert store.expiry_of(T, key(2), 0)[1] == "chat"  # type: ignore[index]
         assert store.counters["pins_refused"] == 1
         assert store.recount() == store.usage()
+
+
+def test_removals_are_counted_by_cause_with_their_ages(tmp_path: Path) -> None:
+    from kvcache.server.removals import AGE_BUCKETS_S
+
+    clock = FakeClock()
+    record = len(block_records(key(0), indices=[0])[0][2])
+    with open_store(tmp_path / "db", clock, capacity_bytes=record * 10) as store:
+        put(store, 1, "agent", Retain(ttl_s=3600))
+        clock.step(2 * 3600)  # expired, not swept yet
+        for n in range(2, 14):  # past capacity: the expired one first, then live ones
+            put(store, n, "chat")
+            clock.step(10)
+        store.sweep()
+        items = make_items(Op.DELETE, 1, reply=False)
+        items["key"], items["stripe"], items["index"] = key(13), 0, NO_INDEX
+        store.delete(T, items)  # type: ignore[arg-type]
+        rows = {(r["class"], r["cause"]): r for r in store.removals.snapshot()}
+        assert rows["agent", "expired"]["shards"] == 1
+        age = rows["agent", "expired"]["age_sum_s"]
+        assert 2 * 3600 <= age <= 2 * 3600 + 200
+        evicted = rows["chat", "evicted"]
+        assert evicted["shards"] == store.counters["evicted_shards"] - 1 > 0
+        assert evicted["bytes"] == evicted["shards"] * record
+        assert evicted["buckets"][1] == [AGE_BUCKETS_S[1], evicted["shards"]]  # all < 10 min
+        assert evicted["buckets"][0][1] < evicted["shards"]  # some older than a minute
+        assert evicted["buckets"][-1] == ["+Inf", evicted["shards"]]
+        assert rows["chat", "deleted"]["shards"] == 1
+        oldest = store.oldest_live()
+        assert set(oldest) == {(T, "chat")}
+        assert 0 < oldest[T, "chat"] <= 120_000

@@ -75,6 +75,7 @@ from kvcache.server.records import (
     split_expiry_entry,
     store_keys,
 )
+from kvcache.server.removals import RemovalBook
 from kvcache.shard import HEADER_DTYPE
 from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
@@ -257,6 +258,8 @@ class ShardStore:
         #: is fixed here, so another thread may copy the dict at any time.
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.book = UsageBook()
+        #: Removals by (tenant, class, cause), with ages: whether the retention promise held.
+        self.removals = RemovalBook()
         self.policy = policy or RetentionPolicy()
         try:
             self._load_meta()
@@ -891,6 +894,7 @@ class ShardStore:
         """Remove matching shards (stripe 0: any; index NO_INDEX: all of the key) in one txn."""
         status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
         deltas = Deltas()
+        deleted: dict[bytes, list[tuple[int, int, int]]] = {}
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._retention)
@@ -912,6 +916,8 @@ class ShardStore:
                         if stripe and rec.stripe != stripe:
                             continue
                         self._remove(txn, skey, rec, deltas)
+                        gone = deleted.setdefault(partition(tenant, rec.traffic_class), [])
+                        gone.append((rec.expiry_ms, rec.size, rec.written_ms))
                         status[i] = Status.OK
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
@@ -919,6 +925,8 @@ class ShardStore:
         self.book.apply(deltas)
         for skey in deltas.removed:
             self._pending.pop(skey, None)
+        for part, removed in deleted.items():
+            self._count_removed(part, "deleted", removed)
         reply = make_items(Op.DELETE, len(items), reply=True)
         reply["status"] = status
         return reply
@@ -996,7 +1004,7 @@ class ShardStore:
         for part in self.book.partitions():
             if swept >= budget:
                 break
-            freed = self._delete_head(part, budget - swept, until_expiry_ms=now)
+            freed = self._delete_head(part, budget - swept, until_expiry_ms=now, cause="expired")
             swept += freed.freed_shards
             self.counters["expired_shards"] += freed.freed_shards
             self.counters["expired_bytes"] += freed.freed_bytes
@@ -1047,7 +1055,10 @@ class ShardStore:
         while freed < nbytes and heads and (limit is None or shards < limit):
             part = min(heads, key=heads.__getitem__)
             batch = self._sweep_batch if limit is None else min(self._sweep_batch, limit - shards)
-            out = self._delete_head(part, batch, until_bytes=nbytes - freed)
+            out = self._delete_head(
+                part, batch, until_bytes=nbytes - freed,
+                cause="quota" if counter == "quota_evicted" else "evicted",
+            )  # fmt: skip
             freed += out.freed_bytes
             shards += out.freed_shards
             self.counters[f"{counter}_shards"] += out.freed_shards
@@ -1064,6 +1075,38 @@ class ShardStore:
     def usage(self, names: dict[TenantId, str] | None = None) -> dict[str, Any]:
         """Bytes and shards in total, per class and per tenant; safe from any thread."""
         return {**self.book.snapshot(names), "capacity_bytes": self.capacity_bytes}
+
+    def oldest_live(self, *, max_steps: int = 256) -> dict[tuple[TenantId, str], int]:
+        """Per (tenant id, class): the age (ms) of the partition's earliest-expiring live
+        shard, since this daemon stored it: the shard pressure would remove next, and,
+        when a class's shards share one TTL, the one used longest ago. Expired shards not
+        swept yet are passed over (at most ``max_steps`` per partition). Pinned shards
+        count under their class. One read transaction of its own and the locked usage
+        book: safe from any thread, like :meth:`usage`."""
+        now = self.now_ms()
+        out: dict[tuple[TenantId, str], int] = {}
+        unpack = RETENTION_HEAD.unpack_from
+        with self._env.begin(buffers=True) as txn:
+            cursor = txn.cursor(db=self._expiry)
+            for part in self.book.partitions():
+                if not cursor.set_range(part):
+                    continue
+                for _ in range(max_steps):
+                    ekey = bytes(cursor.key())
+                    if ekey[:PARTITION_LEN] != part:
+                        break
+                    expiry, skey = split_expiry_entry(ekey, bytes(cursor.value()))
+                    raw = txn.get(skey, db=self._retention) if decide.is_live(expiry, now) else None
+                    if raw is not None:
+                        key = (
+                            TenantId(part[:TENANT_LEN]),
+                            decide.split_stored(_partition_class(part))[0],
+                        )
+                        out[key] = max(out.get(key, 0), now - int(unpack(raw)[3]))
+                        break
+                    if not cursor.next():
+                        break
+        return out
 
     def recount(self) -> dict[str, Any]:
         """Usage recomputed from the retention records (a consistency check for tests)."""
@@ -1230,6 +1273,7 @@ class ShardStore:
         *,
         until_expiry_ms: int | None = None,
         until_bytes: int | None = None,
+        cause: str = "expired",
     ) -> Deltas:
         """Delete from the earliest expiry of one partition on, up to ``limit`` shards, in one
         transaction: while the expiry is at most ``until_expiry_ms`` and fewer than
@@ -1240,6 +1284,7 @@ class ShardStore:
         unpack = RETENTION_HEAD.unpack_from
         removed = deltas.removed
         nbytes = 0
+        gone: list[tuple[int, int, int]] = []  # (expiry, size, written) of each removed
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._expiry)
@@ -1259,7 +1304,9 @@ class ShardStore:
                     delete(skey, b"", sdb)
                     delete(skey, b"", rdb)
                     removed.append(skey)
-                    size = unpack(raw)[1]
+                    head = unpack(raw)
+                    size = head[1]
+                    gone.append((head[0], size, head[3]))
                     nbytes += size
                     deltas.add(part, -size, -1)
                 self._write_usage(txn, deltas)
@@ -1269,7 +1316,25 @@ class ShardStore:
         if self._pending:
             for skey in removed:
                 self._pending.pop(skey, None)
+        self._count_removed(part, cause, gone)
         return deltas
+
+    def _count_removed(self, part: bytes, cause: str, gone: list[tuple[int, int, int]]) -> None:
+        """Count removals of partition ``part``: an already expired shard that pressure
+        reached counts as ``expired``, a live one under its ``cause``."""
+        if not gone:
+            return
+        now = self.now_ms()
+        tenant, name = part[:TENANT_LEN], decide.split_stored(_partition_class(part))[0]
+        if cause != "expired":
+            dead = [g for g in gone if not decide.is_live(g[0], now)]
+            if dead:
+                gone = [g for g in gone if decide.is_live(g[0], now)]
+                self.removals.record(tenant, name, "expired", sizes=[g[1] for g in dead],
+                                     ages_ms=[now - g[2] for g in dead])  # fmt: skip
+        self.removals.record(
+            tenant, name, cause, sizes=[g[1] for g in gone], ages_ms=[now - g[2] for g in gone]
+        )
 
     def _first_expiry_ms(self) -> int:
         heads = [h for p in self.book.partitions() if (h := self._head_expiry(p)) is not None]
