@@ -155,3 +155,26 @@ def test_the_touch_flusher_runs_on_its_injected_clock(tmp_path: Path) -> None:
         mono.step(5)
         store.maintain()
         assert store.counters["touches_written"] == 1
+
+
+@given(
+    expiry=expiries,
+    now=expiries,
+    ttl=st.integers(1, 10**7),
+    resolution=st.integers(1, 10**6),
+    stored=stored_names,
+    pin=st.booleans(),
+)
+def test_slide_is_the_merge_of_the_hit_written_when_worth_it(
+    expiry: int, now: int, ttl: int, resolution: int, stored: str, pin: bool
+) -> None:
+    hit = decide.Applied(traffic_class="chat", ttl_s=ttl, pin=pin)
+    moved = decide.slide(
+        expiry_ms=expiry, stored=stored, hit=hit, now_ms=now, resolution_ms=resolution
+    )
+    candidate = (now + ttl * 1000, decide.stored_class("chat", pin))
+    new_pin = pin and not stored.startswith("+")
+    if candidate[0] - expiry < resolution and not new_pin:
+        assert moved is None
+    else:
+        assert moved == decide.merge((expiry, stored), candidate)

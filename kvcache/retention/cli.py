@@ -355,7 +355,7 @@ def _plan(args: argparse.Namespace) -> int:
         }, indent=2))  # fmt: skip
         return 0
     span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000
-    print(f"{len(requests)} requests over {_human(int(span_s))} of trace time, {args.classes}")
+    print(f"{len(requests)} requests over {span_s / 86400:.2f} days of trace time, {args.classes}")
     print(
         f"capacity at which no class is evicted before its TTL: {plan.capacity_blocks:,} blocks "
         f"= {plan.total_bytes / 1e9:.2f} GB with the {plan.k} + {plan.m} overhead, "

@@ -277,11 +277,14 @@ def slide(
     the hit pins a shard not pinned yet; the class that set the later expiry
     becomes the stored class, keeping a pin.
     """
-    candidate = write_expiry(now_ms, hit.ttl_s)
-    pins = hit.pin and not split_stored(stored)[1]
-    if candidate - expiry_ms < resolution_ms and not pins:
+    # Written out rather than through merge(): this runs once per sliding shard of a GET.
+    candidate = now_ms + hit.ttl_s * 1000
+    pinned = stored.startswith(PIN_MARK)
+    if candidate - expiry_ms < resolution_ms and not (hit.pin and not pinned):
         return None
-    return merge((expiry_ms, stored), (candidate, stored_class(hit.traffic_class, hit.pin)))
+    if candidate > expiry_ms:
+        return candidate, (PIN_MARK + hit.traffic_class if pinned or hit.pin else hit.traffic_class)
+    return expiry_ms, (stored if pinned else PIN_MARK + stored)  # only a new pin gets here
 
 
 def quiet_above(policy: RetentionPolicy, now_ms: int, resolution_ms: int, *, reach_s: int) -> int:

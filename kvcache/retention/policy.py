@@ -79,6 +79,8 @@ class RetentionPolicy:
     #: for; a hint outside is clamped into them. A class not listed gets
     #: (min(MIN_HINT_TTL_S, ttl), ttl): a hint may shorten its life, not lengthen it.
     ttl_bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    #: max_ttl_s, computed once (it is read for every hit a daemon serves).
+    _max_ttl_s: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.classes, Mapping) or not self.classes:
@@ -118,6 +120,8 @@ class RetentionPolicy:
                 )
             bounds[name] = (low, high)
         object.__setattr__(self, "ttl_bounds", types.MappingProxyType(bounds))
+        longest = max([*checked.values(), *(high for _, high in bounds.values())])
+        object.__setattr__(self, "_max_ttl_s", longest)
 
     def resolve(self, name: str) -> str:
         """The class a write or hit named ``name`` counts as: itself if known, else the default."""
@@ -141,7 +145,7 @@ class RetentionPolicy:
     def max_ttl_s(self) -> int:
         """The longest TTL any write or hit can ask for: of any class or any class's bounds
         (bounds how far one hit can move an expiry)."""
-        return max([*self.classes.values(), *(high for _, high in self.ttl_bounds.values())])
+        return self._max_ttl_s
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (TTLs in seconds), accepted back by :meth:`from_mapping`."""

@@ -1212,12 +1212,17 @@ class ShardStore:
     ) -> bool:
         """Whether the shard is live; if so, record the hit's expiry slide (and pin, while
         ``pin_budget[0]`` bytes of pin quota are left)."""
-        expiry, stored = self._current(key, raw)
-        if not decide.is_live(expiry, now):
+        # The expiry first, the class only when a slide is due: most hits need no class.
+        expiry, pending_class = record_expiry(raw), ""
+        if self._pending:
+            pending = self._pending.get(bytes(key))
+            if pending is not None and pending[0] > expiry:
+                expiry, pending_class = pending
+        if expiry <= now:  # decide.is_live, inline: this runs for every hit of a walk
             return False
         policy = self.policy
         pin = False
-        if pin_budget is not None and decide.evictable(stored):
+        if pin_budget is not None and decide.evictable(pending_class or record_class(raw)):
             size = int(RETENTION_HEAD.unpack_from(raw)[1])
             pin = size <= pin_budget[0]
             if pin:
@@ -1226,6 +1231,7 @@ class ShardStore:
                 self._clamped("pin dropped: the tenant's pin quota is full", pin_dropped=True)
         if not pin and now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
             return True  # no class could move the expiry enough to be worth a write
+        stored = pending_class or record_class(raw)
         if hit is None:
             hit = clamp(policy, decide.split_stored(stored)[0], ttl_s=ttl_hint or None)
         if pin:
