@@ -92,6 +92,12 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         help="the daemons' touch_resolution_s: slides shorter than this are not written "
         "(default %(default)s, as the daemons)",
     )
+    sim.add_argument(
+        "--capacity-blocks",
+        type=int,
+        help="also bound the cluster to this many live blocks (the daemons' watermark "
+        "eviction), and report the blocks evicted before their TTL",
+    )
     sim.add_argument("--json", action="store_true", help="print JSON")
     sim.add_argument(
         "--plot",
@@ -271,6 +277,7 @@ def _simulate(args: argparse.Namespace) -> int:
             requests,
             policy,
             touch_resolution_s=parse_duration(args.touch_resolution, what="--touch-resolution"),
+            capacity_blocks=args.capacity_blocks,
         )
         if ttl_s is not None:
             swept.append((ttl_s, res))
@@ -282,9 +289,11 @@ def _simulate(args: argparse.Namespace) -> int:
                 "peak_stored_bytes": res.stored_bytes(args.block_bytes),
                 "mean_stored_bytes": res.stored_bytes(args.block_bytes, peak=False),
                 "expirations": res.expirations,
+                "evicted_before_ttl": res.evicted_before_ttl,
                 "classes": {
                     name: {
                         "hit_rate": c.hit_rate,
+                        "evicted_before_ttl": c.evicted_before_ttl,
                         "peak_stored_bytes": c.stored_bytes(args.block_bytes),
                         "mean_stored_bytes": c.stored_bytes(args.block_bytes, peak=False),
                     }
@@ -307,6 +316,12 @@ def _simulate(args: argparse.Namespace) -> int:
             f"{r['policy']:<34} {r['hit_rate']:>9.1%} {r['peak_blocks']:>12,} "
             f"{r['peak_stored_bytes'] / 1e9:>10.2f}GB {r['mean_stored_bytes'] / 1e9:>10.2f}GB"
         )
+    if args.capacity_blocks is not None:
+        for r in rows:
+            print(
+                f"{r['policy']}: {r['evicted_before_ttl']:,} blocks evicted before their TTL at "
+                f"{args.capacity_blocks:,} blocks of capacity"
+            )
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
