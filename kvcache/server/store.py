@@ -1174,7 +1174,7 @@ class ShardStore:
             pin=retain.pin,
             pin_room=bool(pins and c is not None and pins.get(id(c))),
         )
-        if applied.clamped is not None:
+        if applied.clamped is not None and retain != NO_RETAIN:  # a hint, not just a class
             self._clamped(applied.clamped, pin_dropped=retain.pin and not applied.pin)
         return (
             decide.stored_class(applied.traffic_class, applied.pin),
@@ -1186,7 +1186,7 @@ class ShardStore:
         if not traffic_class:
             return None
         applied = clamp(self.policy, traffic_class, ttl_s=retain.ttl_s or None)
-        if applied.clamped is not None:
+        if applied.clamped is not None and retain.ttl_s:  # a hint, not just a class
             self._clamped(applied.clamped, pin_dropped=False)
         return applied
 
