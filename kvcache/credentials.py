@@ -14,6 +14,7 @@ only (mode 0600, like an ssh key)::
     secret = "a0c4..."
     quota = "200GiB"                  # shard bytes this tenant may keep per node
     class_quotas = { chat = "120GiB" } # and per traffic class within that
+    pin_quota = "10GiB"               # pinned shard bytes per node (default 0: no pins)
 
 Daemons load the whole file; a client needs only its own tenant's entry (a
 file holding just that tenant, or ``secret`` in its config). ``kvcache up``
@@ -99,6 +100,9 @@ class TenantCredentials:
     secret: bytes = field(repr=False)
     quota_bytes: int | None = None
     class_quotas: tuple[tuple[str, int], ...] = ()
+    #: Bytes of pinned shards (retention hint ``pin``) the tenant may keep per node; 0: a
+    #: pin is dropped (logged and counted), so a tenant cannot pin a node full by default.
+    pin_quota_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_tenant_name(self.name)
@@ -172,7 +176,7 @@ class Credentials:
             what = f"{source}: tenant {name!r}"
             if not isinstance(entry, Mapping):
                 raise ConfigError(f"{what} must be a table with a secret")
-            extra = set(entry) - {"secret", "quota", "class_quotas"}
+            extra = set(entry) - {"secret", "quota", "class_quotas", "pin_quota"}
             if extra:
                 raise ConfigError(f"{what}: unknown keys {sorted(extra)}")
             if "secret" not in entry:
@@ -190,6 +194,11 @@ class Credentials:
                     class_quotas=tuple(
                         (cls_name, _size(size, f"{what} class quota {cls_name}"))
                         for cls_name, size in sorted(quotas.items())
+                    ),
+                    pin_quota_bytes=(
+                        0
+                        if "pin_quota" not in entry
+                        else _size(entry["pin_quota"], f"{what} pin_quota")
                     ),
                 )
             )
@@ -218,6 +227,8 @@ class Credentials:
             if t.class_quotas:
                 inner = ", ".join(f"{name} = {size}" for name, size in t.class_quotas)
                 lines.append(f"class_quotas = {{ {inner} }}")
+            if t.pin_quota_bytes:
+                lines.append(f"pin_quota = {t.pin_quota_bytes}")
             lines.append("")
         return "\n".join(lines)
 

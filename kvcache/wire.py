@@ -33,7 +33,9 @@ from kvcache.errors import ProtocolError, ShardFormatError
 from kvcache.shard import MAX_CLASS_NAME, check_class_name
 
 __all__ = [
+    "FLAG_PIN",
     "FLAG_REPLY",
+    "FLAG_TTL",
     "HEADER_BYTES",
     "LIST_INCLUSIVE",
     "LIST_MAX_PAGE",
@@ -42,9 +44,11 @@ __all__ = [
     "ITEM_DTYPES",
     "MAGIC",
     "NO_INDEX",
+    "NO_RETAIN",
     "VERSION",
     "Frame",
     "Header",
+    "Retain",
     "Limits",
     "Message",
     "MessageReader",
@@ -65,7 +69,15 @@ __all__ = [
 MAGIC = b"KV"
 VERSION = 2
 FLAG_REPLY = 0x1
-_KNOWN_FLAGS = FLAG_REPLY
+#: Request flag (PUT, GET, TOUCH): the header's ``ttl_s`` field (the former reserved
+#: field) carries the request's TTL hint in seconds (docs/spec/retention.md, Hints).
+FLAG_TTL = 0x2
+#: Request flag (PUT, TOUCH): pin the written or touched shards (docs/spec/retention.md).
+FLAG_PIN = 0x4
+_KNOWN_FLAGS = FLAG_REPLY | FLAG_TTL | FLAG_PIN
+#: Ops whose requests may carry FLAG_TTL, and FLAG_PIN.
+_TTL_OPS = frozenset({1, 2, 4})  # PUT, GET, TOUCH
+_PIN_OPS = frozenset({1, 4})  # PUT, TOUCH
 #: ``index`` value in DELETE items meaning "every shard of the key on this node".
 NO_INDEX = 0xFFFF
 #: Most shards one LIST reply carries; a request asking for more is refused.
@@ -73,7 +85,7 @@ LIST_MAX_PAGE = 4096
 #: LIST request flag: start AT (key, index) instead of after it (the first page).
 LIST_INCLUSIVE = 0x1
 
-# magic, version, op, flags, status, request id, count, reserved, data length, class
+# magic, version, op, flags, status, request id, count, ttl_s (was reserved), data length, class
 _HEADER = struct.Struct("<2sBBHHQIIQ16s")
 HEADER_BYTES = _HEADER.size  # 48
 
@@ -225,6 +237,32 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Retain:
+    """A request's retention hint as the wire carries it (FLAG_TTL, FLAG_PIN).
+
+    ``ttl_s`` 0 means the class's own TTL; the daemon clamps a nonzero one into
+    its class's bounds. ``pin`` asks that the shards be kept out of eviction.
+    """
+
+    ttl_s: int = 0
+    pin: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, int):
+            raise ProtocolError(f"retain ttl_s must be an int, got {self.ttl_s!r}")
+        if not 0 <= self.ttl_s <= 0xFFFF_FFFF:
+            raise ProtocolError(f"retain ttl_s {self.ttl_s} does not fit the u32 header field")
+
+    @property
+    def flags(self) -> int:
+        """The header flags that announce this hint."""
+        return (FLAG_TTL if self.ttl_s else 0) | (FLAG_PIN if self.pin else 0)
+
+
+NO_RETAIN = Retain()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Header:
     """The fixed first section of every message."""
 
@@ -235,6 +273,8 @@ class Header:
     status: Status = Status.OK
     flags: int = 0
     traffic_class: str = ""
+    #: The request's retention hint; its flags are added to ``flags`` when packed.
+    retain: Retain = NO_RETAIN
 
     @property
     def is_reply(self) -> bool:
@@ -253,11 +293,11 @@ class Header:
             MAGIC,
             VERSION,
             int(self.op),
-            self.flags,
+            self.flags | self.retain.flags,
             int(self.status),
             self.request_id,
             self.count,
-            0,
+            self.retain.ttl_s,
             self.data_len,
             bytes([len(name)]) + name.ljust(MAX_CLASS_NAME, b"\x00"),
         )
@@ -295,8 +335,17 @@ class Header:
             raise ProtocolError(f"unknown status {status}") from None
         if flags & ~_KNOWN_FLAGS:
             raise ProtocolError(f"unknown flags 0x{flags:04x}")
-        if reserved:
-            raise ProtocolError(f"reserved header field is {reserved}, must be 0")
+        if flags & FLAG_TTL:
+            if flags & FLAG_REPLY or op not in _TTL_OPS:
+                raise ProtocolError(
+                    f"a TTL hint is only for PUT, GET and TOUCH requests, not op {op}"
+                )
+            if not reserved:
+                raise ProtocolError("FLAG_TTL set with a TTL of 0 s")
+        elif reserved:
+            raise ProtocolError(f"ttl field is {reserved} without FLAG_TTL; it must be 0")
+        if flags & FLAG_PIN and (flags & FLAG_REPLY or op not in _PIN_OPS):
+            raise ProtocolError(f"a pin is only for PUT and TOUCH requests, not op {op}")
         name_len = cls_field[0]
         if name_len > MAX_CLASS_NAME or any(cls_field[1 + name_len :]):
             raise ProtocolError("malformed traffic class field")
@@ -312,8 +361,11 @@ class Header:
             count=count,
             data_len=data_len,
             status=status_value,
-            flags=flags,
+            flags=flags & ~(FLAG_TTL | FLAG_PIN),
             traffic_class=name,
+            retain=Retain(ttl_s=reserved, pin=bool(flags & FLAG_PIN))
+            if flags & (FLAG_TTL | FLAG_PIN)
+            else NO_RETAIN,
         )
         if limits is not None:
             if count > limits.max_items:
@@ -366,6 +418,7 @@ def encode(
             status=header.status,
             flags=header.flags,
             traffic_class=header.traffic_class,
+            retain=header.retain,
         )
     return [header.pack(), np.ascontiguousarray(items).view(np.uint8).data, payload]
 

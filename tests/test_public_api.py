@@ -10,7 +10,7 @@ PUBLIC = {
     "kvcache": ["BlockKey", "DType", "KVLayout", "Namespace", "REFERENCE_LAYOUT", "block_keys"],
     "kvcache.client": ["AsyncClient", "Client", "ClientConfig", "LoadResult", "MatchResult", "StoreResult"],
     "kvcache.engine": ["PagedKVAdapter", "TransferHandle", "kv_dtype"],
-    "kvcache.retention": ["DAY_S", "DEFAULT_CLASSES", "DEFAULT_CLASS_NAME", "RetentionPolicy", "merged_expiry", "parse_duration"],
+    "kvcache.retention": ["DAY_S", "DEFAULT_CLASSES", "DEFAULT_CLASS_NAME", "NO_HINT", "Applied", "Hint", "RetentionPolicy", "clamp", "merged_expiry", "parse_duration"],
     "kvcache.server": ["Clock", "DaemonInfo", "DaemonThread", "DataServer", "RequestHandler", "ServerConfig", "ShardStore", "SyncMode", "load_server_config", "run_daemon"],
     "kvcache.erasure": ["Backend", "Codec", "ErasureParams", "alloc_stripes", "encode_payloads", "get_codec", "isal_available", "payload_view"],
     "kvcache.testing": ["HostCluster", "HostDaemon", "HostNet", "HostNetMode", "cleanup_stale"],

@@ -31,7 +31,7 @@ def test_simulation_expires_by_class_and_slides_on_hits() -> None:
         req(270, [7], "chat"),
         req(560, [7], "chat"),  # chat lives 300 s: hit
     ]
-    res = simulate(trace, policy)
+    res = simulate(trace, policy, touch_resolution_s=1)
     assert res.hit_tokens == 512 * (0 + 2 + 3 + 0 + 0 + 1)
     assert res.input_tokens == 512 * 12
     assert res.peak_blocks == 3

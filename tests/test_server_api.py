@@ -25,10 +25,14 @@ def test_server_public_names() -> None:
 
 def test_retention_public_names() -> None:
     assert sorted(kvcache.retention.__all__) == [
+        "Applied",
         "DAY_S",
         "DEFAULT_CLASSES",
         "DEFAULT_CLASS_NAME",
+        "Hint",
+        "NO_HINT",
         "RetentionPolicy",
+        "clamp",
         "merged_expiry",
         "parse_duration",
     ]

@@ -90,7 +90,7 @@ def test_error_reply_decodes_with_status_and_text() -> None:
         (lambda h: h[:3] + b"\x63" + h[4:], "unknown op"),
         (lambda h: h[:4] + b"\x80\x00" + h[6:], "flags"),
         (lambda h: h[:6] + b"\x63\x00" + h[8:], "status"),
-        (lambda h: h[:20] + b"\x01" + h[21:], "reserved"),
+        (lambda h: h[:20] + b"\x01" + h[21:], "without FLAG_TTL"),
         (lambda h: h[:-1], "header"),
     ],
 )
@@ -297,3 +297,37 @@ def test_server_handshake_fuzz(raw: bytes) -> None:
     creds = Credentials.generate()
     result, tenant = _server(creds).answer(raw)
     assert tenant is None and result[:4] == b"KVNO"
+
+
+@given(
+    op=st.sampled_from([Op.PUT, Op.GET, Op.TOUCH]),
+    ttl=st.integers(0, 2**32 - 1),
+    pin=st.booleans(),
+)
+def test_a_retention_hint_round_trips(op: Op, ttl: int, pin: bool) -> None:
+    from kvcache.wire import Retain
+
+    pin = pin and op is not Op.GET
+    header = Header(op=op, request_id=3, count=0, retain=Retain(ttl_s=ttl, pin=pin))
+    back = Header.unpack(header.pack())
+    assert back.retain == Retain(ttl_s=ttl, pin=pin)
+    assert back.flags == 0  # the hint's flags live in retain, not in flags
+
+
+@pytest.mark.parametrize(
+    ("op", "flags", "ttl", "needle"),
+    [
+        (Op.HAS, 0x2, 60, "only for PUT, GET and TOUCH"),
+        (Op.GET, 0x4, 0, "pin is only for PUT and TOUCH"),
+        (Op.PUT, 0x2, 0, "TTL of 0"),
+        (Op.GET, 0x3, 60, "only for PUT, GET and TOUCH"),  # a reply with a hint
+    ],
+)
+def test_misplaced_retention_hints_are_protocol_errors(
+    op: Op, flags: int, ttl: int, needle: str
+) -> None:
+    raw = bytearray(Header(op=op, request_id=1, count=0).pack())
+    raw[4:6] = flags.to_bytes(2, "little")
+    raw[20:24] = ttl.to_bytes(4, "little")
+    with pytest.raises(ProtocolError, match=needle):
+        Header.unpack(bytes(raw))

@@ -33,7 +33,8 @@ from kvcache.cluster import ClusterMap
 from kvcache.errors import ArgumentError, ClosedError, ConfigError
 from kvcache.gc_pause import gc_paused
 from kvcache.keys import BlockKey, Namespace, block_keys
-from kvcache.wire import Op
+from kvcache.retention.decide import Hint
+from kvcache.wire import NO_RETAIN, Op, Retain
 
 __all__ = ["AsyncClient", "Client"]
 
@@ -179,6 +180,7 @@ class Client:
         out: npt.NDArray[np.uint8] | None = None,
         traffic_class: str | None = None,
         on_ready: OnReady | None = None,
+        hint: Hint | None = None,
     ) -> LoadResult:
         """Load the hit blocks of ``match``; stops at the first block that cannot be rebuilt.
 
@@ -186,7 +188,8 @@ class Client:
         the engine copies from) the shards land there directly. ``on_ready(first,
         stop)`` is called as the verified prefix grows, so a device copy can start
         before the whole load is in. A hit refreshes the blocks' retention under
-        ``traffic_class``. Wrong bytes are never returned.
+        ``traffic_class`` (or ``hint``'s class, TTL and pin: :class:`kvcache.retention.Hint`).
+        Wrong bytes are never returned.
         """
         if not isinstance(namespace, Namespace):
             raise ArgumentError(
@@ -198,6 +201,7 @@ class Client:
             out=out,
             traffic_class=traffic_class,
             on_ready=on_ready,
+            hint=hint,
         )
 
     @_data_call
@@ -209,6 +213,7 @@ class Client:
         out: npt.NDArray[np.uint8] | None = None,
         traffic_class: str | None = None,
         on_ready: OnReady | None = None,
+        hint: Hint | None = None,
     ) -> LoadResult:
         """:meth:`load` for blocks of ``payload_len`` bytes named by ``match`` alone.
 
@@ -224,17 +229,33 @@ class Client:
                     "match must be a MatchResult or a sequence of 16-byte block keys"
                 )
             match = MatchResult.known(keys, n=self._core.config.n)
-        pooled = self._pooled_load(match, payload_len, out, traffic_class, on_ready)
+        traffic_class, retain = _hinted(traffic_class, hint)
+        # The I/O pool carries no hints: a hinted load runs in this process.
+        pooled = (
+            self._pooled_load(match, payload_len, out, traffic_class, on_ready)
+            if retain is NO_RETAIN
+            else None
+        )
         if pooled is not None:
             return pooled
-        return load_keys(
+        result = load_keys(
             self._core,
             match,
             payload_len=payload_len,
             out=out,
             traffic_class=traffic_class,
             on_ready=on_ready,
+            retain=retain,
         )
+        if retain.pin and result.blocks:  # a GET cannot pin: pin what was loaded
+            touch_or_delete(
+                self._core,
+                Op.TOUCH,
+                match.keys[: result.blocks],
+                self._core.traffic_class(traffic_class),
+                retain=retain,
+            )
+        return result
 
     def _pooled_load(
         self,
@@ -283,10 +304,11 @@ class Client:
         *,
         out: npt.NDArray[np.uint8] | None = None,
         traffic_class: str | None = None,
+        hint: Hint | None = None,
     ) -> LoadResult:
         """Match and load in one call."""
         match = self.match_prefix(namespace, tokens)
-        return self.load(namespace, match, out=out, traffic_class=traffic_class)
+        return self.load(namespace, match, out=out, traffic_class=traffic_class, hint=hint)
 
     # -------------------------------------------------------------- writes
 
@@ -299,13 +321,16 @@ class Client:
         *,
         traffic_class: str | None = None,
         first_block: int = 0,
+        hint: Hint | None = None,
     ) -> StoreResult:
         """Store blocks ``first_block ..`` of ``tokens`` with the given payloads.
 
         Blocks already readable are touched, not resent. A block counts as
         written when at least ``min_write_shards`` shards of its stripe were
         stored; otherwise what was stored of it is removed again. Payloads are
-        checked (count, size, dtype) before anything is sent.
+        checked (count, size, dtype) before anything is sent. ``hint``
+        (:class:`kvcache.retention.Hint`) names the request's class, TTL and pin;
+        ``Hint(store=False)`` stores nothing.
         """
         if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
             raise ArgumentError(f"first_block must be an int >= 0, got {first_block!r}")
@@ -328,6 +353,7 @@ class Client:
             payload_len=namespace.layout.payload_bytes,
             traffic_class=traffic_class,
             first_block=first_block,
+            hint=hint,
         )
 
     @_data_call
@@ -338,9 +364,12 @@ class Client:
         *,
         payload_len: int,
         traffic_class: str | None = None,
+        hint: Hint | None = None,
     ) -> StoreResult:
         """:meth:`store` for blocks named by caller-computed keys (one payload per key)."""
-        return self._store(keys, payloads, payload_len=payload_len, traffic_class=traffic_class)
+        return self._store(
+            keys, payloads, payload_len=payload_len, traffic_class=traffic_class, hint=hint
+        )
 
     def _store(
         self,
@@ -350,10 +379,15 @@ class Client:
         payload_len: int,
         traffic_class: str | None,
         first_block: int = 0,
+        hint: Hint | None = None,
     ) -> StoreResult:
+        traffic_class, retain = _hinted(traffic_class, hint)
+        if hint is not None and not hint.store:
+            return StoreResult(0, 0, 0)
         pool = self._pool
         if (
             pool is not None
+            and retain is NO_RETAIN  # the I/O pool carries no hints
             and isinstance(payloads, np.ndarray)
             and payloads.ndim == 2
             and payloads.dtype == np.uint8
@@ -381,15 +415,24 @@ class Client:
             traffic_class=traffic_class,
             first_block=first_block,
             encoder=self._encoder,
+            retain=retain,
         )
 
     @_data_call
     def touch(
-        self, namespace: Namespace, tokens: Tokens, *, traffic_class: str | None = None
+        self,
+        namespace: Namespace,
+        tokens: Tokens,
+        *,
+        traffic_class: str | None = None,
+        hint: Hint | None = None,
     ) -> int:
-        """Refresh retention of every stored full block of ``tokens``; returns blocks touched."""
+        """Refresh retention of every stored full block of ``tokens``; returns blocks touched.
+
+        ``hint``'s TTL and pin apply to the touched blocks."""
+        traffic_class, retain = _hinted(traffic_class, hint)
         cls = self._core.traffic_class(traffic_class)
-        return touch_or_delete(self._core, Op.TOUCH, _keys(namespace, tokens), cls)
+        return touch_or_delete(self._core, Op.TOUCH, _keys(namespace, tokens), cls, retain=retain)
 
     @_data_call
     def delete(self, namespace: Namespace, tokens: Tokens) -> int:
@@ -525,3 +568,13 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _hinted(traffic_class: str | None, hint: Hint | None) -> tuple[str | None, Retain]:
+    """The class a call uses and the hint's wire form (its TTL and pin)."""
+    if hint is None:
+        return traffic_class, NO_RETAIN
+    if not isinstance(hint, Hint):
+        raise ArgumentError(f"hint must be a kvcache.retention.Hint, got {type(hint).__name__}")
+    retain = Retain(ttl_s=hint.ttl_s or 0, pin=hint.pin)
+    return hint.traffic_class or traffic_class, (NO_RETAIN if retain == NO_RETAIN else retain)

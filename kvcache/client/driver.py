@@ -28,7 +28,7 @@ from kvcache.client.transport import Exchange, RemoteStatusError, Transport
 from kvcache.errors import AuthError, KVCacheError, NodeError
 from kvcache.native import Segments
 from kvcache.net import open_session
-from kvcache.wire import Frame, Header, Message, Op
+from kvcache.wire import NO_RETAIN, Frame, Header, Message, Op, Retain
 
 __all__ = ["Event", "GetExchange", "Pump", "Reviver", "Watchdog"]
 
@@ -56,8 +56,9 @@ class PumpedExchange(Exchange):
         data: Sequence[Frame] | Segments = (),
         *,
         traffic_class: str = "",
+        retain: Retain = NO_RETAIN,
     ) -> None:
-        super().__init__(node, op, items, data, traffic_class=traffic_class)
+        super().__init__(node, op, items, data, traffic_class=traffic_class, retain=retain)
         self.pump = pump
         self.ticket = ticket
         self.submitted = 0.0
@@ -70,9 +71,17 @@ class GetExchange(PumpedExchange):
     """A GET whose reply data lands in a :class:`LoadAssembly`."""
 
     def __init__(
-        self, pump: Pump, send: Send, items: npt.NDArray[np.void], assembly: LoadAssembly, cls: str
+        self,
+        pump: Pump,
+        send: Send,
+        items: npt.NDArray[np.void],
+        assembly: LoadAssembly,
+        cls: str,
+        retain: Retain = NO_RETAIN,
     ) -> None:
-        super().__init__(pump, send.ticket, send.node, Op.GET, items, traffic_class=cls)
+        super().__init__(
+            pump, send.ticket, send.node, Op.GET, items, traffic_class=cls, retain=retain
+        )
         self.send = send
         self.assembly = assembly
         self._writes: npt.NDArray[np.int64] | None = None

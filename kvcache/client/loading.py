@@ -28,7 +28,7 @@ from kvcache.client.rounds import LoadRound, Send
 from kvcache.client.transport import Exchange
 from kvcache.errors import ArgumentError
 from kvcache.shard import HEADER_BYTES
-from kvcache.wire import NO_INDEX, Message, Op, make_items
+from kvcache.wire import NO_INDEX, NO_RETAIN, Message, Op, Retain, make_items
 
 __all__ = ["LoadResult", "load_keys"]
 
@@ -79,8 +79,12 @@ def load_keys(
     out: npt.NDArray[np.uint8] | None = None,
     traffic_class: str | None = None,
     on_ready: OnReady | None = None,
+    retain: Retain = NO_RETAIN,
 ) -> LoadResult:
-    """Load the hit blocks of ``match``; stops at the first block that cannot be rebuilt."""
+    """Load the hit blocks of ``match``; stops at the first block that cannot be rebuilt.
+
+    ``retain`` is the request's hint: its TTL goes with each GET (a pin cannot: the
+    caller pins loaded blocks with a TOUCH)."""
     if not isinstance(match, MatchResult):
         raise ArgumentError(f"match must be a MatchResult, got {type(match).__name__}")
     if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
@@ -136,7 +140,7 @@ def load_keys(
             items["key"] = key_words[send.blocks]
             items["index"] = send.indices
             items["stripe"] = stripes[send.blocks]
-            exchange = GetExchange(pump, send, items, assembly, cls)
+            exchange = GetExchange(pump, send, items, assembly, cls, Retain(ttl_s=retain.ttl_s))
             sent.append(exchange)
             pump.submit(exchange)
 

@@ -173,6 +173,7 @@ class LocalTransport:
             count=len(exchange.items),
             data_len=len(data),
             traffic_class=exchange.traffic_class,
+            retain=exchange.retain,
         )
         raw = join(encode(header, np.ascontiguousarray(exchange.items), data))
         request = Request(self.tenant, decode(raw), time.perf_counter(), len(raw))

@@ -45,7 +45,7 @@ from kvcache.client.rounds import PutRound
 from kvcache.client.view import ClusterView
 from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import BlockKey
-from kvcache.wire import NO_INDEX, Op, make_items
+from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, make_items
 
 __all__ = ["Payloads", "StoreResult", "store_keys", "touch_or_delete"]
 
@@ -78,8 +78,10 @@ def store_keys(
     traffic_class: str | None = None,
     first_block: int = 0,
     encoder: concurrent.futures.Executor | None = None,
+    retain: Retain = NO_RETAIN,
 ) -> StoreResult:
-    """Store one payload per key (see the module docstring)."""
+    """Store one payload per key (see the module docstring); ``retain`` (the request's TTL
+    and pin hint) goes with every PUT and TOUCH."""
     cls = core.traffic_class(traffic_class)
     keys = list(keys)
     if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
@@ -109,7 +111,7 @@ def store_keys(
     for i in suspects:
         present[i] = False
     touched = touch_or_delete(
-        core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls, view=view
+        core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls, view=view, retain=retain
     )
     todo = np.flatnonzero(~present)
     expect = _replaceable(held, placement_rows, best, suspects, k=k)
@@ -157,14 +159,14 @@ def store_keys(
                 flights.append(
                     _start_put(
                         core, view, up, groups[g_index], batch, placement_rows, expect,
-                        redirected=redirected, order=order,
+                        redirected=redirected, order=order, retain=retain,
                     )
                 )  # fmt: skip
                 if next_group < len(groups):
                     pending.append(pool.submit(encode, groups[next_group]))
                     next_group += 1
             group, batch, round_, pump = flights[0]
-            _drive_put(core, round_, pump, batch, expect[group])
+            _drive_put(core, round_, pump, batch, expect[group], retain)
             flights.pop(0)
             done_groups += 1
             ok = round_.written
@@ -281,6 +283,7 @@ def _start_put(
     *,
     redirected: npt.NDArray[np.int64],
     order: npt.NDArray[np.int64],
+    retain: Retain = NO_RETAIN,
 ) -> tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]:
     config = core.config
     holders = placement_rows[group]
@@ -305,12 +308,19 @@ def _start_put(
         items, data = batch.node_sections(
             send.blocks, send.indices, expect[group[send.blocks], send.indices]
         )
-        pump.submit(PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data))
+        pump.submit(
+            PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
+        )
     return group, batch, round_, pump
 
 
 def _drive_put(
-    core: ClientCore, round_: PutRound, pump: Pump, batch: EncodedBatch, group_expect: Any
+    core: ClientCore,
+    round_: PutRound,
+    pump: Pump,
+    batch: EncodedBatch,
+    group_expect: Any,
+    retain: Retain = NO_RETAIN,
 ) -> None:
     while not round_.done:
         for event in pump.wait(round_.next_wakeup()):
@@ -320,7 +330,11 @@ def _drive_put(
                     items, data = batch.node_sections(
                         send.blocks, send.indices, group_expect[send.blocks, send.indices]
                     )
-                    pump.submit(PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data))
+                    pump.submit(
+                        PumpedExchange(
+                            pump, send.ticket, send.node, Op.PUT, items, data, retain=retain
+                        )
+                    )
                 continue
             statuses = event.reply.items["status"]
             core.count("write_conflicts", int(np.count_nonzero(statuses == 7)))
@@ -358,7 +372,13 @@ def _rollback(
 
 
 def touch_or_delete(
-    core: ClientCore, op: Op, keys: list[BlockKey], cls: str, *, view: ClusterView | None = None
+    core: ClientCore,
+    op: Op,
+    keys: list[BlockKey],
+    cls: str,
+    *,
+    view: ClusterView | None = None,
+    retain: Retain = NO_RETAIN,
 ) -> int:
     """Send TOUCH (or DELETE of every shard) for ``keys`` to every node that may hold some
     (the view's read rows); keys any node knew."""
@@ -384,7 +404,13 @@ def touch_or_delete(
         blocks_of[ticket] = blocks
         pump.submit(
             PumpedExchange(
-                pump, ticket, int(node), op, items, traffic_class=cls if op is Op.TOUCH else ""
+                pump,
+                ticket,
+                int(node),
+                op,
+                items,
+                traffic_class=cls if op is Op.TOUCH else "",
+                retain=retain if op is Op.TOUCH else NO_RETAIN,
             )
         )
     deadline = core.clock() + core.config.timeout_s

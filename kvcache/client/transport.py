@@ -62,11 +62,13 @@ from kvcache.errors import KVCacheError, NodeError, ProtocolError
 from kvcache.net import open_session
 from kvcache.wire import (
     HEADER_BYTES,
+    NO_RETAIN,
     Frame,
     Header,
     Limits,
     Message,
     Op,
+    Retain,
     Status,
     check_message,
     item_dtype,
@@ -124,12 +126,15 @@ class Exchange:
         data: Sequence[Frame] | native.Segments = (),
         *,
         traffic_class: str = "",
+        retain: Retain = NO_RETAIN,
     ) -> None:
         self.node = node
         self.op = op
         self.items = items
         self.data = data
         self.traffic_class = traffic_class
+        #: The request's retention hint (TTL, pin), sent in the header.
+        self.retain = retain
         #: Times the transport sent it (a retry on a fresh connection adds one).
         self.attempts = 0
         #: :meth:`landing` was asked: its data may be partly written, so it is never resent.
@@ -801,6 +806,7 @@ def _request(exchange: Exchange, request_id: int) -> list[memoryview | native.Se
         count=len(exchange.items),
         data_len=sum(sizes),
         traffic_class=exchange.traffic_class,
+        retain=exchange.retain,
     )
     packed = np.frombuffer(header.pack(), np.uint8)
     items = np.ascontiguousarray(exchange.items).view(np.uint8)

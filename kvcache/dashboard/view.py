@@ -98,6 +98,50 @@ def build_view(
             for name in _GC
         },
         "repair": _repair(polls),
+        "retention": _retention(polls),
+    }
+
+
+def _retention(polls: Sequence[NodePoll]) -> dict[str, Any]:
+    """Whether the retention promise holds, per (tenant, class), summed over the answering
+    nodes' ``/stats`` ``retention``: shards removed by cause (``evicted`` = before their
+    TTL), and the youngest of the nodes' oldest-live ages."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def row(tenant: str, cls: str) -> dict[str, Any]:
+        return rows.setdefault(
+            (tenant, cls),
+            {"tenant": tenant, "class": cls, "expired": 0, "evicted": 0, "quota": 0,
+             "deleted": 0, "evicted_bytes": 0, "oldest_live_age_s": None},
+        )  # fmt: skip
+
+    for p in polls:
+        retention = (p.stats or {}).get("retention")
+        if not isinstance(retention, Mapping):
+            continue
+        for r in retention.get("removals", []):
+            entry = row(str(r["tenant"]), str(r["class"]))
+            cause = str(r["cause"])
+            if cause in ("expired", "evicted", "quota", "deleted"):
+                entry[cause] += int(r["shards"])
+            if cause == "evicted":
+                entry["evicted_bytes"] += int(r["bytes"])
+        for r in retention.get("oldest_live_age_s", []):
+            entry = row(str(r["tenant"]), str(r["class"]))
+            age = float(r["age_s"])
+            old = entry["oldest_live_age_s"]
+            entry["oldest_live_age_s"] = age if old is None else min(old, age)
+    ordered = [rows[k] for k in sorted(rows)]
+    broken = sum(r["evicted"] for r in ordered)
+    return {
+        "rows": ordered,
+        "evicted_before_ttl": broken,
+        "text": (
+            "Every removal so far was an expiry, a quota or a delete: the retention promise held."
+            if not broken
+            else f"{broken:,} live shards were evicted for capacity before their TTL: the "
+            "retention promise was broken (add capacity; `kvcache retention plan` sizes it)."
+        ),
     }
 
 

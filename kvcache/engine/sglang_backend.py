@@ -41,11 +41,13 @@ import torch
 import xxhash
 
 from kvcache.client import Client, ClientConfig
+from kvcache.engine.hints import hint_from_params
 from kvcache.engine.paged import kv_dtype
 from kvcache.engine.settings import EngineSettings, engine_namespace, split_engine_config
 from kvcache.errors import ConfigError
 from kvcache.keys import BlockKey, Namespace
 from kvcache.layout import KVLayout
+from kvcache.retention.decide import Hint
 from kvcache.swa_local.replay import ReplayPlan, plan_replay
 
 __all__ = ["SGLANG_KEYS", "KVCacheStorage", "SGLangSettings", "page_key"]
@@ -174,6 +176,8 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
             "pages_loaded": 0,
             "pages_stored": 0,
             "pages_failed": 0,
+            "pages_declined": 0,
+            "hints_bad": 0,
         }
 
     # ------------------------------------------------------------ layout and keys
@@ -276,22 +280,37 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        """Load pages straight into SGLang's host pool at ``host_indices`` (one index per token)."""
+        """Load pages straight into SGLang's host pool at ``host_indices`` (one index per token).
+
+        ``extra_info.extra_info["kvcache"]``, when SGLang's caller set it, is the
+        request's retention hint (:mod:`kvcache.engine.hints`)."""
         pool = self._pool()
         ns = self._require_layout()
-        payloads = self._load(ns, keys)
+        payloads = self._load(ns, keys, self._hint(extra_info))
         for i, payload in enumerate(payloads):
             index = int(host_indices[i * self._page_size])
             page = torch.from_numpy(payload).view(pool.dtype)
             pool.set_from_flat_data_page(index, page)
         return [i < len(payloads) for i in range(len(keys))]
 
-    def _load(self, ns: Namespace, page_hashes: Sequence[str]) -> list[np.ndarray]:
+    def _hint(self, extra_info: Any) -> Hint | None:
+        """The retention hint in a storage call's ``HiCacheStorageExtraInfo.extra_info``
+        (None: the backend's class); a malformed one is logged, counted and ignored."""
+        hint, error = hint_from_params(
+            getattr(extra_info, "extra_info", None), request="(SGLang storage call)"
+        )
+        if error is not None:
+            self.stats["hints_bad"] += 1
+        return hint
+
+    def _load(
+        self, ns: Namespace, page_hashes: Sequence[str], hint: Hint | None = None
+    ) -> list[np.ndarray]:
         match = self._client.match_keys(
             self._keys(ns, page_hashes), tokens_per_block=self._page_size
         )
         result = self._client.load_keys(
-            match, payload_len=self._page_bytes, traffic_class=self._traffic_class
+            match, payload_len=self._page_bytes, traffic_class=self._traffic_class, hint=hint
         )
         self.stats["pages_loaded"] += result.blocks
         return result.payloads
@@ -324,17 +343,27 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        """Store pages read from SGLang's host pool at ``host_indices``."""
+        """Store pages read from SGLang's host pool at ``host_indices``, under the call's
+        retention hint (``extra_info.extra_info["kvcache"]``); ``store: false`` stores
+        nothing and answers every page done, so SGLang does not retry it."""
+        hint = self._hint(extra_info)
+        if hint is not None and not hint.store:
+            self.stats["pages_declined"] += len(keys)
+            return [True] * len(keys)
         pool = self._pool()
         ns = self._require_layout()
         pages = [
             _as_bytes(pool.get_flat_data_page(int(host_indices[i * self._page_size]))).numpy()
             for i in range(len(keys))
         ]
-        return self._store(ns, keys, pages)
+        return self._store(ns, keys, pages, hint)
 
     def _store(
-        self, ns: Namespace, page_hashes: Sequence[str], payloads: list[np.ndarray]
+        self,
+        ns: Namespace,
+        page_hashes: Sequence[str],
+        payloads: list[np.ndarray],
+        hint: Hint | None = None,
     ) -> list[bool]:
         for p in payloads:
             if p.nbytes != self._page_bytes:
@@ -343,7 +372,7 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
                 )
         result = self._client.store_keys(
             self._keys(ns, page_hashes), payloads, payload_len=self._page_bytes,
-            traffic_class=self._traffic_class,
+            traffic_class=self._traffic_class, hint=hint,
         )  # fmt: skip
         failed = set(result.failed_blocks)
         self.stats["pages_stored"] += result.written + result.touched

@@ -52,7 +52,9 @@ class ConnectorStats:
     (reported to vLLM for recomputation), ``blocks_saved`` (written),
     ``blocks_save_touched`` (already stored), ``blocks_save_failed``,
     ``blocks_save_dropped`` (queue full or shutdown), ``saves_skipped``
-    (saves withheld because the same step's load failed), ``save_jobs_queued`` /
+    (saves withheld because the same step's load failed), ``hints_bad`` (requests
+    whose retention hint was malformed and ignored), ``saves_declined`` (saves not
+    planned because the request's hint said ``store: false``), ``save_jobs_queued`` /
     ``save_jobs_done`` (blocks and states handed to the saver thread, and finished
     with, stored or failed: equal when no save is pending), ``async_loads``
     (loads run while their request waited). Scheduler half, fetch or recompute:
@@ -93,6 +95,8 @@ class ConnectorStats:
     blocks_save_failed: int = 0
     blocks_save_dropped: int = 0
     saves_skipped: int = 0
+    hints_bad: int = 0
+    saves_declined: int = 0
     save_jobs_queued: int = 0
     save_jobs_done: int = 0
     save_queue_peak_bytes: int = 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from kvcache.engine.hybrid import HybridLayout, SwaLoadSpec, SwaSaveSpec, window_ids
 from kvcache.errors import ConfigError
 from kvcache.keys import TokenArray, as_token_array
+from kvcache.retention.decide import Hint
 
 __all__ = [
     "BlockSpan",
@@ -105,6 +106,8 @@ class StepPlan:
     step_tokens: int = 0
     #: Sliding-window states to take after the forward pass (hybrid models).
     swa_saves: tuple[SwaSaveSpec, ...] = ()
+    #: Retention hints of this step's requests that have one (request id -> hint).
+    hints: Mapping[str, Hint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

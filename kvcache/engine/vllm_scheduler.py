@@ -26,8 +26,10 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
+from kvcache.engine.hints import hint_from_params
 from kvcache.engine.hybrid import SwaLoadSpec, state_hit, window_ids
 from kvcache.engine.vllm_context import ConnectorContext
 from kvcache.engine.vllm_meta import (
@@ -42,6 +44,7 @@ from kvcache.engine.vllm_meta import (
     loadable_blocks,
 )
 from kvcache.keys import block_keys
+from kvcache.retention.decide import Hint
 from kvcache.swa_local.directory import Directory
 from kvcache.swa_local.protocol import HolderRecord
 
@@ -82,6 +85,10 @@ class SchedulerSide:
         #: Hybrid: the holders of the state at each offered hit (filled on the lookup thread).
         self._holders: dict[str, tuple[HolderRecord, ...]] = {}
         self._holders_lock = threading.Lock()
+        #: Retention hints of live requests that carry one (``kv_transfer_params["kvcache"]``).
+        self._hints: dict[str, Hint] = {}
+        #: Requests already asked for their hint (each is parsed once).
+        self._hint_seen: set[str] = set()
         #: Hybrid: requests whose load failed; offered nothing again (they are recomputed).
         self._no_offer: set[str] = set()
         #: Bounded-replay models: requests whose offer restores the window (a state is held
@@ -109,6 +116,7 @@ class SchedulerSide:
         ctx = self.ctx
         prompt = request.prompt_token_ids
         req_id = request.request_id
+        self._remember_hint(request)
         if not ctx.load or prompt is None or req_id in self._no_offer:
             return 0, False
         b = ctx.block_size
@@ -136,6 +144,19 @@ class SchedulerSide:
         if ext:
             self._local_tokens[req_id] = num_computed_tokens
         return ext, bool(ext) and self._async_loads
+
+    def _remember_hint(self, request: Any) -> None:
+        """Parse the request's retention hint once (a bad one is logged, counted, ignored)."""
+        req_id = request.request_id
+        if req_id in self._hint_seen:
+            return
+        self._hint_seen.add(req_id)
+        hint, error = hint_from_params(getattr(request, "kv_transfer_params", None), request=req_id)
+        if error is not None:
+            with self.ctx.lock:
+                self.ctx.stats.hints_bad += 1
+        if hint is not None:
+            self._hints[req_id] = hint
 
     def _fetch_or_recompute(self, tokens: int, position: int) -> int:
         """``tokens`` when loading them is predicted to beat recomputing them, else 0."""
@@ -241,6 +262,7 @@ class SchedulerSide:
         """vLLM gave the request its blocks; plan the load of ``num_external_tokens`` tokens."""
         ctx = self.ctx
         req_id = request.request_id
+        self._remember_hint(request)
         self.matches.forget(req_id)
         self._offers.pop(req_id, None)
         local = self._local_tokens.pop(req_id, None)
@@ -339,8 +361,29 @@ class SchedulerSide:
             )
         spec = {rid: len(toks) for rid, toks in so.scheduled_spec_decode_tokens.items()}
         plan = self.book.plan_step(new, cached, so.num_scheduled_tokens, spec)
+        if self._hints:
+            plan = self._with_hints(plan)
         self.ctx.write_stats()
         return plan
+
+    def _with_hints(self, plan: StepPlan) -> StepPlan:
+        """The plan with its requests' hints; saves of ``store: false`` requests left out."""
+        hints = self._hints
+        named = {s.req_id for s in (*plan.loads, *plan.saves)} | {s.req_id for s in plan.swa_saves}
+        saves = tuple(s for s in plan.saves if s.req_id not in hints or hints[s.req_id].store)
+        swa_saves = tuple(
+            s for s in plan.swa_saves if s.req_id not in hints or hints[s.req_id].store
+        )
+        declined = len(plan.saves) - len(saves)
+        if declined:
+            with self.ctx.lock:
+                self.ctx.stats.saves_declined += declined
+        return replace(
+            plan,
+            saves=saves,
+            swa_saves=swa_saves,
+            hints={r: hints[r] for r in named if r in hints},
+        )
 
     def update_connector_output(self, output: Any) -> None:
         """Learn rates from the workers' measurements; remember requests whose load failed."""
@@ -373,6 +416,8 @@ class SchedulerSide:
         asynchronous load holds its blocks through vLLM until the worker reports it."""
         req_id = request.request_id
         self.book.on_finished(req_id)
+        self._hints.pop(req_id, None)
+        self._hint_seen.discard(req_id)
         self.matches.forget(req_id)
         self._local_tokens.pop(req_id, None)
         self._offers.pop(req_id, None)

@@ -43,6 +43,7 @@ from kvcache.engine.vllm_meta import (
 )
 from kvcache.errors import ConfigError
 from kvcache.keys import TokenArray, block_keys
+from kvcache.retention.decide import Hint
 from kvcache.swa_local.state import StateKey
 from kvcache.swa_local.tier import SwaTier
 
@@ -81,6 +82,8 @@ class WorkerSide:
         self._failed_loads: set[str] = set()
         self._failed_reqs: set[str] = set()
         self._saver = _Saver(self, ctx.settings.max_pending_save_mb << 20)
+        #: Retention hints of the loads planned and not finished yet (request id -> hint).
+        self._load_hints: dict[str, Hint] = {}
         self._loader = _Loader(self)
         self._load_samples: list[tuple[int, float]] = []
         self._step_samples: list[tuple[int, float]] = []
@@ -215,6 +218,8 @@ class WorkerSide:
             return
         ctx = self.ctx
         for spec in plan.loads:
+            if spec.req_id in plan.hints:  # read by load_one, dropped by finish_load
+                self._load_hints[spec.req_id] = plan.hints[spec.req_id]
             if spec.asynchronous:
                 with ctx.lock:
                     ctx.stats.async_loads += 1
@@ -245,7 +250,9 @@ class WorkerSide:
             if not match.hit_blocks or (state is not None and match.hit_blocks < len(keys)):
                 return 0, []
             host = adapter.alloc_host(match.hit_blocks)
-            result = self.client.load(ctx.namespace, match, out=host.numpy())
+            result = self.client.load(
+                ctx.namespace, match, out=host.numpy(), hint=self._load_hints.get(spec.req_id)
+            )
             if not result.blocks or (state is not None and result.blocks < len(keys)):
                 return 0, []
             nbytes = result.blocks * adapter.payload_bytes + (0 if state is None else state.numel())
@@ -308,6 +315,7 @@ class WorkerSide:
     def finish_load(self, spec: LoadSpec, loaded: int) -> None:
         """Count a load and report what did not arrive, for vLLM to recompute."""
         ctx = self.ctx
+        self._load_hints.pop(spec.req_id, None)
         failed = failed_block_ids(spec, loaded)
         # Several groups: block ids are unique per group only, so failures are per request.
         hybrid = ctx.hybrid is not None
@@ -374,7 +382,15 @@ class WorkerSide:
                 continue
             handle = adapter.gather(page_ids(spec.block_ids, adapter.pages_per_block))
             handle.release_sources()
-            self._saver.submit(_SaveJob(spec.req_id, spec.tokens, spec.first_block, [handle]))
+            self._saver.submit(
+                _SaveJob(
+                    spec.req_id,
+                    spec.tokens,
+                    spec.first_block,
+                    [handle],
+                    hint=plan.hints.get(spec.req_id),
+                )
+            )
         for state in plan.swa_saves:
             self._take_state(state, failed_reqs)
         ctx.write_stats()
@@ -465,6 +481,8 @@ class _SaveJob:
     first_block: int
     gathers: list[TransferHandle]
     position: int = 0
+    #: The request's retention hint (class, TTL, pin), if it has one.
+    hint: Hint | None = None
 
     @property
     def nbytes(self) -> int:
@@ -615,6 +633,7 @@ class _Saver:
             job.tokens,
             job.gathers[0].host.numpy(),
             first_block=job.first_block,
+            hint=job.hint,
         )
         with ctx.lock:
             ctx.stats.blocks_saved += result.written

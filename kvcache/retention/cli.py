@@ -7,6 +7,8 @@ the retention policy of a cluster.
     kvcache retention usage    --cluster cluster.toml
     kvcache retention simulate --trace trace.jsonl --classes agent=3d,chat=7d [--sweep 1h,1d,3d,7d]
                                [--plot ttl.png]
+    kvcache retention plan     --trace trace.jsonl --classes agent=3d,chat=7d [--nodes 12]
+    kvcache retention generate --days 7 --out trace.jsonl [--seed 1 --agent-rate 6 --chat-rate 12]
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--block-bytes", type=int, default=112 * 1024, help="payload bytes per 512-token block"
     )
+    sim.add_argument(
+        "--touch-resolution",
+        default="60s",
+        help="the daemons' touch_resolution_s: slides shorter than this are not written "
+        "(default %(default)s, as the daemons)",
+    )
+    sim.add_argument(
+        "--capacity-blocks",
+        type=int,
+        help="also bound the cluster to this many live blocks (the daemons' watermark "
+        "eviction), and report the blocks evicted before their TTL",
+    )
     sim.add_argument("--json", action="store_true", help="print JSON")
     sim.add_argument(
         "--plot",
@@ -92,6 +106,31 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         help="draw hit rate and stored bytes against the --sweep TTLs, per class, into PNG",
     )
     sim.set_defaults(func=_simulate)
+    plan = rsub.add_parser(
+        "plan",
+        help="the capacity at which no class is evicted before its TTL, and what less costs",
+    )
+    plan.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    plan.add_argument("--trace-class", default="chat", help="class of trace records without one")
+    plan.add_argument("--classes", default="agent=3d,chat=7d,default=3d", help="policy to plan for")
+    plan.add_argument(
+        "--block-bytes", type=int, default=112 * 1024, help="payload bytes per 512-token block"
+    )
+    plan.add_argument("--nodes", type=int, default=12, help="daemons the capacity is spread over")
+    plan.add_argument("--high-watermark", type=float, default=0.9, help="the daemons' (0.9)")
+    plan.add_argument("--low-watermark", type=float, default=0.8, help="the daemons' (0.8)")
+    plan.add_argument("--touch-resolution", default="60s", help="the daemons' (60s)")
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.set_defaults(func=_plan)
+    gen = rsub.add_parser("generate", help="write a multi-day agent and chat trace")
+    gen.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    gen.add_argument("--days", type=float, default=7.0)
+    gen.add_argument("--seed", type=int, default=1)
+    gen.add_argument("--agent-rate", type=float, default=6.0, help="agent sessions per hour")
+    gen.add_argument("--chat-rate", type=float, default=12.0, help="chat sessions per hour")
+    gen.add_argument("--chat-return", type=float, default=0.6, help="chance a chat comes back")
+    gen.add_argument("--agent-return", type=float, default=0.1, help="chance an agent comes back")
+    gen.set_defaults(func=_generate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,7 +273,12 @@ def _simulate(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     swept: list[tuple[int, SimulationResult]] = []
     for label, policy, ttl_s in candidates:
-        res = simulate(requests, policy)
+        res = simulate(
+            requests,
+            policy,
+            touch_resolution_s=parse_duration(args.touch_resolution, what="--touch-resolution"),
+            capacity_blocks=args.capacity_blocks,
+        )
         if ttl_s is not None:
             swept.append((ttl_s, res))
         rows.append(
@@ -245,9 +289,11 @@ def _simulate(args: argparse.Namespace) -> int:
                 "peak_stored_bytes": res.stored_bytes(args.block_bytes),
                 "mean_stored_bytes": res.stored_bytes(args.block_bytes, peak=False),
                 "expirations": res.expirations,
+                "evicted_before_ttl": res.evicted_before_ttl,
                 "classes": {
                     name: {
                         "hit_rate": c.hit_rate,
+                        "evicted_before_ttl": c.evicted_before_ttl,
                         "peak_stored_bytes": c.stored_bytes(args.block_bytes),
                         "mean_stored_bytes": c.stored_bytes(args.block_bytes, peak=False),
                     }
@@ -270,8 +316,87 @@ def _simulate(args: argparse.Namespace) -> int:
             f"{r['policy']:<34} {r['hit_rate']:>9.1%} {r['peak_blocks']:>12,} "
             f"{r['peak_stored_bytes'] / 1e9:>10.2f}GB {r['mean_stored_bytes'] / 1e9:>10.2f}GB"
         )
+    if args.capacity_blocks is not None:
+        for r in rows:
+            print(
+                f"{r['policy']}: {r['evicted_before_ttl']:,} blocks evicted before their TTL at "
+                f"{args.capacity_blocks:,} blocks of capacity"
+            )
     if args.plot is not None:
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvcache.retention.plan import plan_capacity
+    from kvcache.workload import read_trace
+
+    requests = list(read_trace(args.trace, traffic_class=args.trace_class))
+    if not requests:
+        raise ConfigError(f"{args.trace} holds no requests")
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+    plan = plan_capacity(
+        requests,
+        _policy(args.classes, None),
+        block_bytes=args.block_bytes,
+        nodes=args.nodes,
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        touch_resolution_s=parse_duration(args.touch_resolution, what="--touch-resolution"),
+    )
+    full = plan.full
+    points: list[dict[str, Any]] = [
+        {
+            "fraction": p.fraction,
+            "capacity_blocks": p.capacity_blocks,
+            "node_bytes": plan.capacity_for(p.fraction),
+            "hit_rate": p.result.hit_rate,
+            "hit_rate_lost_pp": p.lost_pp(full),
+            "evicted_before_ttl": p.result.evicted_before_ttl,
+            "classes": {
+                name: {"hit_rate": c.hit_rate, "evicted_before_ttl": c.evicted_before_ttl}
+                for name, c in p.result.classes.items()
+            },
+        }
+        for p in plan.points
+    ]
+    if args.json:
+        print(json.dumps({
+            "requests": len(requests), "classes": args.classes,
+            "capacity_blocks": plan.capacity_blocks, "total_bytes": plan.total_bytes,
+            "node_bytes": plan.node_bytes, "nodes": plan.nodes, "hit_rate": full.hit_rate,
+            "points": points,
+        }, indent=2))  # fmt: skip
+        return 0
+    span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000
+    print(f"{len(requests)} requests over {span_s / 86400:.2f} days of trace time, {args.classes}")
+    print(
+        f"capacity at which no class is evicted before its TTL: {plan.capacity_blocks:,} blocks "
+        f"= {plan.total_bytes / 1e9:.2f} GB with the {plan.k} + {plan.m} overhead, "
+        f"{plan.node_bytes / 1e9:.3f} GB on each of {plan.nodes} nodes; hit rate {full.hit_rate:.1%}"
+    )
+    for p in points:
+        per_class = ", ".join(
+            f"{name} {c['evicted_before_ttl']:,}" for name, c in p["classes"].items()
+        )
+        print(
+            f"at {p['fraction']:.0%} ({p['node_bytes'] / 1e9:.3f} GB a node): hit rate "
+            f"{p['hit_rate']:.1%} ({-p['hit_rate_lost_pp']:+.2f} pp), "
+            f"{p['evicted_before_ttl']:,} blocks evicted before their TTL ({per_class})"
+        )
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvcache.retention.tracegen import TraceModel, generate_trace, write_trace
+
+    model = TraceModel(
+        days=args.days, seed=args.seed, agent_rate=args.agent_rate, chat_rate=args.chat_rate,
+        chat_return=args.chat_return, agent_return=args.agent_return,
+    )  # fmt: skip
+    n = write_trace(generate_trace(model), args.out)
+    print(f"{n} requests over {args.days:g} days written to {args.out}")
     return 0
 
 

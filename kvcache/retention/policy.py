@@ -28,8 +28,8 @@ __all__ = [
     "DAY_S",
     "DEFAULT_CLASSES",
     "DEFAULT_CLASS_NAME",
+    "MIN_HINT_TTL_S",
     "RetentionPolicy",
-    "merged_expiry",
     "parse_duration",
 ]
 
@@ -41,6 +41,8 @@ DEFAULT_CLASSES: Mapping[str, int] = types.MappingProxyType(
 DEFAULT_CLASS_NAME = "default"
 #: Longest TTL accepted (10 years): keeps ``now + ttl`` in milliseconds far from u64 limits.
 MAX_TTL_S = 10 * 365 * DAY_S
+#: Shortest TTL a request's hint may ask for unless the admin sets a class's bounds.
+MIN_HINT_TTL_S = 60
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": DAY_S, "w": 7 * DAY_S}
 _DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*\Z")
@@ -63,15 +65,6 @@ def parse_duration(value: object, *, what: str = "duration") -> int:
     return int(seconds)
 
 
-def merged_expiry(current_ms: int | None, candidate_ms: int) -> int:
-    """The expiry a shard keeps when a write or hit proposes ``candidate_ms``: the later one.
-
-    This is the whole "a block used by two classes keeps the longer TTL" rule:
-    a hit never shortens a shard's life, whatever its class.
-    """
-    return candidate_ms if current_ms is None else max(current_ms, candidate_ms)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetentionPolicy:
     """Traffic classes → TTL in seconds, and the class used for names not listed.
@@ -82,6 +75,12 @@ class RetentionPolicy:
 
     classes: Mapping[str, int] = field(default_factory=lambda: DEFAULT_CLASSES)
     default_class: str = DEFAULT_CLASS_NAME
+    #: Per class, the (shortest, longest) TTL in seconds a request's ``ttl`` hint may ask
+    #: for; a hint outside is clamped into them. A class not listed gets
+    #: (min(MIN_HINT_TTL_S, ttl), ttl): a hint may shorten its life, not lengthen it.
+    ttl_bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    #: max_ttl_s, computed once (it is read for every hit a daemon serves).
+    _max_ttl_s: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.classes, Mapping) or not self.classes:
@@ -104,6 +103,25 @@ class RetentionPolicy:
                 f"{sorted(checked)}; add it under [retention.classes]"
             )
         object.__setattr__(self, "classes", types.MappingProxyType(checked))
+        bounds: dict[str, tuple[int, int]] = {}
+        for name, pair in sorted(dict(self.ttl_bounds).items()):
+            if name not in checked:
+                raise ConfigError(
+                    f"retention ttl_bounds names class {name!r}, which is not one of the "
+                    f"classes {sorted(checked)}"
+                )
+            low, high = pair
+            if not (
+                isinstance(low, int) and isinstance(high, int) and 1 <= low <= high <= MAX_TTL_S
+            ):
+                raise ConfigError(
+                    f"retention ttl_bounds of class {name!r} must be whole seconds "
+                    f"1 <= min <= max <= {MAX_TTL_S}, got {pair!r}"
+                )
+            bounds[name] = (low, high)
+        object.__setattr__(self, "ttl_bounds", types.MappingProxyType(bounds))
+        longest = max([*checked.values(), *(high for _, high in bounds.values())])
+        object.__setattr__(self, "_max_ttl_s", longest)
 
     def resolve(self, name: str) -> str:
         """The class a write or hit named ``name`` counts as: itself if known, else the default."""
@@ -117,14 +135,24 @@ class RetentionPolicy:
         """Expiry (ms since the epoch) for a write or hit of class ``name`` at ``now_s``."""
         return int(now_s * 1000) + self.ttl_s(name) * 1000
 
+    def bounds_of(self, name: str) -> tuple[int, int]:
+        """(shortest, longest) TTL a hint may ask for in the class ``name`` resolves to."""
+        cls = self.resolve(name)
+        ttl = self.classes[cls]
+        return self.ttl_bounds.get(cls, (min(MIN_HINT_TTL_S, ttl), ttl))
+
     @property
     def max_ttl_s(self) -> int:
-        """The longest TTL of any class (bounds how far one hit can move an expiry)."""
-        return max(self.classes.values())
+        """The longest TTL any write or hit can ask for: of any class or any class's bounds
+        (bounds how far one hit can move an expiry)."""
+        return self._max_ttl_s
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (TTLs in seconds), accepted back by :meth:`from_mapping`."""
-        return {"default_class": self.default_class, "classes": dict(self.classes)}
+        out: dict[str, Any] = {"default_class": self.default_class, "classes": dict(self.classes)}
+        if self.ttl_bounds:
+            out["ttl_bounds"] = {k: list(v) for k, v in self.ttl_bounds.items()}
+        return out
 
     def to_json(self) -> bytes:
         """The policy as compact UTF-8 JSON (how a daemon persists it)."""
@@ -142,11 +170,11 @@ class RetentionPolicy:
         """
         if not isinstance(table, Mapping):
             raise ConfigError(f"{source}: retention policy must be a table, got {table!r}")
-        unknown = set(table) - {"classes", "default_class"}
+        unknown = set(table) - {"classes", "default_class", "ttl_bounds"}
         if unknown:
             raise ConfigError(
                 f"{source}: unknown retention setting(s) {sorted(unknown)}; "
-                "known: classes, default_class"
+                "known: classes, default_class, ttl_bounds"
             )
         raw_classes = table.get("classes", DEFAULT_CLASSES)
         if isinstance(raw_classes, str):
@@ -166,8 +194,9 @@ class RetentionPolicy:
             # A table that lists its own classes without naming a default: the
             # longest-lived class is the safe fallback (it never drops data early).
             default_class = max(sorted(classes), key=lambda name: classes[name])
+        bounds = _parse_bounds(table.get("ttl_bounds", {}), source)
         try:
-            return cls(classes=classes, default_class=default_class)
+            return cls(classes=classes, default_class=default_class, ttl_bounds=bounds)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
@@ -185,4 +214,24 @@ def _parse_class_list(text: str, source: str) -> dict[str, str]:
         if not sep:
             raise ConfigError(f"{source}: expected name=duration in {text!r}, got {part!r}")
         out[name.strip()] = ttl.strip()
+    return out
+
+
+def _parse_bounds(raw: object, source: str) -> dict[str, tuple[int, int]]:
+    """``{class: "1m..7d"}`` or ``{class: [60, 604800]}`` (a string ``"agent=1m..7d,..."`` too)."""
+    if isinstance(raw, str):
+        raw = _parse_class_list(raw, source)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: ttl_bounds must be a table of class = 'min..max'")
+    out: dict[str, tuple[int, int]] = {}
+    for name, value in raw.items():
+        what = f"{source}: ttl_bounds of class {name!r}"
+        if isinstance(value, str) and ".." in value:
+            low, _, high = value.partition("..")
+            pair = (parse_duration(low, what=what), parse_duration(high, what=what))
+        elif isinstance(value, list | tuple) and len(value) == 2:
+            pair = (parse_duration(value[0], what=what), parse_duration(value[1], what=what))
+        else:
+            raise ConfigError(f"{what} must be 'min..max' (e.g. '1m..7d'), got {value!r}")
+        out[str(name)] = pair
     return out

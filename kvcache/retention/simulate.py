@@ -1,21 +1,33 @@
 """What a retention policy would do to a workload: hit rate and capacity, without a cluster.
 
-Replays a request trace against an idealised cluster that keeps every block
-until its class's TTL runs out (sliding on hits, the longer expiry winning when
-classes share a block) and has no capacity limit. The hit rate is the tokens of
-each request's leading run of live blocks over all input tokens; capacity is
-the number of live blocks (and their bytes with the 10 + 2 overhead) seen just
-before each request. Both are also kept per traffic class: a request's hit
-counts for its own class, a live block for the class whose TTL holds it (the
-one that set its current expiry). Pure: time is the trace's own.
+Replays a request trace against an idealised cluster under the daemons' own
+rules (:mod:`kvcache.retention.decide`): every full block of a request is
+written when absent, and slid when live (a hit of the leading run, or a block
+the client finds stored and touches), a slide shorter than the touch
+resolution is not written, and the later expiry wins when classes share a
+block. Without ``capacity_blocks`` nothing is evicted; with it, a write that
+would take the live blocks past ``high_watermark × capacity`` first evicts the
+earliest-expiring unpinned blocks just enough to fit, and after the request
+eviction goes on down to ``low_watermark × capacity`` (what a daemon's write
+path and background work do). Every such eviction is of a live block, so it
+counts as *evicted before its TTL*.
+
+The hit rate is the tokens of each request's leading run of live blocks over
+all input tokens; capacity is the number of live blocks (and their bytes with
+the 10 + 2 overhead) seen just before each request. Both are also kept per
+traffic class: a request's hit counts for its own class, a live block for the
+class whose TTL holds it (the one that set its current expiry). Pure: time is
+the trace's own.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping
+import types
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvcache.retention import decide
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.workload import TRACE_BLOCK_TOKENS, Request
 
@@ -30,6 +42,8 @@ class ClassResult:
     hit_tokens: int
     peak_blocks: int
     mean_blocks: float
+    #: Blocks of this class removed by capacity pressure while still live.
+    evicted_before_ttl: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -56,6 +70,13 @@ class SimulationResult:
     expirations: int
     #: The same figures per traffic class.
     classes: Mapping[str, ClassResult] = field(default_factory=dict)
+    #: Live blocks removed by capacity pressure (0 without ``capacity_blocks``).
+    evicted_before_ttl: int = 0
+    #: The capacity simulated, in blocks (None: unbounded).
+    capacity_blocks: int | None = None
+    #: Most live blocks just after a request's writes: what a store must hold (under its
+    #: high watermark) for nothing to be evicted before its TTL.
+    peak_written_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -70,27 +91,84 @@ class SimulationResult:
         return blocks * block_bytes * (k + m) / k
 
 
-def simulate(requests: Iterable[Request], policy: RetentionPolicy) -> SimulationResult:
-    """Replay ``requests`` (in arrival order) under ``policy``."""
-    expiry: dict[int, float] = {}
-    owner: dict[int, str] = {}  # the class whose TTL set each live block's expiry
-    heap: list[tuple[float, int]] = []
-    requests_seen = input_tokens = hit_tokens = peak = expirations = 0
+def simulate(
+    requests: Iterable[Request],
+    policy: RetentionPolicy,
+    *,
+    touch_resolution_s: float = 60.0,
+    capacity_blocks: int | None = None,
+    high_watermark: float = 0.9,
+    low_watermark: float = 0.8,
+    observe: Callable[[Request, Mapping[int, tuple[int, str]]], None] | None = None,
+) -> SimulationResult:
+    """Replay ``requests`` (in arrival order) under ``policy``.
+
+    ``observe``, if given, sees each request and then every live block's
+    (expiry ms, stored class) after it (how a test holds the simulator against
+    a real store, block by block).
+
+    ``touch_resolution_s`` is the daemons' (``ServerConfig.touch_resolution_s``,
+    60 s by default): it decides which slides are written, so it changes what
+    lives.
+    """
+    resolution_ms = max(1, int(touch_resolution_s * 1000))
+    high = None if capacity_blocks is None else int(capacity_blocks * high_watermark)
+    low = None if capacity_blocks is None else int(capacity_blocks * low_watermark)
+    state: dict[int, tuple[int, str]] = {}  # block -> (expiry_ms, stored class)
+    heap: list[tuple[int, int]] = []  # (expiry_ms, block); stale entries skipped
+    requests_seen = input_tokens = hit_tokens = peak = expirations = evicted = 0
+    peak_written = 0
+    draining = False
     live_sum = 0
     live_by: dict[str, int] = {}
     peak_by: dict[str, int] = {}
     sum_by: dict[str, int] = {}
     tokens_by: dict[str, int] = {}
     hits_by: dict[str, int] = {}
-    for req in requests:
-        now = req.timestamp_ms / 1000.0
-        while heap and heap[0][0] <= now:
+    evicted_by: dict[str, int] = {}
+
+    def owner(stored: str) -> str:
+        return decide.split_stored(stored)[0]
+
+    def drop(block: int) -> str:
+        name = owner(state.pop(block)[1])
+        live_by[name] -= 1
+        return name
+
+    def put(block: int, new: tuple[int, str]) -> None:
+        cur = state.get(block)
+        if cur is not None:
+            live_by[owner(cur[1])] -= 1
+        state[block] = new
+        live_by[owner(new[1])] = live_by.get(owner(new[1]), 0) + 1
+        heapq.heappush(heap, (new[0], block))
+
+    def evict_down_to(target: int) -> None:
+        nonlocal evicted
+        skipped: list[tuple[int, int]] = []
+        while len(state) > target and heap:
             when, block = heapq.heappop(heap)
-            if expiry.get(block) == when:
-                del expiry[block]
-                live_by[owner.pop(block)] -= 1
+            cur = state.get(block)
+            if cur is None or cur[0] != when:
+                continue  # stale: slid or gone
+            if not decide.evictable(cur[1]):
+                skipped.append((when, block))
+                continue
+            name = drop(block)
+            evicted += 1
+            evicted_by[name] = evicted_by.get(name, 0) + 1
+        for item in skipped:
+            heapq.heappush(heap, item)
+
+    for req in requests:
+        now = req.timestamp_ms
+        while heap and not decide.is_live(heap[0][0], now):
+            when, block = heapq.heappop(heap)
+            cur = state.get(block)
+            if cur is not None and cur[0] == when:
+                drop(block)
                 expirations += 1
-        live = len(expiry)
+        live = len(state)
         peak = max(peak, live)
         live_sum += live
         for name, n in live_by.items():
@@ -99,20 +177,37 @@ def simulate(requests: Iterable[Request], policy: RetentionPolicy) -> Simulation
         full = req.hash_ids[: req.full_blocks]
         hit = 0
         for block in full:
-            if block not in expiry:
+            if block not in state:
                 break
             hit += 1
-        cls = req.traffic_class
-        ttl = policy.ttl_s(cls)
-        for block in full:  # hits slide, misses are written: every full block lives on
-            candidate = now + ttl
-            if candidate > expiry.get(block, float("-inf")):
-                if block in owner:
-                    live_by[owner[block]] -= 1
-                expiry[block] = candidate
-                owner[block] = cls
-                live_by[cls] = live_by.get(cls, 0) + 1
-                heapq.heappush(heap, (candidate, block))
+        applied = decide.clamp(policy, req.traffic_class)
+        cls = applied.traffic_class
+        blocks = list(dict.fromkeys(full))
+        # As the client does: hits (GET) and stored blocks (TOUCH) slide first...
+        for block in blocks:
+            cur = state.get(block)
+            if cur is None:
+                continue
+            moved = decide.slide(
+                expiry_ms=cur[0], stored=cur[1], hit=applied, now_ms=now,
+                resolution_ms=resolution_ms,
+            )  # fmt: skip
+            if moved is not None:
+                put(block, moved)
+        # ...then the absent ones are written (PUT), making room first.
+        fresh = [b for b in blocks if b not in state]
+        if high is not None and fresh and len(state) + len(fresh) > high:
+            draining = True
+            evict_down_to(max(0, high - len(fresh)))
+        written = (decide.write_expiry(now, applied.ttl_s), decide.stored_class(cls, applied.pin))
+        for block in fresh:
+            put(block, written)
+        peak_written = max(peak_written, len(state))
+        if low is not None and high is not None and (draining or len(state) > high):
+            evict_down_to(low)  # the daemons' background eviction, down to the low watermark
+            draining = False
+        if observe is not None:
+            observe(req, types.MappingProxyType(state))
         requests_seen += 1
         input_tokens += req.input_length
         served = min(hit * TRACE_BLOCK_TOKENS, req.input_length)
@@ -127,12 +222,16 @@ def simulate(requests: Iterable[Request], policy: RetentionPolicy) -> Simulation
         peak_blocks=peak,
         mean_blocks=live_sum / n,
         expirations=expirations,
+        evicted_before_ttl=evicted,
+        capacity_blocks=capacity_blocks,
+        peak_written_blocks=peak_written,
         classes={
             name: ClassResult(
                 input_tokens=tokens_by.get(name, 0),
                 hit_tokens=hits_by.get(name, 0),
                 peak_blocks=peak_by.get(name, 0),
                 mean_blocks=sum_by.get(name, 0) / n,
+                evicted_before_ttl=evicted_by.get(name, 0),
             )
             for name in sorted(set(tokens_by) | set(live_by))
         },

@@ -35,6 +35,7 @@ from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.config import ServerConfig, parse_admin_listen
 from kvcache.server.loop import DataServer
 from kvcache.server.metrics import render_prometheus
+from kvcache.server.removals import render_removals
 from kvcache.server.selfprobe import SelfProbe
 
 __all__ = ["AdminServer", "OffsetClock", "build_app"]
@@ -100,6 +101,13 @@ def build_app(
             body["probe_ms"] = round(verdict.latency_s * 1000, 3)
         return _json({**body, "status": "ok"})
 
+    def retention_figures() -> tuple[list[dict[str, Any]], dict[tuple[str, str], float]]:
+        """Removals by (tenant, class, cause) and the oldest live ages (both safe to read
+        from this thread: a locked book, and one LMDB read transaction of its own)."""
+        names = service.handler.tenant_names
+        ages = {(names.get(t, t.hex()), c): ms / 1000 for (t, c), ms in store.oldest_live().items()}
+        return store.removals.snapshot(names), ages
+
     async def metrics(request: web.Request) -> web.Response:
         text = render_prometheus(
             service.metrics,
@@ -109,12 +117,21 @@ def build_app(
             swa_directory=service.handler.swa_directory.stats(),
             scrub=None if service.handler.scrubber is None else service.handler.scrubber.stats(),
         )
+        rows, ages = retention_figures()
+        text += "\n".join(render_removals(rows, ages, prefix="kvcache_server")) + "\n"
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     def stats_document() -> dict[str, Any]:
         """``/stats``: the handler's counters and usage, and this daemon's watermarks."""
         doc = service.handler.stats()
         doc["watermarks"] = {"high": config.high_watermark, "low": config.low_watermark}
+        rows, ages = retention_figures()
+        doc["retention"] = {
+            "removals": rows,
+            "oldest_live_age_s": [
+                {"tenant": t, "class": c, "age_s": a} for (t, c), a in sorted(ages.items())
+            ],
+        }
         return doc
 
     async def stats(request: web.Request) -> web.Response:

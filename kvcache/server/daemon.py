@@ -152,7 +152,8 @@ def run_daemon(
                 "would be refused; add a [tenants.NAME] table with a secret"
             )
         store.quotas = {
-            t.id: Quota(total=t.quota_bytes, classes=dict(t.class_quotas)) for t in creds.tenants
+            t.id: Quota(total=t.quota_bytes, classes=dict(t.class_quotas), pins=t.pin_quota_bytes)
+            for t in creds.tenants
         }
         handler = RequestHandler(
             store,

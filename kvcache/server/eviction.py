@@ -32,6 +32,8 @@ class Quota:
 
     total: int | None = None
     classes: Mapping[str, int] = field(default_factory=dict)
+    #: Bytes of pinned shards the tenant may keep (0: none; pins are then dropped).
+    pins: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,7 +136,10 @@ class RequestHandler:
         """Store PUT requests (of any tenants) in one transaction; one reply each."""
         try:
             results = self.store.put_many(
-                [PutBatch(r.tenant, r.message.items, r.message.data) for r in requests]
+                [
+                    PutBatch(r.tenant, r.message.items, r.message.data, r.message.header.retain)
+                    for r in requests
+                ]
             )
         except (KVCacheError, OSError) as exc:
             log.error("%d PUT request(s) failed in the store: %s", len(requests), exc)
@@ -178,13 +181,13 @@ class RequestHandler:
         if op is Op.GET:
             bad = items["index"] > MAX_SHARD_INDEX
             if bad.any():
-                result = self.store.get(tenant, items[~bad], cls)
+                result = self.store.get(tenant, items[~bad], cls, header.retain)
                 full = make_items(Op.GET, len(items), reply=True)
                 full["status"] = Status.BAD_ITEM
                 full[~bad] = result.items
                 result.items = full
             else:
-                result = self.store.get(tenant, items, cls)
+                result = self.store.get(tenant, items, cls, header.retain)
             statuses = result.items["status"]
             self._count_hits("get", cls, statuses)
             frames = _frames(header, result.items, b"", data_len=result.nbytes)
@@ -220,7 +223,7 @@ class RequestHandler:
         if op is Op.SWA_GET:
             raise ProtocolError("SWA_GET goes to the worker holding the state, not a daemon")
         if op is Op.TOUCH:
-            reply = self.store.touch(tenant, items, cls)
+            reply = self.store.touch(tenant, items, cls, header.retain)
             self._count_hits("touch", cls, reply["status"])
             return Reply(_frames(header, reply, b"")), reply["status"]
         if op is Op.DELETE:

@@ -327,6 +327,8 @@ def render_prometheus(
         ("quota_evicted_shards", "Shards a tenant's own PUTs evicted to stay within its quota."),
         ("quota_evicted_bytes", "Bytes a tenant's own PUTs evicted to stay within its quota."),
         ("touches_written", "Expiry slides written after hits."),
+        ("hints_clamped", "Retention hints not granted as asked (TTL clamped, pin dropped)."),
+        ("pins_refused", "Pins dropped because the tenant's pin quota was full."),
         ("put_conflicts", "PUT items refused because another stripe of the block is stored."),
     ):
         lines += _family(f"{name}_total", "counter", help_text, [("", store_counters[name])])

@@ -47,7 +47,7 @@ import xxhash
 from kvcache.credentials import TenantId
 from kvcache.errors import ProtocolError
 from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, header_verdicts
-from kvcache.wire import Status, data_offsets
+from kvcache.wire import NO_RETAIN, Retain, Status, data_offsets
 
 __all__ = [
     "FORMAT",
@@ -211,6 +211,8 @@ class CheckedPut:
     stripes: list[int]
     #: The stripe id each item expects to replace (0: none), from the request.
     expects: list[int]
+    #: The request's retention hint (TTL, pin), from its header.
+    retain: Retain = NO_RETAIN
 
 
 def store_keys(

@@ -8,8 +8,10 @@ of hundreds of shards pass with numpy instead of a Python object per item.
 The layout on disk is in :mod:`kvcache.server.records`; the environment, its
 sync thread and its errors in :mod:`kvcache.server.lmdb_env`; the counters in
 :mod:`kvcache.server.accounting`; whose shards make room in
-:mod:`kvcache.server.eviction`; retention rules in
-:mod:`kvcache.retention.policy`.
+:mod:`kvcache.server.eviction`; the retention rules (expiry of a write, when a
+write may replace, slide on hit, merging two classes' expiries, pins, hint
+clamping) in :mod:`kvcache.retention.decide`, which the trace simulator uses
+too: this module only applies its decisions to LMDB records.
 
 Rules, in short (``docs/spec/wire.md`` has them in full):
 
@@ -38,7 +40,7 @@ import operator
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -48,6 +50,8 @@ import numpy.typing as npt
 
 from kvcache.credentials import TenantId
 from kvcache.errors import CapacityError, ConfigError, ProtocolError, QuotaError, StorageError
+from kvcache.retention import decide
+from kvcache.retention.decide import Applied, WriteAction, clamp
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.accounting import Deltas, UsageBook
 from kvcache.server.config import DamagedFile, SyncMode, default_map_size
@@ -71,8 +75,9 @@ from kvcache.server.records import (
     split_expiry_entry,
     store_keys,
 )
+from kvcache.server.removals import RemovalBook
 from kvcache.shard import HEADER_DTYPE
-from kvcache.wire import NO_INDEX, Op, Status, make_items
+from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 __all__ = ["COUNTERS", "Clock", "GetResult", "PutBatch", "ReplyTooLargeError", "ShardStore"]
 
@@ -98,6 +103,8 @@ COUNTERS = (
     "quota_evicted_shards",
     "quota_evicted_bytes",
     "touches_written",
+    "hints_clamped",
+    "pins_refused",
     "put_conflicts",
     "error_capacity",
     "error_quota",
@@ -146,6 +153,8 @@ class PutBatch:
     tenant: TenantId
     items: npt.NDArray[np.void]
     data: memoryview
+    #: The request's retention hint (its header's TTL and pin flags).
+    retain: Retain = NO_RETAIN
 
 
 class GetResult:
@@ -186,6 +195,7 @@ class ShardStore:
         capacity_bytes: int,
         policy: RetentionPolicy | None = None,
         clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
         map_size_bytes: int | None = None,
@@ -209,6 +219,9 @@ class ShardStore:
         # usage is down to the low one.
         self._draining = False
         self._clock = clock
+        #: When pending hits are due (``touch_flush_s``): a clock of its own, injected too,
+        #: so a test steps the flusher without sleeping.
+        self._monotonic = monotonic
         self._sweep_batch = sweep_batch
         self._resolution_ms = max(1, int(touch_resolution_s * 1000))
         self._touch_flush_s = touch_flush_s
@@ -245,6 +258,8 @@ class ShardStore:
         #: is fixed here, so another thread may copy the dict at any time.
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.book = UsageBook()
+        #: Removals by (tenant, class, cause), with ages: whether the retention promise held.
+        self.removals = RemovalBook()
         self.policy = policy or RetentionPolicy()
         try:
             self._load_meta()
@@ -335,7 +350,10 @@ class ShardStore:
         checked: list[CheckedPut | ProtocolError] = []
         for batch in batches:
             try:
-                checked.append(check_put(batch.tenant, batch.items, batch.data))
+                one = check_put(batch.tenant, batch.items, batch.data)
+                checked.append(
+                    one if batch.retain is NO_RETAIN else replace(one, retain=batch.retain)
+                )
             except ProtocolError as exc:
                 checked.append(exc)
         passed = [c for c in checked if not isinstance(c, ProtocolError) and c.keys]
@@ -402,8 +420,8 @@ class ShardStore:
         )
         self._lmdb.preallocate(total)
         now = self.now_ms()
-        policy = self.policy
-        resolved: dict[str, tuple[str, int]] = {}
+        resolved: dict[tuple[str, Retain], tuple[str, int]] = {}
+        pins = self._pin_rooms(passed)
         replace_after_ms = self._replace_after_ms
         deltas = Deltas()
         status_updates: list[tuple[CheckedPut, list[int]]] = []
@@ -420,7 +438,7 @@ class ShardStore:
                         # The common PUT: every shard new. Rows built as columns.
                         earliest = min(
                             earliest,
-                            self._write_fresh(c, now, resolved, shard_rows, retention_rows,
+                            self._write_fresh(c, now, resolved, pins, shard_rows, retention_rows,
                                               expiry_rows, deltas),
                         )  # fmt: skip
                         continue
@@ -428,22 +446,23 @@ class ShardStore:
                     for j, (skey, record, cls, stripe, expect) in enumerate(
                         zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
                     ):
-                        if cls not in resolved:
-                            name = policy.resolve(cls)
-                            resolved[cls] = (name, policy.expiry_for(name, now / 1000))
-                        name, expiry = resolved[cls]
+                        if (cls, c.retain) not in resolved:
+                            resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
+                        name, expiry = resolved[cls, c.retain]
                         before = retention_rows.get(skey) or old.get(skey)
                         if before is not None:
                             rec = Retention.unpack(before)
-                            old_expiry = self._expiry_of(skey, before)
-                            live = old_expiry > now
-                            if (
-                                live
-                                and rec.stripe != stripe
-                                and (
-                                    rec.stripe != expect or now - rec.written_ms < replace_after_ms
-                                )
-                            ):
+                            current = self._current(skey, before)
+                            action = decide.write_action(
+                                stored_expiry_ms=current[0],
+                                stored_stripe=rec.stripe,
+                                stored_written_ms=rec.written_ms,
+                                stripe=stripe,
+                                expect=expect,
+                                now_ms=now,
+                                replace_after_ms=replace_after_ms,
+                            )
+                            if action is WriteAction.CONFLICT:
                                 conflicts.append(j)
                                 continue
                             old_part = partition(skey[:TENANT_LEN], rec.traffic_class)
@@ -457,9 +476,9 @@ class ShardStore:
                                     *expiry_entry(skey, rec.traffic_class, rec.expiry_ms),
                                     db=self._expiry,
                                 )
-                            if live and rec.stripe == stripe and old_expiry > expiry:
+                            if action is WriteAction.REPEAT:
                                 # A repeat of the same write keeps the later expiry and its class.
-                                expiry, name = old_expiry, rec.traffic_class
+                                expiry, name = decide.merge(current, (expiry, name))
                             self._pending.pop(skey, None)
                         size = len(record)
                         shard_rows.append((skey, record))
@@ -496,7 +515,8 @@ class ShardStore:
         self,
         c: CheckedPut,
         now: int,
-        resolved: dict[str, tuple[str, int]],
+        resolved: dict[tuple[str, Retain], tuple[str, int]],
+        pins: dict[int, bool],
         shard_rows: list[tuple[bytes, memoryview]],
         retention_rows: dict[bytes, bytes],
         expiry_rows: list[tuple[bytes, bytes]],
@@ -504,7 +524,6 @@ class ShardStore:
     ) -> int:
         """Rows of a batch of new shards (no previous record of any); returns the earliest
         expiry written."""
-        policy = self.policy
         earliest = 2**63
         groups: dict[str, list[int]] = {}
         for j, cls in enumerate(c.classes):
@@ -513,10 +532,9 @@ class ShardStore:
         stripes = np.array(c.stripes, np.uint64)
         tenant = c.keys[0][:TENANT_LEN]
         for cls, idx in groups.items():
-            if cls not in resolved:
-                name = policy.resolve(cls)
-                resolved[cls] = (name, policy.expiry_for(name, now / 1000))
-            name, expiry = resolved[cls]
+            if (cls, c.retain) not in resolved:
+                resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
+            name, expiry = resolved[cls, c.retain]
             keys = c.keys if len(idx) == len(c.keys) else [c.keys[j] for j in idx]
             records = c.records if len(idx) == len(c.keys) else [c.records[j] for j in idx]
             sel = np.asarray(idx, np.int64)
@@ -591,7 +609,11 @@ class ShardStore:
 
     @_watch_damage
     def get(
-        self, tenant: TenantId, items: npt.NDArray[np.void], traffic_class: str = ""
+        self,
+        tenant: TenantId,
+        items: npt.NDArray[np.void],
+        traffic_class: str = "",
+        retain: Retain = NO_RETAIN,
     ) -> GetResult:
         """Per-item status and length, and the found records as views (no copy).
 
@@ -607,8 +629,14 @@ class ShardStore:
         # Above this expiry a hit is live and no class's TTL could slide it by a
         # whole touch resolution: no bookkeeping, only the expiry test.
         policy = self.policy
-        reach_ms = (policy.ttl_s(traffic_class) if traffic_class else policy.max_ttl_s) * 1000
-        quiet_above = now + max(0, reach_ms - self._resolution_ms)
+        hit = self._hit(traffic_class, retain)
+        quiet_above = decide.quiet_above(
+            policy,
+            now,
+            self._resolution_ms,
+            reach_s=hit.ttl_s if hit is not None else policy.max_ttl_s,
+        )
+        ttl_hint = retain.ttl_s
         txn = self._env.begin(buffers=True)
         try:
             parts = self._get_quiet(txn, keys, wanted, quiet_above)
@@ -630,7 +658,7 @@ class ShardStore:
                 expiry, _size, stripe, _written = unpack(raw)
                 if wanted[i] and stripe != wanted[i]:
                     continue
-                if expiry <= quiet_above and not self._alive(key, raw, now, traffic_class):
+                if expiry <= quiet_above and not self._alive(key, raw, now, hit, ttl_hint):
                     continue
                 record = lookup(key, None, sdb)
                 if record is None:  # pragma: no cover - retention without shard: never so
@@ -831,17 +859,32 @@ class ShardStore:
 
     @_watch_damage
     def touch(
-        self, tenant: TenantId, items: npt.NDArray[np.void], traffic_class: str = ""
+        self,
+        tenant: TenantId,
+        items: npt.NDArray[np.void],
+        traffic_class: str = "",
+        retain: Retain = NO_RETAIN,
     ) -> npt.NDArray[np.void]:
-        """Slide the expiry of every live shard of each key, without reading shard bytes."""
+        """Slide the expiry of every live shard of each key, without reading shard bytes.
+
+        With ``retain.pin`` the live shards are pinned too, as far as the tenant's pin
+        quota holds them (shard by shard, in request order); pins are written at once.
+        """
         status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
         now = self.now_ms()
+        hit = self._hit(traffic_class, retain)
+        budget: list[int] | None = None
+        if retain.pin:
+            quota = self.quotas.get(tenant)
+            budget = [(quota.pins if quota else 0) - self._pinned_bytes(tenant)]
         with self._env.begin(buffers=True) as txn:
             cursor = txn.cursor(db=self._retention)
             for i, key in enumerate(_prefixes(tenant, items)):
                 for skey, raw in _walk(cursor, key):
-                    if self._alive(bytes(skey), raw, now, traffic_class):
+                    if self._alive(bytes(skey), raw, now, hit, retain.ttl_s, budget):
                         status[i] = Status.OK
+        if budget is not None:
+            self.flush_touches()  # a pin counts against the quota from now on
         reply = make_items(Op.TOUCH, len(items), reply=True)
         reply["status"] = status
         return reply
@@ -851,6 +894,7 @@ class ShardStore:
         """Remove matching shards (stripe 0: any; index NO_INDEX: all of the key) in one txn."""
         status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
         deltas = Deltas()
+        deleted: dict[bytes, list[tuple[int, int, int]]] = {}
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._retention)
@@ -872,6 +916,8 @@ class ShardStore:
                         if stripe and rec.stripe != stripe:
                             continue
                         self._remove(txn, skey, rec, deltas)
+                        gone = deleted.setdefault(partition(tenant, rec.traffic_class), [])
+                        gone.append((rec.expiry_ms, rec.size, rec.written_ms))
                         status[i] = Status.OK
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
@@ -879,6 +925,8 @@ class ShardStore:
         self.book.apply(deltas)
         for skey in deltas.removed:
             self._pending.pop(skey, None)
+        for part, removed in deleted.items():
+            self._count_removed(part, "deleted", removed)
         reply = make_items(Op.DELETE, len(items), reply=True)
         reply["status"] = status
         return reply
@@ -896,7 +944,7 @@ class ShardStore:
         more = False
         if self._pending and (
             len(self._pending) >= _MAX_PENDING_TOUCHES
-            or time.monotonic() - self._pending_since >= self._touch_flush_s
+            or self._monotonic() - self._pending_since >= self._touch_flush_s
         ):
             self.flush_touches()
         if self.now_ms() >= self._next_sweep_ms:
@@ -924,7 +972,10 @@ class ShardStore:
                     if raw is None:
                         continue
                     rec = Retention.unpack(raw)
-                    if candidate <= rec.expiry_ms:
+                    candidate, cls = decide.merge(
+                        (rec.expiry_ms, rec.traffic_class), (candidate, cls)
+                    )
+                    if candidate == rec.expiry_ms and cls == rec.traffic_class:
                         continue
                     new = Retention(candidate, rec.size, rec.stripe, rec.written_ms, cls)
                     txn.delete(
@@ -953,7 +1004,7 @@ class ShardStore:
         for part in self.book.partitions():
             if swept >= budget:
                 break
-            freed = self._delete_head(part, budget - swept, until_expiry_ms=now)
+            freed = self._delete_head(part, budget - swept, until_expiry_ms=now, cause="expired")
             swept += freed.freed_shards
             self.counters["expired_shards"] += freed.freed_shards
             self.counters["expired_bytes"] += freed.freed_bytes
@@ -998,11 +1049,16 @@ class ShardStore:
         self.flush_touches()
         freed = 0
         shards = 0
+        # Pinned shards have partitions of their own, which pressure passes by.
+        parts = [p for p in parts if decide.evictable(_partition_class(p))]
         heads = {p: h for p in parts if (h := self._head_expiry(p)) is not None}
         while freed < nbytes and heads and (limit is None or shards < limit):
             part = min(heads, key=heads.__getitem__)
             batch = self._sweep_batch if limit is None else min(self._sweep_batch, limit - shards)
-            out = self._delete_head(part, batch, until_bytes=nbytes - freed)
+            out = self._delete_head(
+                part, batch, until_bytes=nbytes - freed,
+                cause="quota" if counter == "quota_evicted" else "evicted",
+            )  # fmt: skip
             freed += out.freed_bytes
             shards += out.freed_shards
             self.counters[f"{counter}_shards"] += out.freed_shards
@@ -1019,6 +1075,38 @@ class ShardStore:
     def usage(self, names: dict[TenantId, str] | None = None) -> dict[str, Any]:
         """Bytes and shards in total, per class and per tenant; safe from any thread."""
         return {**self.book.snapshot(names), "capacity_bytes": self.capacity_bytes}
+
+    def oldest_live(self, *, max_steps: int = 256) -> dict[tuple[TenantId, str], int]:
+        """Per (tenant id, class): the age (ms) of the partition's earliest-expiring live
+        shard, since this daemon stored it: the shard pressure would remove next, and,
+        when a class's shards share one TTL, the one used longest ago. Expired shards not
+        swept yet are passed over (at most ``max_steps`` per partition). Pinned shards
+        count under their class. One read transaction of its own and the locked usage
+        book: safe from any thread, like :meth:`usage`."""
+        now = self.now_ms()
+        out: dict[tuple[TenantId, str], int] = {}
+        unpack = RETENTION_HEAD.unpack_from
+        with self._env.begin(buffers=True) as txn:
+            cursor = txn.cursor(db=self._expiry)
+            for part in self.book.partitions():
+                if not cursor.set_range(part):
+                    continue
+                for _ in range(max_steps):
+                    ekey = bytes(cursor.key())
+                    if ekey[:PARTITION_LEN] != part:
+                        break
+                    expiry, skey = split_expiry_entry(ekey, bytes(cursor.value()))
+                    raw = txn.get(skey, db=self._retention) if decide.is_live(expiry, now) else None
+                    if raw is not None:
+                        key = (
+                            TenantId(part[:TENANT_LEN]),
+                            decide.split_stored(_partition_class(part))[0],
+                        )
+                        out[key] = max(out.get(key, 0), now - int(unpack(raw)[3]))
+                        break
+                    if not cursor.next():
+                        break
+        return out
 
     def recount(self) -> dict[str, Any]:
         """Usage recomputed from the retention records (a consistency check for tests)."""
@@ -1046,29 +1134,125 @@ class ShardStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _alive(self, key: bytes, raw: bytes | memoryview, now: int, traffic_class: str) -> bool:
-        """Whether the shard is live; if so, record the hit's expiry slide."""
-        expiry = self._expiry_of(key, raw)
-        if expiry <= now:
+    def _pin_rooms(self, passed: list[CheckedPut]) -> dict[int, bool]:
+        """Per pinning batch (by id), whether its tenant's pin quota holds all its bytes;
+        batches of one tenant are granted in order, each taking from what is left."""
+        rooms: dict[int, bool] = {}
+        left: dict[bytes, int] = {}
+        for c in passed:
+            if not c.retain.pin or not c.keys:
+                continue
+            tenant = c.keys[0][:TENANT_LEN]
+            if tenant not in left:
+                quota = self.quotas.get(TenantId(tenant))
+                left[tenant] = (quota.pins if quota else 0) - self._pinned_bytes(tenant)
+            need = sum(map(len, c.records))
+            rooms[id(c)] = need <= left[tenant]
+            if rooms[id(c)]:
+                left[tenant] -= need
+        return rooms
+
+    def _pinned_bytes(self, tenant: bytes) -> int:
+        """Bytes of the tenant's pinned shards on this node (its pinned partitions)."""
+        return sum(
+            self.book.partition_bytes(p)
+            for p in self.book.partitions(TenantId(tenant))
+            if not decide.evictable(_partition_class(p))
+        )
+
+    def _write_retention(
+        self, traffic_class: str, now: int, c: CheckedPut | None = None,
+        pins: dict[int, bool] | None = None,
+    ) -> tuple[str, int]:  # fmt: skip
+        """(stored class, expiry) of a write of ``traffic_class`` at ``now`` (of batch ``c``,
+        with its hint: TTL clamped into the class's bounds, pin if its quota holds it)."""
+        retain = c.retain if c is not None else NO_RETAIN
+        applied = clamp(
+            self.policy,
+            traffic_class,
+            ttl_s=retain.ttl_s or None,
+            pin=retain.pin,
+            pin_room=bool(pins and c is not None and pins.get(id(c))),
+        )
+        if applied.clamped is not None and retain != NO_RETAIN:  # a hint, not just a class
+            self._clamped(applied.clamped, pin_dropped=retain.pin and not applied.pin)
+        return (
+            decide.stored_class(applied.traffic_class, applied.pin),
+            decide.write_expiry(now, applied.ttl_s),
+        )
+
+    def _hit(self, traffic_class: str, retain: Retain = NO_RETAIN) -> Applied | None:
+        """What a hit of ``traffic_class`` does (None: each shard's own class decides)."""
+        if not traffic_class:
+            return None
+        applied = clamp(self.policy, traffic_class, ttl_s=retain.ttl_s or None)
+        if applied.clamped is not None and retain.ttl_s:  # a hint, not just a class
+            self._clamped(applied.clamped, pin_dropped=False)
+        return applied
+
+    def _clamped(self, why: str, *, pin_dropped: bool) -> None:
+        """A hint the policy did not grant as asked: counted, and logged (rate-limited by
+        the counter: the first and every 1000th)."""
+        self.counters["hints_clamped"] += 1
+        if pin_dropped:
+            self.counters["pins_refused"] += 1
+        if self.counters["hints_clamped"] % 1000 == 1:
+            log.warning(
+                "retention hint clamped (%d so far): %s", self.counters["hints_clamped"], why
+            )
+
+    def _alive(
+        self,
+        key: bytes,
+        raw: bytes | memoryview,
+        now: int,
+        hit: Applied | None,
+        ttl_hint: int = 0,
+        pin_budget: list[int] | None = None,
+    ) -> bool:
+        """Whether the shard is live; if so, record the hit's expiry slide (and pin, while
+        ``pin_budget[0]`` bytes of pin quota are left)."""
+        # The expiry first, the class only when a slide is due: most hits need no class.
+        expiry, pending_class = record_expiry(raw), ""
+        if self._pending:
+            pending = self._pending.get(bytes(key))
+            if pending is not None and pending[0] > expiry:
+                expiry, pending_class = pending
+        if expiry <= now:  # decide.is_live, inline: this runs for every hit of a walk
             return False
         policy = self.policy
-        if now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
+        pin = False
+        if pin_budget is not None and decide.evictable(pending_class or record_class(raw)):
+            size = int(RETENTION_HEAD.unpack_from(raw)[1])
+            pin = size <= pin_budget[0]
+            if pin:
+                pin_budget[0] -= size
+            else:
+                self._clamped("pin dropped: the tenant's pin quota is full", pin_dropped=True)
+        if not pin and now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
             return True  # no class could move the expiry enough to be worth a write
-        cls = policy.resolve(traffic_class or record_class(raw))
-        candidate = now + policy.ttl_s(cls) * 1000
-        if candidate - expiry >= self._resolution_ms:
+        stored = pending_class or record_class(raw)
+        if hit is None:
+            hit = clamp(policy, decide.split_stored(stored)[0], ttl_s=ttl_hint or None)
+        if pin:
+            hit = replace(hit, pin=True)
+        move = decide.slide(
+            expiry_ms=expiry, stored=stored, hit=hit, now_ms=now, resolution_ms=self._resolution_ms
+        )
+        if move is not None:
             if not self._pending:
-                self._pending_since = time.monotonic()
-            self._pending[bytes(key)] = (candidate, cls)
+                self._pending_since = self._monotonic()
+            self._pending[bytes(key)] = move
         return True
 
-    def _expiry_of(self, key: bytes | memoryview, raw: bytes | memoryview) -> int:
+    def _current(self, key: bytes | memoryview, raw: bytes | memoryview) -> tuple[int, str]:
+        """(expiry, stored class) of a shard: its record's, or a pending hit's when later."""
         expiry = record_expiry(raw)
         if self._pending:
             pending = self._pending.get(bytes(key))
             if pending is not None and pending[0] > expiry:
-                return pending[0]
-        return expiry
+                return pending
+        return expiry, record_class(raw)
 
     def _remove(self, txn: lmdb.Transaction, skey: bytes, rec: Retention, deltas: Deltas) -> None:
         txn.delete(skey, db=self._shards)
@@ -1095,6 +1279,7 @@ class ShardStore:
         *,
         until_expiry_ms: int | None = None,
         until_bytes: int | None = None,
+        cause: str = "expired",
     ) -> Deltas:
         """Delete from the earliest expiry of one partition on, up to ``limit`` shards, in one
         transaction: while the expiry is at most ``until_expiry_ms`` and fewer than
@@ -1105,6 +1290,7 @@ class ShardStore:
         unpack = RETENTION_HEAD.unpack_from
         removed = deltas.removed
         nbytes = 0
+        gone: list[tuple[int, int, int]] = []  # (expiry, size, written) of each removed
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._expiry)
@@ -1124,7 +1310,9 @@ class ShardStore:
                     delete(skey, b"", sdb)
                     delete(skey, b"", rdb)
                     removed.append(skey)
-                    size = unpack(raw)[1]
+                    head = unpack(raw)
+                    size = head[1]
+                    gone.append((head[0], size, head[3]))
                     nbytes += size
                     deltas.add(part, -size, -1)
                 self._write_usage(txn, deltas)
@@ -1134,7 +1322,25 @@ class ShardStore:
         if self._pending:
             for skey in removed:
                 self._pending.pop(skey, None)
+        self._count_removed(part, cause, gone)
         return deltas
+
+    def _count_removed(self, part: bytes, cause: str, gone: list[tuple[int, int, int]]) -> None:
+        """Count removals of partition ``part``: an already expired shard that pressure
+        reached counts as ``expired``, a live one under its ``cause``."""
+        if not gone:
+            return
+        now = self.now_ms()
+        tenant, name = part[:TENANT_LEN], decide.split_stored(_partition_class(part))[0]
+        if cause != "expired":
+            dead = [g for g in gone if not decide.is_live(g[0], now)]
+            if dead:
+                gone = [g for g in gone if decide.is_live(g[0], now)]
+                self.removals.record(tenant, name, "expired", sizes=[g[1] for g in dead],
+                                     ages_ms=[now - g[2] for g in dead])  # fmt: skip
+        self.removals.record(
+            tenant, name, cause, sizes=[g[1] for g in gone], ages_ms=[now - g[2] for g in gone]
+        )
 
     def _first_expiry_ms(self) -> int:
         heads = [h for p in self.book.partitions() if (h := self._head_expiry(p)) is not None]
@@ -1177,6 +1383,11 @@ class ShardStore:
                 )
             self.policy = persisted
         self._next_sweep_ms = self._first_expiry_ms()
+
+
+def _partition_class(part: bytes) -> str:
+    """The stored class name of an expiry-index partition."""
+    return part[TENANT_LEN:].rstrip(b"\x00").decode("ascii")
 
 
 def _prefixes(tenant: bytes, items: npt.NDArray[np.void]) -> list[bytes]:

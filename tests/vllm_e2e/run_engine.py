@@ -4,7 +4,8 @@ Run with the vLLM venv's python (``scripts/vllm-venv.sh``), never the
 project's: ``python run_engine.py SPEC.json OUT.json``. SPEC holds::
 
     {"model": DIR, "connector": {extra config} | null, "stats_dir": DIR | null,
-     "hold": bool, "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int}]}
+     "hold": bool, "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int,
+                               "kv_transfer_params": [dict | null] (optional, per prompt)}]}
 
 Each phase is one ``LLM.generate`` call. With a connector, the connector's
 stats files (``stats_dir``) are read before and after each phase (after the
@@ -114,7 +115,17 @@ def main() -> None:
     phases = []
     for phase in spec["phases"]:
         before = read_stats(stats_dir)
-        params = SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"], ignore_eos=True)
+        # Optional per-prompt kv_transfer_params (how a request carries its kvcache hint).
+        per_prompt = phase.get("kv_transfer_params") or [None] * len(phase["prompts"])
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=phase["max_tokens"],
+                ignore_eos=True,
+                extra_args=None if kv is None else {"kv_transfer_params": kv},
+            )
+            for kv in per_prompt
+        ]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         phases.append(

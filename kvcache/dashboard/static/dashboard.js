@@ -268,6 +268,27 @@
     })));
   }
 
+  function age(seconds) {
+    if (seconds === null || seconds === undefined) return "—";
+    if (seconds >= 86400) return (seconds / 86400).toFixed(1) + " d";
+    if (seconds >= 3600) return (seconds / 3600).toFixed(1) + " h";
+    if (seconds >= 60) return (seconds / 60).toFixed(1) + " min";
+    return seconds.toFixed(0) + " s";
+  }
+
+  function renderRetention(v) {
+    const r = v.retention;
+    if (!r) return;
+    $("retention-text").textContent = r.text;
+    fill($("retention-classes").tBodies[0], r.rows.map((row) => ({
+      attrs: { "data-tenant": row.tenant, "data-class": row["class"] },
+      cls: row.evicted ? "bad" : "",
+      cells: [row.tenant, row["class"], { text: num(row.expired, 0), cls: "num" },
+        { text: num(row.evicted, 0), cls: "num" }, { text: num(row.quota, 0), cls: "num" },
+        { text: num(row.deleted, 0), cls: "num" }, { text: age(row.oldest_live_age_s), cls: "num" }],
+    })));
+  }
+
   function render(v) {
     if (v.version !== VIEW_VERSION) {
       banner("This page (view version " + VIEW_VERSION + ") does not match the server's data (version " + v.version + "): reload it.");
@@ -281,6 +302,7 @@
     renderLatency(v);
     renderErrors(v);
     renderGc(v);
+    renderRetention(v);
     $("repair-text").textContent = v.repair.text;
     fill($("scrub-nodes").tBodies[0], (v.repair.nodes || []).map((n) => ({
       attrs: { "data-node": n.node },

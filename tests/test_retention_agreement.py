@@ -1,0 +1,188 @@
+"""The trace simulator predicts what a daemon's store does, block by block.
+
+Both apply :mod:`kvcache.retention.decide`; these tests replay random traces
+through a real :class:`ShardStore` (LMDB in a temp dir, stepped clock) the way
+the client drives it (HAS, GET the leading hits, TOUCH the other stored blocks,
+PUT the absent ones, background work between requests) and through
+:func:`simulate`, and require the same live blocks with the same expiry and
+class after every request, the same hits, and the same evictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_fixtures import FakeClock, block_records, get_items, keys_items, put_items
+
+from kvcache.credentials import tenant_id
+from kvcache.retention import RetentionPolicy
+from kvcache.retention.simulate import simulate
+from kvcache.server.store import ShardStore
+from kvcache.wire import Op, Status
+from kvcache.workload import Request
+
+T = tenant_id("default")
+T0 = 1_700_000_000.0
+POLICY = RetentionPolicy(
+    classes={"agent": 300, "chat": 900, "default": 300}, default_class="default"
+)
+
+
+def key(block: int) -> bytes:
+    return block.to_bytes(16, "big")  # byte order = id order: ties evict alike
+
+
+class StoreReplay:
+    """Drives one store as the client would for each request; one shard (index 0) a block."""
+
+    def __init__(self, store: ShardStore, clock: FakeClock) -> None:
+        self.store, self.clock = store, clock
+        self.hit_tokens = 0
+        self.record_len = 0
+
+    def background(self) -> None:
+        for _ in range(1000):
+            if not self.store.maintain():
+                return
+        raise AssertionError("maintain() never settled")
+
+    def request(self, req: Request) -> None:
+        self.clock.now = req.timestamp_ms / 1000
+        self.background()  # the daemon's sweeper has run up to now
+        blocks = list(dict.fromkeys(req.hash_ids[: req.full_blocks]))
+        keys = [key(b) for b in blocks]
+        held = set()
+        if keys:
+            reply = self.store.has(T, keys_items(Op.HAS, keys))  # type: ignore[arg-type]
+            held = {blocks[i] for i in reply["ordinal"].tolist()}
+        run = 0
+        for b in req.hash_ids[: req.full_blocks]:
+            if b not in held:
+                break
+            run += 1
+        self.hit_tokens += min(run * 512, req.input_length)
+        hits = list(dict.fromkeys(req.hash_ids[:run]))
+        if hits:
+            result = self.store.get(T, get_items([(key(b), 0) for b in hits]), req.traffic_class)  # type: ignore[arg-type]
+            assert result.items["status"].tolist() == [Status.OK] * len(hits)
+            result.release()
+        others = [b for b in blocks if b in held and b not in hits]
+        if others:
+            self.store.touch(T, keys_items(Op.TOUCH, [key(b) for b in others]), req.traffic_class)  # type: ignore[arg-type]
+        fresh = [b for b in blocks if b not in held]
+        if fresh:
+            shards = [
+                s for b in fresh for s in block_records(key(b), traffic_class=req.traffic_class,
+                                                        indices=[0], body_len=640)
+            ]  # fmt: skip
+            self.record_len = len(shards[0][2])
+            items, data = put_items(shards)
+            assert self.store.put(T, items, data)["status"].tolist() == [Status.OK] * len(fresh)  # type: ignore[arg-type]
+        self.background()
+
+    def state(self, blocks: set[int]) -> dict[int, tuple[int, str]]:
+        now = self.store.now_ms()
+        out = {}
+        for b in blocks:
+            got = self.store.expiry_of(T, key(b), 0)
+            if got is not None and got[0] > now:
+                out[b] = got
+        return out
+
+
+def trace_strategy() -> st.SearchStrategy[list[Request]]:
+    step = st.integers(0, 400)  # seconds between requests: slides, expiries, ties
+    request = st.tuples(
+        step,
+        st.lists(st.integers(0, 12), min_size=1, max_size=6),
+        st.sampled_from(["agent", "chat", "other"]),
+    )
+
+    def build(raw: list[tuple[int, list[int], str]]) -> list[Request]:
+        out, t = [], T0
+        for gap, ids, cls in raw:
+            t += gap
+            out.append(
+                Request(timestamp_ms=int(t * 1000), input_length=512 * len(ids) + 100,
+                        output_length=1, hash_ids=(*ids, 99_999), traffic_class=cls)
+            )  # fmt: skip
+        return out
+
+    return st.lists(request, min_size=1, max_size=25).map(build)
+
+
+def replay_both(
+    tmp: Path, trace: list[Request], *, capacity_blocks: int | None = None, single_class: bool
+) -> int:
+    if single_class:
+        trace = [
+            Request(timestamp_ms=r.timestamp_ms, input_length=r.input_length,
+                    output_length=1, hash_ids=r.hash_ids, traffic_class="chat")
+            for r in trace
+        ]  # fmt: skip
+    clock = FakeClock(T0)
+    probe = block_records(key(0), indices=[0], body_len=640)[0][2]
+    options: dict[str, object] = {}
+    if capacity_blocks is not None:
+        options["capacity_bytes"] = capacity_blocks * len(probe)
+    else:
+        options["capacity_bytes"] = 64 << 20
+    with ShardStore(tmp, clock=clock, policy=POLICY, touch_resolution_s=60.0,
+                    sweep_batch=4, **options) as store:  # type: ignore[arg-type]  # fmt: skip
+        replay = StoreReplay(store, clock)
+        seen: set[int] = set()
+
+        def observe(req: Request, state: Mapping[int, tuple[int, str]]) -> None:
+            replay.request(req)
+            seen.update(req.hash_ids[: req.full_blocks])
+            assert replay.state(seen) == dict(state), f"after the request at {req.timestamp_ms}"
+
+        res = simulate(trace, POLICY, touch_resolution_s=60.0, capacity_blocks=capacity_blocks,
+                       observe=observe)  # fmt: skip
+        assert replay.hit_tokens == res.hit_tokens
+        assert store.counters["evicted_shards"] == res.evicted_before_ttl
+        if capacity_blocks is None:
+            assert res.evicted_before_ttl == 0
+        return res.evicted_before_ttl
+
+
+def test_a_full_store_evicts_the_same_blocks_in_both(tmp_path: Path) -> None:
+    trace = [
+        Request(timestamp_ms=int((T0 + 10 * i) * 1000), input_length=512 * 3, output_length=1,
+                hash_ids=(3 * i, 3 * i + 1, 3 * i + 2), traffic_class="chat")
+        for i in range(8)
+    ]  # fmt: skip
+    assert replay_both(tmp_path / "db", trace, capacity_blocks=10, single_class=True) > 0
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(trace=trace_strategy())
+def test_simulator_equals_store_without_capacity_limit(tmp_path_factory, trace) -> None:  # type: ignore[no-untyped-def]
+    replay_both(tmp_path_factory.mktemp("db"), trace, single_class=False)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(trace=trace_strategy(), capacity=st.sampled_from([10, 20]))
+def test_simulator_equals_store_under_capacity_pressure(tmp_path_factory, trace, capacity) -> None:  # type: ignore[no-untyped-def]
+    replay_both(tmp_path_factory.mktemp("db"), trace, capacity_blocks=capacity, single_class=True)
+
+
+def test_a_short_slide_is_not_written_in_either() -> None:
+    # 50 s after a write, a hit would move a 300 s expiry by 50 s < the 60 s resolution.
+    reqs = [
+        Request(timestamp_ms=0, input_length=512, output_length=1, hash_ids=(1,),
+                traffic_class="agent"),
+        Request(timestamp_ms=50_000, input_length=512, output_length=1, hash_ids=(1,),
+                traffic_class="agent"),
+        Request(timestamp_ms=310_000, input_length=512, output_length=1, hash_ids=(1,),
+                traffic_class="agent"),
+    ]  # fmt: skip
+    assert simulate(reqs, POLICY).hit_tokens == 512  # the third request misses
+    assert simulate(reqs, POLICY, touch_resolution_s=1).hit_tokens == 1024
