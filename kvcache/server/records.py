@@ -1,11 +1,15 @@
 """What a daemon stores and under which keys, and the batch checks of PUT records.
 
-Storage layout (store format ``kvcache-store-v3``, LMDB named databases)::
+Storage layout (store format ``kvcache-store-v4``, LMDB named databases)::
 
-    shards     tenant 8 | key 16 | index u16 BE                → header || body, as PUT
+    shards     tenant 8 | key 16 | index u16 BE                → segment u32 | offset u32 | length u32 | header_check u32
     retention  tenant 8 | key 16 | index u16 BE                → expiry_ms | size | stripe | written_ms | class
     expiry     tenant 8 | class 16 | expiry_ms u64 BE          → key 16 | index u16 BE  (DUPSORT, DUPFIXED)
-    meta       b"format"; b"usage:" + tenant 8 + class 16 → bytes u64 | shards u64; b"policy"
+    meta       b"format"; b"usage:" + tenant 8 + class 16 → bytes u64 | shards u64; b"policy";
+               b"seg:" + segment u32 BE → end u64 | live bytes u64 | live records u64
+
+The records themselves (``header || body``, as PUT carried them) are in
+append-only segment files beside the index (:mod:`kvcache.server.segments`).
 
 Every key starts with the tenant's 8-byte id (:func:`kvcache.credentials.tenant_id`),
 taken from the connection's authenticated tenant, never from the request: a
@@ -54,6 +58,7 @@ __all__ = [
     "KEY_LEN",
     "PARTITION_LEN",
     "RETENTION_HEAD",
+    "SEGMENT_PREFIX",
     "CheckedPut",
     "Retention",
     "check_put",
@@ -70,7 +75,7 @@ __all__ = [
     "usage_key",
 ]
 
-FORMAT = b"kvcache-store-v3"
+FORMAT = b"kvcache-store-v4"
 TENANT_LEN = 8
 #: Storage key: tenant (8) + block key (16) + shard index (u16 big-endian).
 KEY_LEN = TENANT_LEN + 18
@@ -78,6 +83,8 @@ CLASS_LEN = 16
 #: Expiry-index partition: tenant (8) + traffic class name, NUL-padded (16).
 PARTITION_LEN = TENANT_LEN + CLASS_LEN
 USAGE_PREFIX = b"usage:"
+#: Meta rows of the segment files' end and live bytes (kvcache.server.segments).
+SEGMENT_PREFIX = b"seg:"
 
 _FIELDS: Mapping[str, Any] = HEADER_DTYPE.fields or {}
 _KEY_AT: int = _FIELDS["block_key"][1]
@@ -211,6 +218,8 @@ class CheckedPut:
     stripes: list[int]
     #: The stripe id each item expects to replace (0: none), from the request.
     expects: list[int]
+    #: Their header checks (the index keeps them beside each record's location).
+    checks: list[int]
 
 
 def store_keys(
@@ -242,7 +251,7 @@ def check_put(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> C
     n = len(items)
     status = np.full(n, Status.BAD_ITEM, dtype=np.uint8)
     if n == 0:
-        return CheckedPut(status, [], [], [], [], [], [])
+        return CheckedPut(status, [], [], [], [], [], [], [])
     lengths = items["length"].astype(np.int64)
     if int(lengths.sum()) != len(data):
         raise ProtocolError(
@@ -280,7 +289,7 @@ def check_put(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> C
             records.append(view[start : start + length])
     status[rows[hash_fail]] = Status.CHECKSUM  # header_fail rows stay BAD_ITEM
     if not passed:
-        return CheckedPut(status, [], [], [], [], [], [])
+        return CheckedPut(status, [], [], [], [], [], [], [])
     sel = sel[passed]
     pos = rows[passed]
     item_keys = np.frombuffer(items["key"][pos].tobytes(), np.uint8).reshape(-1, 16)
@@ -308,4 +317,5 @@ def check_put(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> C
         classes,
         hdr["stripe_id"][keep].tolist(),
         items["expect"][good].tolist(),
+        hdr["header_check"][keep].tolist(),
     )
