@@ -1,0 +1,193 @@
+"""Store format v4: shard records in segment files beside the LMDB index (real files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lmdb
+import pytest
+from server_fixtures import FakeClock, block_records, get_items, put_items
+
+from kvcache.credentials import tenant_id
+from kvcache.errors import StorageError
+from kvcache.retention import DAY_S, RetentionPolicy
+from kvcache.server.segments import SegmentFiles
+from kvcache.server.store import ShardStore
+from kvcache.wire import Status
+
+T = tenant_id("default")
+SEG = 64 << 10  # small segments, so a few blocks fill one
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def open_store(path: Path, clock: FakeClock, **kwargs: object) -> ShardStore:
+    return ShardStore(path, capacity_bytes=64 << 20, clock=clock, segment_bytes=SEG, **kwargs)  # type: ignore[arg-type]
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def put(store: ShardStore, shards: list[tuple[bytes, int, bytes]]) -> list[int]:
+    items, data = put_items(shards)
+    return store.put(T, items, data)["status"].tolist()  # type: ignore[no-any-return]
+
+
+def read(store: ShardStore, wanted: list[tuple[bytes, int]]) -> tuple[list[int], bytes, int]:
+    """(statuses, the reply's data section, how many buffers it was sent as)."""
+    result = store.get(T, get_items(wanted))
+    try:
+        data = b"".join(bytes(p) for p in result.parts)
+        return result.items["status"].tolist(), data, len(result.parts)
+    finally:
+        result.release()
+
+
+def seg_files(path: Path) -> list[Path]:
+    return sorted((path / "segments").glob("*.seg"))
+
+
+def test_a_batch_is_one_append_and_is_read_back_as_one_buffer(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    shards = block_records(key(1), body_len=640)
+    with open_store(tmp_path / "db", clock) as store:
+        assert put(store, shards) == [Status.OK] * 12
+        status, data, buffers = read(store, [(key(1), i) for i in range(12)])
+        assert status == [Status.OK] * 12
+        assert data == b"".join(r for _, _, r in shards)
+        assert buffers == 1  # twelve adjacent records, one view
+        # Asked out of order or with a gap: still exact bytes, in item order.
+        status, data, buffers = read(store, [(key(1), 5), (key(1), 3), (key(9), 0), (key(1), 4)])
+        assert status == [Status.OK, Status.OK, Status.NOT_FOUND, Status.OK]
+        assert data == shards[5][2] + shards[3][2] + shards[4][2]
+        assert buffers == 2  # 5 | 3 (not after 5) then 4 (after 3): 3 and 4 joined
+
+
+def test_segments_roll_and_reopen_keeps_every_record(tmp_path: Path, clock: FakeClock) -> None:
+    blocks = {n: block_records(key(n), body_len=2048) for n in range(12)}  # ~25 KiB each
+    with open_store(tmp_path / "db", clock) as store:
+        for shards in blocks.values():
+            assert put(store, shards) == [Status.OK] * 12
+        assert len(seg_files(tmp_path / "db")) >= 4
+    with open_store(tmp_path / "db", clock) as store:
+        for n, shards in blocks.items():
+            status, data, _ = read(store, [(key(n), i) for i in range(12)])
+            assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert store.recount() == store.usage()
+
+
+def test_dead_segments_are_dropped_and_a_sparse_one_is_compacted(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Expired shards free whole segments; a segment with a few live shards left has them
+    copied forward (never dropped), then goes."""
+    policy = RetentionPolicy.from_mapping({"classes": {"chat": "1d", "agent": "7d"}})
+    with open_store(tmp_path / "db", clock, policy=policy) as store:
+        keep = block_records(key(100), body_len=2048, traffic_class="agent")
+        for n in range(10):
+            assert put(store, block_records(key(n), body_len=2048)) == [Status.OK] * 12
+            if n == 1:
+                assert put(store, keep) == [Status.OK] * 12
+        before = {p.name for p in seg_files(tmp_path / "db")}
+        clock.step(DAY_S + 60)  # every chat block expires; the agent block does not
+        assert store.sweep(limit=10_000) == 120
+        for _ in range(20):
+            if not store.reclaim():
+                break
+        assert store.counters["segments_dropped"] >= 3
+        after = {p.name for p in seg_files(tmp_path / "db")}
+        assert not (before - after) <= set() and len(after) < len(before)
+        status, data, _ = read(store, [(key(100), i) for i in range(12)])
+        assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in keep)
+        assert store.recount() == store.usage()
+        files = sum(p.stat().st_size for p in seg_files(tmp_path / "db"))
+        assert files <= 3 * SEG  # the dead space went
+    with open_store(tmp_path / "db", clock, policy=policy) as store:  # and it all persists
+        status, data, _ = read(store, [(key(100), i) for i in range(12)])
+        assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in keep)
+
+
+def test_compaction_moves_live_records_and_keeps_their_bytes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    with open_store(tmp_path / "db", clock) as store:
+        blocks = {n: block_records(key(n), body_len=2048) for n in range(8)}
+        for shards in blocks.values():
+            put(store, shards)
+        # Delete most of the first segments' blocks, keeping every third one.
+        gone = [n for n in range(6) if n % 3]
+        items = get_items([(key(n), i) for n in gone for i in range(12)])
+        assert (store.delete(T, items)["status"] == Status.OK).all()
+        for _ in range(50):
+            if not store.reclaim():
+                break
+        assert store.counters["compacted_shards"] > 0
+        for n, shards in blocks.items():
+            status, data, _ = read(store, [(key(n), i) for i in range(12)])
+            if n in gone:
+                assert status == [Status.NOT_FOUND] * 12
+            else:
+                assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert store.recount() == store.usage()
+        # Scrub's reader sees the moved records whole.
+        assert len(store.records_after(b"", max_bytes=1 << 30)) == 12 * (8 - len(gone))
+
+
+def test_a_v3_directory_is_refused_with_a_clear_message(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "db"
+    path.mkdir()
+    env = lmdb.open(str(path), max_dbs=4)
+    shards, meta = env.open_db(b"shards"), env.open_db(b"meta")
+    env.open_db(b"retention")
+    env.open_db(b"expiry", dupsort=True, dupfixed=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"kvcache-store-v3", db=meta)
+        txn.put(T + key(1) + b"\x00\x00", b"a whole record", db=shards)
+    env.close()
+    with pytest.raises(StorageError, match=r"kvcache-store-v3.*segment files.*fresh data direct"):
+        open_store(path, clock)
+
+
+def test_a_missing_or_cut_segment_loses_only_its_shards(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(tmp_path / "db", clock) as store:
+        for n in range(6):
+            put(store, block_records(key(n), body_len=2048))
+    files = seg_files(tmp_path / "db")
+    files[0].unlink()
+    os.truncate(files[1], 100)
+    with open_store(tmp_path / "db", clock) as store:
+        lost = [n for n in range(6) if read(store, [(key(n), 0)])[0] != [Status.OK]]
+        assert lost and len(lost) < 6
+        for n in set(range(6)) - set(lost):
+            status, _, _ = read(store, [(key(n), i) for i in range(12)])
+            assert status == [Status.OK] * 12
+        assert store.recount() == store.usage()
+        assert put(store, block_records(key(99), body_len=2048)) == [Status.OK] * 12
+
+
+def test_bytes_past_the_committed_end_are_overwritten(tmp_path: Path, clock: FakeClock) -> None:
+    """A crash between a segment write and its index commit leaves bytes nothing points
+    at; the next append writes over them."""
+    with open_store(tmp_path / "db", clock) as store:
+        put(store, block_records(key(1), body_len=640))
+    (active,) = seg_files(tmp_path / "db")
+    with open(active, "ab") as fh:
+        fh.write(b"\xff" * 5000)  # an append whose transaction never committed
+    with open_store(tmp_path / "db", clock) as store:
+        shards = block_records(key(2), body_len=640)
+        assert put(store, shards) == [Status.OK] * 12
+        status, data, _ = read(store, [(key(2), i) for i in range(12)])
+        assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        walked = [k for seg in store.segments.state for _, k, _, _ in store.segments.walk(seg)]
+        assert len(walked) == 24
+
+
+def test_segment_files_refuse_a_bad_size(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="segment_bytes"):
+        SegmentFiles(tmp_path, segment_bytes=1000, sync_each_write=False)
