@@ -88,7 +88,8 @@ def test_dead_segments_are_dropped_and_a_sparse_one_is_compacted(
     """Expired shards free whole segments; a segment with a few live shards left has them
     copied forward (never dropped), then goes."""
     policy = RetentionPolicy.from_mapping({"classes": {"chat": "1d", "agent": "7d"}})
-    with open_store(tmp_path / "db", clock, policy=policy) as store:
+    budget = {"segment_budget_bytes": 100 << 10}
+    with open_store(tmp_path / "db", clock, policy=policy, **budget) as store:
         keep = block_records(key(100), body_len=2048, traffic_class="agent")
         for n in range(10):
             assert put(store, block_records(key(n), body_len=2048)) == [Status.OK] * 12
@@ -108,7 +109,7 @@ def test_dead_segments_are_dropped_and_a_sparse_one_is_compacted(
         assert store.recount() == store.usage()
         files = sum(p.stat().st_size for p in seg_files(tmp_path / "db"))
         assert files <= 3 * SEG  # the dead space went
-    with open_store(tmp_path / "db", clock, policy=policy) as store:  # and it all persists
+    with open_store(tmp_path / "db", clock, policy=policy, **budget) as store:  # it persists
         status, data, _ = read(store, [(key(100), i) for i in range(12)])
         assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in keep)
 
@@ -116,7 +117,9 @@ def test_dead_segments_are_dropped_and_a_sparse_one_is_compacted(
 def test_compaction_moves_live_records_and_keeps_their_bytes(
     tmp_path: Path, clock: FakeClock
 ) -> None:
-    with open_store(tmp_path / "db", clock) as store:
+    """Past their budget, the segment files are compacted: a sparse segment's live records
+    are copied forward, exactly, and the segment goes."""
+    with open_store(tmp_path / "db", clock, segment_budget_bytes=150 << 10) as store:
         blocks = {n: block_records(key(n), body_len=2048) for n in range(8)}
         for shards in blocks.values():
             put(store, shards)
@@ -128,6 +131,7 @@ def test_compaction_moves_live_records_and_keeps_their_bytes(
             if not store.reclaim():
                 break
         assert store.counters["compacted_shards"] > 0
+        assert store.segments.file_bytes <= 150 << 10
         for n, shards in blocks.items():
             status, data, _ = read(store, [(key(n), i) for i in range(12)])
             if n in gone:

@@ -143,9 +143,9 @@ class LmdbEnvironment:
         self._allocated = os.fstat(self._datafd).st_size
         self._sync_interval = sync_interval_s
         self.last_sync = time.monotonic()
-        #: Called before every sync (the store syncs its segment files there, so what a
-        #: synced index points at is on disk first).
-        self.before_sync: Callable[[], None] | None = None
+        #: Called by the periodic sync thread instead of a plain sync (the store syncs its
+        #: segment files there first, so what a synced index points at is on disk).
+        self.sync_hook: Callable[[], None] | None = None
         # Periodic syncs run on their own thread: an fsync of hundreds of megabytes on
         # the service thread stalled every request behind it (tail latency spikes).
         self._stop_sync = threading.Event()
@@ -193,9 +193,10 @@ class LmdbEnvironment:
     def _sync_periodically(self) -> None:
         while not self._stop_sync.wait(self._sync_interval):
             try:
-                if self.before_sync is not None:
-                    self.before_sync()
-                self.env.sync(True)
+                if self.sync_hook is not None:
+                    self.sync_hook()
+                else:
+                    self.env.sync(True)
             except (lmdb.Error, OSError) as exc:  # reported, retried at the next interval
                 log.error("periodic LMDB sync failed: %s", exc)
             self.last_sync = time.monotonic()

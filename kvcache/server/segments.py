@@ -160,6 +160,10 @@ class SegmentFiles:
         self.active = -1
         self._dirty: set[int] = set()
         self._lock = threading.Lock()
+        #: Held by the store's thread from an append to the commit of the transaction that
+        #: points at it, and by the periodic sync's last step (see ShardStore), so that a
+        #: synced index never points at bytes not yet synced.
+        self.writing = threading.Lock()
         #: Files of dropped segments kept for reuse (see _roll), at most _SPARES.
         self._spares: list[Path] = []
 
@@ -362,6 +366,11 @@ class SegmentFiles:
     def file_bytes(self) -> int:
         """Bytes written to all segments (live and dead): what they take on disk."""
         return sum(s.end for s in self.state.values())
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of live records in all segments."""
+        return sum(s.live_bytes for s in self.state.values())
 
     def close(self) -> None:
         """Sync and close every file (views already handed out stay valid)."""
