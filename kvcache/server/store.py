@@ -1182,38 +1182,68 @@ class ShardStore:
     ) -> Deltas:
         """Delete from the earliest expiry of one partition on, up to ``limit`` shards, in one
         transaction: while the expiry is at most ``until_expiry_ms`` and fewer than
-        ``until_bytes`` were freed."""
+        ``until_bytes`` were freed.
+
+        An expiry key's duplicates (the shards of one PUT batch, as a rule) are taken as a
+        group: their locations and retention rows in two ``getmulti`` calls, sizes and
+        segments as arrays, the deletes as C-level maps, the whole duplicate set in one
+        delete. A group whose rows do not all agree (never so, but checked) goes item by
+        item (:meth:`_delete_entries`).
+        """
         deltas = Deltas()
         last_expiry = 2**64 if until_expiry_ms is None else until_expiry_ms
         to_free = 2**63 if until_bytes is None else until_bytes
-        unpack = RETENTION_HEAD.unpack_from
         removed = deltas.removed
         nbytes = 0
+        tenant = part[:TENANT_LEN]
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._expiry)
-                lookup, delete, pop = txn.get, txn.delete, txn.pop
-                rdb, sdb = self._retention, self._shards
-                ekey = cursor.key() if cursor.set_range(part) else b""
-                while ekey[:PARTITION_LEN] == part and len(removed) < limit and nbytes < to_free:
-                    expiry, skey = split_expiry_entry(ekey, cursor.value())
+                locations = txn.cursor(db=self._shards).getmulti
+                retention = txn.cursor(db=self._retention).getmulti
+                drop_location = functools.partial(txn.delete, db=self._shards)
+                drop_retention = functools.partial(txn.delete, db=self._retention)
+                while len(removed) < limit and nbytes < to_free and cursor.set_range(part):
+                    ekey = cursor.key()
+                    if ekey[:PARTITION_LEN] != part:
+                        break
+                    expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
                     if expiry > last_expiry:
                         break
-                    raw = lookup(skey, None, rdb)
-                    cursor.delete()  # this duplicate, and move to the next entry
-                    ekey = cursor.key()
-                    if raw is None or unpack(raw)[0] != expiry:  # pragma: no cover - stale entry
-                        log.warning("dropped a stale expiry entry for %s", skey.hex())
+                    skeys = [tenant + dup for dup in cursor.iternext_dup(keys=False)]
+                    found = locations(skeys)
+                    heads = retention(skeys)
+                    loc = np.frombuffer(b"".join(map(_second, found)), LOCATION)
+                    if (
+                        len(found) != len(skeys)
+                        or len(heads) != len(skeys)
+                        or any(_U64.unpack_from(v)[0] != expiry for _, v in heads)
+                    ):  # pragma: no cover - a stale or half-written entry: never so
+                        nbytes += self._delete_entries(txn, part, ekey, skeys, deltas)
                         continue
-                    loc = pop(skey, sdb)
-                    if loc is not None:
-                        seg, _off, length, _check = _LOC.unpack(loc)
-                        deltas.add_segment(seg, -length, -1)
-                    delete(skey, b"", rdb)
-                    removed.append(skey)
-                    size = unpack(raw)[1]
-                    nbytes += size
-                    deltas.add(part, -size, -1)
+                    sizes = loc["len"].astype(np.int64)
+                    take = min(len(skeys), limit - len(removed))
+                    if nbytes + int(sizes[:take].sum()) > to_free:  # stop once enough is freed
+                        cut = int(np.searchsorted(np.cumsum(sizes), to_free - nbytes)) + 1
+                        take = min(take, cut)
+                    taken = skeys[:take] if take < len(skeys) else skeys
+                    if take == len(skeys):
+                        txn.delete(ekey, db=self._expiry)  # the key and all its duplicates
+                    else:
+                        for skey in taken:
+                            txn.delete(ekey, skey[TENANT_LEN:], db=self._expiry)
+                    list(map(drop_location, taken))
+                    list(map(drop_retention, taken))
+                    freed = int(sizes[:take].sum())
+                    nbytes += freed
+                    deltas.add(part, -freed, -take)
+                    segs, inverse = np.unique(loc["seg"][:take], return_inverse=True)
+                    per_seg = np.bincount(inverse, weights=sizes[:take], minlength=len(segs))
+                    counts = np.bincount(inverse, minlength=len(segs))
+                    for seg, b, c in zip(segs.tolist(), per_seg.tolist(), counts.tolist(),
+                                         strict=True):  # fmt: skip
+                        deltas.add_segment(seg, -int(b), -c)
+                    removed.extend(taken)
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting expired or evicted shards") from exc
@@ -1222,6 +1252,27 @@ class ShardStore:
             for skey in removed:
                 self._pending.pop(skey, None)
         return deltas
+
+    def _delete_entries(
+        self, txn: lmdb.Transaction, part: bytes, ekey: bytes, skeys: list[bytes], deltas: Deltas
+    ) -> int:  # pragma: no cover - only for entries that disagree with their rows
+        """Delete one expiry key's shards item by item, dropping entries whose retention row
+        is gone or names another expiry; returns bytes freed."""
+        expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
+        freed = 0
+        for skey in skeys:
+            txn.delete(ekey, skey[TENANT_LEN:], db=self._expiry)
+            raw = txn.get(skey, db=self._retention)
+            if raw is None or RETENTION_HEAD.unpack_from(raw)[0] != expiry:
+                log.warning("dropped a stale expiry entry for %s", skey.hex())
+                continue
+            self._record_dead(txn.pop(skey, db=self._shards), deltas)
+            txn.delete(skey, db=self._retention)
+            size = RETENTION_HEAD.unpack_from(raw)[1]
+            deltas.add(part, -size, -1)
+            deltas.removed.append(skey)
+            freed += size
+        return freed
 
     def _lost_segments(self, segments: Mapping[int, SegmentState]) -> set[int]:
         """Segments the index points into whose file is gone or shorter than what was
