@@ -195,3 +195,64 @@ def test_bytes_past_the_committed_end_are_overwritten(tmp_path: Path, clock: Fak
 def test_segment_files_refuse_a_bad_size(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="segment_bytes"):
         SegmentFiles(tmp_path, segment_bytes=1000, sync_each_write=False)
+
+
+def test_under_its_budget_a_sparse_segment_is_left_alone(tmp_path: Path, clock: FakeClock) -> None:
+    """Compaction copies records only when the files pass their budget: under it, a
+    half-dead segment stays (its shards will mostly go by themselves), an empty one goes."""
+    with open_store(tmp_path / "db", clock) as store:
+        for n in range(8):
+            put(store, block_records(key(n), body_len=2048))
+        gone = [n for n in range(6) if n % 3]
+        items = get_items([(key(n), i) for n in gone for i in range(12)])
+        store.delete(T, items)
+        store.delete(T, get_items([(key(0), i) for i in range(12)]))
+        store.delete(T, get_items([(key(3), i) for i in range(6)]))
+        while store.reclaim():
+            pass
+        assert store.counters["compacted_shards"] == 0
+        assert store.counters["segments_dropped"] >= 1
+        status, _, _ = read(store, [(key(3), i) for i in range(6, 12)])
+        assert status == [Status.OK] * 6
+        assert store.recount() == store.usage()
+
+
+def test_the_periodic_sync_syncs_segments_then_the_index(tmp_path: Path, clock: FakeClock) -> None:
+    """sync = periodic: the sync thread fdatasyncs the segments written since its last round
+    before it syncs LMDB (what a synced index points at is on disk first)."""
+    from kvcache.server.config import SyncMode
+
+    calls: list[str] = []
+    store = open_store(tmp_path / "db", clock, sync=SyncMode.PERIODIC, sync_interval_s=3600)
+    try:
+        segment_sync, env_sync = store.segments.sync, store._env.sync
+        store.segments.sync = lambda: (calls.append("segments"), segment_sync())[1]  # type: ignore[method-assign]
+        put(store, block_records(key(1), body_len=640))
+        assert store.segments._dirty  # written, not yet synced
+        with store.segments.writing:
+            pass  # the writer holds it only from an append to its commit
+        store._sync_durably()
+        assert calls == ["segments", "segments"] and not store.segments._dirty
+        assert env_sync is not None
+    finally:
+        store.close()
+
+
+def test_sweeping_part_of_one_batch_takes_its_head_and_keeps_the_rest(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """One PUT batch is one expiry key with its shards as duplicates: a sweep bounded below
+    its size takes the first shards of it, the next takes the next, and the counters, the
+    segment's live bytes and the shards left stay exact."""
+    shards = [s for n in range(5) for s in block_records(key(n), body_len=640)]
+    with open_store(tmp_path / "db", clock) as store:
+        assert put(store, shards) == [Status.OK] * 60
+        clock.step(8 * DAY_S)
+        seg = store.segments.active
+        taken = []
+        while (n := store.sweep(limit=7)) > 0:
+            taken.append(n)
+            assert store.recount() == store.usage()
+            assert store.segments.state[seg].live == 60 - sum(taken)
+        assert taken == [7] * 8 + [4]
+        assert store.usage()["shards"] == 0

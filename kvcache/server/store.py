@@ -39,6 +39,7 @@ read from others.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import operator
@@ -1213,7 +1214,10 @@ class ShardStore:
                     expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
                     if expiry > last_expiry:
                         break
-                    skeys = [tenant + dup for dup in cursor.iternext_dup(keys=False)]
+                    total = cursor.count()
+                    dups = cursor.iternext_dup(keys=False)
+                    want = limit - len(removed)
+                    skeys = [tenant + dup for dup in itertools.islice(dups, want)]
                     found = locations(skeys)
                     heads = retention(skeys)
                     loc = np.frombuffer(b"".join(map(_second, found)), LOCATION)
@@ -1230,11 +1234,13 @@ class ShardStore:
                         cut = int(np.searchsorted(np.cumsum(sizes), to_free - nbytes)) + 1
                         take = min(take, cut)
                     taken = skeys[:take] if take < len(skeys) else skeys
-                    if take == len(skeys):
+                    if take == total:
                         txn.delete(ekey, db=self._expiry)  # the key and all its duplicates
-                    else:
-                        for skey in taken:
-                            txn.delete(ekey, skey[TENANT_LEN:], db=self._expiry)
+                    else:  # the first ``take`` duplicates, from the head on
+                        cursor.set_range(part)
+                        step = cursor.delete
+                        for _ in range(take):
+                            step()
                     list(map(drop_location, taken))
                     list(map(drop_retention, taken))
                     freed = int(sizes[:take].sum())
