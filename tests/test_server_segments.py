@@ -256,3 +256,29 @@ def test_sweeping_part_of_one_batch_takes_its_head_and_keeps_the_rest(
             assert store.segments.state[seg].live == 60 - sum(taken)
         assert taken == [7] * 8 + [4]
         assert store.usage()["shards"] == 0
+
+
+def test_a_reply_in_flight_keeps_its_bytes_while_its_segment_goes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A GET's views outlive the segment they point into: a dropped segment that a reply
+    still holds a view of is unlinked, never rewritten as a later segment."""
+    first = block_records(key(1), body_len=2048)
+    with open_store(tmp_path / "db", clock) as store:
+        put(store, first)
+        held = store.get(T, get_items([(key(1), i) for i in range(12)]))  # not released
+        # The segment grows after that view was taken: a later GET maps it again.
+        second = block_records(key(99), body_len=2048)
+        put(store, second)
+        assert read(store, [(key(99), i) for i in range(12)])[1] == b"".join(
+            r for _, _, r in second
+        )
+        store.delete(T, get_items([(key(k), i) for k in (1, 99) for i in range(12)]))
+        for n in range(2, 30):  # roll many segments, drop them, reuse their files
+            put(store, block_records(key(n), body_len=2048))
+            store.delete(T, get_items([(key(n), i) for i in range(12)]))
+            while store.reclaim():
+                pass
+        assert store.counters["segments_dropped"] >= 5
+        assert b"".join(bytes(p) for p in held.parts) == b"".join(r for _, _, r in first)
+        held.release()

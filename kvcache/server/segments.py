@@ -107,12 +107,14 @@ class _Segment:
     is never made sparse, as writes into holes cost 5x those that extend a file, measured
     on ext4)."""
 
-    __slots__ = ("fd", "map", "path")
+    __slots__ = ("fd", "map", "old", "path")
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
         self.map: mmap.mmap | None = None
+        #: Earlier, shorter maps of the file that replies may still hold views of.
+        self.old: list[mmap.mmap] = []
 
     def view(self, end: int) -> memoryview:
         """A view of the file's first ``end`` bytes at least."""
@@ -120,18 +122,19 @@ class _Segment:
             size = os.fstat(self.fd).st_size
             if size < end:
                 raise OSError(f"segment {self.path} is {size} bytes, the index says {end}")
+            if self.map is not None:
+                self.old.append(self.map)
+                self.old = [m for m in self.old if not _closed(m)]
             self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
         return memoryview(self.map)
 
     def unmapped(self) -> bool:
-        """Close the map if no view of it is left (then the file may be rewritten)."""
-        if self.map is None:
-            return True
-        try:
-            self.map.close()
-        except BufferError:  # a reply in flight still holds a view of it
-            return False
-        self.map = None
+        """Close every map of the file if no view of any is left (then the file may be
+        rewritten: no reply in flight can see it change)."""
+        maps = [m for m in (*self.old, self.map) if m is not None]
+        if not all(map(_closed, maps)):
+            return False  # a reply in flight still holds a view
+        self.map, self.old = None, []
         return True
 
     def close(self) -> None:
@@ -139,6 +142,15 @@ class _Segment:
         # hold them (a mapping outlives the unlinked file).
         self.map = None
         os.close(self.fd)
+
+
+def _closed(found: mmap.mmap) -> bool:
+    """Close ``found`` if nothing holds a view of it; whether it is closed."""
+    try:
+        found.close()
+    except BufferError:
+        return False
+    return True
 
 
 class SegmentFiles:
@@ -341,9 +353,12 @@ class SegmentFiles:
     def drop(self, seg: int) -> None:
         """Forget and unlink segment ``seg`` (nothing in the index points into it)."""
         with self._lock:
-            found = self._open.pop(seg, None) or _Segment(self.path_of(seg), create=False)
-            reusable = len(self._spares) < _SPARES and found.unmapped()
-            found.close()
+            found = self._open.pop(seg, None)
+            if found is None and self.path_of(seg).exists():
+                found = _Segment(self.path_of(seg), create=False)
+            reusable = found is not None and len(self._spares) < _SPARES and found.unmapped()
+            if found is not None:
+                found.close()
             self._dirty.discard(seg)
         self.state.pop(seg, None)
         if reusable:
