@@ -23,9 +23,13 @@ records, :func:`kvcache.shard.shard_len_for`), over the wire protocol
   a STATS reply), on the filled directory (page cache warm: this machine has
   no way to drop it);
 * ``rss_mib``: the daemon's RSS after the timed requests;
-* ``index_bytes_per_shard``: pages of the ``retention`` and ``expiry``
-  databases times the page size, per shard (``shards_db_overhead`` is the
-  shard database's own B-tree, keys and node headers, the bodies left out).
+* ``index_bytes_per_shard``: everything on disk but the records themselves,
+  per shard (store format v4): the pages of the three LMDB databases
+  (``shards``: each record's location; ``retention``; ``expiry``) times the
+  page size, plus the segment files' bytes beyond the records (batch heads and
+  a 32-byte entry per record). ``lmdb_index_bytes_per_shard`` and
+  ``segment_overhead_per_shard`` are the two parts, ``shards_db_overhead`` the
+  location database alone.
 
 ``long``: a 1M-token prompt (7,813 blocks of 128 tokens at 896 bytes a token:
 114,688-byte blocks) stored on a 12-daemon :class:`LocalCluster`, then
@@ -161,8 +165,10 @@ def fill(path: Path, shards: int, seed: int) -> tuple[float, npt.NDArray[np.void
     return time.perf_counter() - started, np.concatenate(sample)
 
 
-def index_bytes(path: Path) -> dict[str, float]:
-    """Bytes on disk per shard of the retention + expiry databases, and of the shard db."""
+def index_bytes(path: Path, record_bytes: int = FILL_RECORD) -> dict[str, float]:
+    """Bytes on disk per shard of the index (store format v4: the ``shards`` locations, the
+    ``retention`` and ``expiry`` databases) plus the segment files' own overhead (batch
+    heads and per-record entries: the files' bytes less the records')."""
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
     try:
         out: dict[str, float] = {}
@@ -175,12 +181,15 @@ def index_bytes(path: Path) -> dict[str, float]:
         def pages(s: dict[str, int], *, overflow: bool = True) -> int:
             return s["branch_pages"] + s["leaf_pages"] + (s["overflow_pages"] if overflow else 0)
 
-        out["index_bytes_per_shard"] = (
-            (pages(stats[b"retention"]) + pages(stats[b"expiry"])) * psize / count
-        )
-        out["shards_db_overhead_per_shard"] = (
-            pages(stats[b"shards"], overflow=False) * psize / count
-        )
+        lmdb_bytes = (
+            pages(stats[b"shards"]) + pages(stats[b"retention"]) + pages(stats[b"expiry"])
+        ) * psize
+        files = sum(p.stat().st_size for p in (path / "segments").glob("*.seg"))
+        segment_overhead = max(0, files - count * record_bytes)
+        out["index_bytes_per_shard"] = (lmdb_bytes + segment_overhead) / count
+        out["lmdb_index_bytes_per_shard"] = lmdb_bytes / count
+        out["segment_overhead_per_shard"] = segment_overhead / count
+        out["shards_db_overhead_per_shard"] = pages(stats[b"shards"]) * psize / count
         out["entries"] = count
         return out
     finally:

@@ -41,7 +41,13 @@ The raw peers and the daemons run with the malloc and BLAS settings of
 ``kvcache.client.localcluster.DAEMON_ENV``, as deployed daemons do; the client
 process applies the same malloc settings (``tune_malloc``), like the real client.
 
-Usage: ``python bench/server.py [--quick] [--json PATH] [--windows 1,2] [--no-tls]``
+``--baseline TREE`` adds a fifth peer, ``base``: the daemon of another source
+tree (``git archive COMMIT kvcache | tar -x -C TREE``), in the same interleaved
+rounds, for before/after figures taken in one run (``get_vs_base``,
+``put_vs_base``, ``base_*``).
+
+Usage: ``python bench/server.py [--quick] [--json PATH] [--windows 1,2] [--no-tls]
+[--baseline TREE]``
 """
 
 from __future__ import annotations
@@ -387,6 +393,7 @@ class DaemonPeer:
         work: Workload,
         capacity: int,
         tls: tuple[Path, Path] | None = None,
+        source: Path | None = None,
     ) -> None:
         self.name = name
         self.work = work
@@ -398,7 +405,10 @@ class DaemonPeer:
         if tls is not None:
             server |= {"tls_cert": str(tls[0]), "tls_key": str(tls[1])}
         root.mkdir(parents=True, exist_ok=True)
-        self.daemon = DaemonProcess(root, server=server, env=DAEMON_ENV).start()
+        env = dict(DAEMON_ENV)
+        if source is not None:  # another build's daemon: its tree first, not the cwd
+            env |= {"PYTHONPATH": str(source), "PYTHONSAFEPATH": "1"}
+        self.daemon = DaemonProcess(root, server=server, env=env).start()
         assert self.daemon.proc is not None
         self.pid = self.daemon.proc.pid
         entry = self.daemon.credentials.tenant("default")
@@ -575,10 +585,13 @@ def bench_window(
     window: int,
     tmp: Path,
     tls: tuple[Path, Path] | None,
+    baseline: Path | None = None,
 ) -> dict[str, float]:
     """First fill, steady PUT and GET through new daemons at ``window``, raw peers alongside."""
     sfx = f"_w{window}"
     daemons = [DaemonPeer("daemon", tmp / f"plain{sfx}", work, plan.capacity)]
+    if baseline is not None:
+        daemons.append(DaemonPeer("base", tmp / f"base{sfx}", work, plan.capacity, None, baseline))
     if tls is not None:
         daemons.append(DaemonPeer("tls", tmp / f"tls{sfx}", work, plan.capacity, tls))
     peers: list[Peer] = [*raw, *daemons]
@@ -608,13 +621,13 @@ def bench_window(
         out[f"{prefix}get_p99_ms{sfx}"] = t_get.pct_ms(99)
         out[f"{prefix}put_p50_ms{sfx}"] = t_put.pct_ms(50)
         out[f"{prefix}put_p99_ms{sfx}"] = t_put.pct_ms(99)
-        if name in ("daemon", "tls"):
+        if name in ("daemon", "tls", "base"):
             out[f"{prefix}put_fresh_gbps{sfx}"] = t_fresh.gbps(bb)
         else:  # the raw PUT rounds interleaved with the first fill
             out[f"{prefix}put_during_fill_gbps{sfx}"] = t_fresh.gbps(bb)
         if name in evicted:  # steady state: the PUTs made the node evict
             out[f"{prefix}evicted_shards{sfx}"] = evicted[name]
-        server = "daemon" if name in ("daemon", "tls") else "server"
+        server = "daemon" if name in ("daemon", "tls", "base") else "server"
         for op, t in (("get", t_get), ("put", t_put)):
             server_cpu, client_cpu = t.cpu_per_gb(bb)
             out[f"{prefix}{server}_cpu_s_per_gb_{op}{sfx}"] = server_cpu
@@ -626,6 +639,12 @@ def bench_window(
         "put_vs_raw_tcp": (steady["daemon"], steady["raw_tcp"]),
         "put_fresh_vs_raw_zmq": (fresh["daemon"], fresh["raw_zmq"]),
     }
+    if baseline is not None:
+        ratios["get_vs_base"] = (get["daemon"], get["base"])
+        ratios["put_vs_base"] = (steady["daemon"], steady["base"])
+        ratios["put_fresh_vs_base"] = (fresh["daemon"], fresh["base"])
+        ratios["base_get_vs_raw_zmq"] = (get["base"], get["raw_zmq"])
+        ratios["base_put_vs_raw_zmq"] = (steady["base"], steady["raw_zmq"])
     if tls is not None:
         ratios["tls_get_vs_plain"] = (get["tls"], get["daemon"])
         ratios["tls_put_vs_plain"] = (steady["tls"], steady["daemon"])
@@ -744,6 +763,12 @@ def main() -> int:
         "--windows", default="1,2", help="requests in flight per connection, comma-separated"
     )
     parser.add_argument("--no-tls", action="store_true", help="skip the TLS daemon")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a source tree of another build (e.g. `git archive` of the commit before): its "
+        "daemon runs as peer `base`, interleaved with this build's (`*_vs_base` ratios)",
+    )
     parser.add_argument("--raw-zmq-server", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--raw-tcp-server", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -784,7 +809,9 @@ def main() -> int:
         raw_tcp = RawTcp(tmp, work)
         try:
             for window in windows:
-                figures |= bench_window([raw_zmq, raw_tcp], work, plan, window, tmp, tls)
+                figures |= bench_window(
+                    [raw_zmq, raw_tcp], work, plan, window, tmp, tls, args.baseline
+                )
         finally:
             raw_zmq.close()
             raw_tcp.close()
@@ -801,6 +828,13 @@ def main() -> int:
         "curve_get_vs_plain",
         "daemon_cpu_s_per_gb_get",
         "daemon_cpu_s_per_gb_put",
+        "get_vs_base",
+        "put_vs_base",
+        "put_fresh_vs_base",
+        "base_get_vs_raw_zmq",
+        "base_put_vs_raw_zmq",
+        "base_daemon_cpu_s_per_gb_get",
+        "base_daemon_cpu_s_per_gb_put",
         "get_p50_ms",
         "get_p99_ms",
         "put_p50_ms",

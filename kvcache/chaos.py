@@ -12,8 +12,8 @@ stored shard of one block on the node that holds it:
   shard looks healthy on its own (a buggy or hostile writer); only the
   payload hash over the rebuilt block shows it.
 
-Byte flips go through the file, not the daemon: every copy of the record in
-``data.mdb`` is flipped (LMDB may keep stale copies in free pages), and
+Byte flips go through the files, not the daemon: every copy of the record in
+the node's segment files (and ``data.mdb``) is flipped, and
 :meth:`PlantedFault.undo` flips them back.
 
 :func:`run_kill_stop` is the process-level chaos: daemons killed and restarted,
@@ -72,15 +72,15 @@ class PlantedFault:
     node: int
     key: BlockKey
     index: int
-    #: Offsets in the node's data.mdb that were flipped (byte flips only).
-    offsets: list[int] = field(default_factory=list)
+    #: (file, offset) of every byte flipped in the node's data files (byte flips only).
+    offsets: list[tuple[str, int]] = field(default_factory=list)
     data_file: str = ""
 
     def undo(self) -> None:
         """Flip the flipped bytes back (byte flips only; a deleted or forged shard stays)."""
         if not self.offsets:
             raise KVCacheError(f"a {self.kind.value} fault cannot be undone")
-        _xor_at(self.data_file, self.offsets)
+        _xor_at(self.offsets)
         self.offsets = []
 
 
@@ -110,37 +110,43 @@ def find_shard(
 
 def flip_record_byte(
     cluster: LocalCluster, node: int, record: bytes, position: int, *, mask: int = 0xFF
-) -> list[int]:
-    """XOR byte ``position`` of every copy of ``record`` in node ``node``'s data file with
-    ``mask``; returns the file offsets flipped (flip them again to undo)."""
+) -> list[tuple[str, int]]:
+    """XOR byte ``position`` of every copy of ``record`` in node ``node``'s data files (its
+    segment files and ``data.mdb``) with ``mask``; returns the (file, offset) pairs flipped
+    (flip them again to undo)."""
     if not 0 <= position < len(record) or not 0 < mask < 256:
         raise ValueError(f"position {position} outside the record or bad mask {mask}")
-    path = str(cluster.data_dir(node) / "data.mdb")
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        offsets = []
-        start = mm.find(record)
-        while start >= 0:
-            offsets.append(start + position)
-            start = mm.find(record, start + 1)
+    directory = cluster.data_dir(node)
+    offsets = []
+    for path in [directory / "data.mdb", *sorted((directory / "segments").glob("*.seg"))]:
+        if not path.exists() or not path.stat().st_size:
+            continue
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            start = mm.find(record)
+            while start >= 0:
+                offsets.append((str(path), start + position))
+                start = mm.find(record, start + 1)
     if not offsets:
-        raise KVCacheError(f"record not found in {path}")
-    _xor_at(path, offsets, mask)
+        raise KVCacheError(f"record not found in {directory}")
+    _xor_at(offsets, mask)
     return offsets
 
 
-def unflip(cluster: LocalCluster, node: int, offsets: list[int], *, mask: int = 0xFF) -> None:
+def unflip(
+    cluster: LocalCluster, node: int, offsets: list[tuple[str, int]], *, mask: int = 0xFF
+) -> None:
     """Undo :func:`flip_record_byte` (its offsets and mask)."""
-    _xor_at(str(cluster.data_dir(node) / "data.mdb"), offsets, mask)
+    _xor_at(offsets, mask)
 
 
-def _xor_at(path: str, offsets: list[int], mask: int = 0xFF) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        for offset in offsets:
+def _xor_at(offsets: list[tuple[str, int]], mask: int = 0xFF) -> None:
+    for path, offset in offsets:
+        fd = os.open(path, os.O_RDWR)
+        try:
             old = os.pread(fd, 1, offset)
             os.pwrite(fd, bytes([old[0] ^ mask]), offset)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def plant(
@@ -175,7 +181,7 @@ def plant(
         if not 0 <= at < span:
             raise ValueError(f"position {at} outside the {kind.value} span of {span} bytes")
         base = 0 if kind is ShardFault.CORRUPT_HEADER else HEADER_BYTES
-        fault.data_file = str(cluster.data_dir(node) / "data.mdb")
+        fault.data_file = str(cluster.data_dir(node))
         fault.offsets = flip_record_byte(cluster, node, record, base + at)
     return fault
 

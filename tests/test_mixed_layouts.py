@@ -90,20 +90,26 @@ def _overwrite(cluster: LocalCluster, node: int, old: bytes, new: bytes) -> None
     """Replace every copy of record ``old`` in node ``node``'s data file by ``new`` (same
     length), as a disk would that returned another sector."""
     assert len(old) == len(new)
-    path = Path(cluster.data_dir(node)) / "data.mdb"
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        offsets = []
-        at = mm.find(old)
-        while at >= 0:
-            offsets.append(at)
-            at = mm.find(old, at + 1)
-    assert offsets
-    fd = os.open(path, os.O_RDWR)
-    try:
-        for at in offsets:
-            os.pwrite(fd, new, at)
-    finally:
-        os.close(fd)
+    directory = Path(cluster.data_dir(node))
+    found = 0
+    # Store format v4 keeps records in segment files beside the LMDB index.
+    for path in [directory / "data.mdb", *(directory / "segments").glob("*.seg")]:
+        if not path.exists() or not path.stat().st_size:
+            continue
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            offsets = []
+            at = mm.find(old)
+            while at >= 0:
+                offsets.append(at)
+                at = mm.find(old, at + 1)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            for at in offsets:
+                os.pwrite(fd, new, at)
+        finally:
+            os.close(fd)
+        found += len(offsets)
+    assert found
 
 
 def _other_stripe(record: bytes) -> bytes:

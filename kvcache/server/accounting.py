@@ -23,10 +23,13 @@ _COUNTS = struct.Struct(">QQ")
 class Deltas:
     """Counter changes of one transaction, per partition, and what it removed."""
 
-    __slots__ = ("_deltas", "freed_bytes", "freed_shards", "removed")
+    __slots__ = ("_deltas", "freed_bytes", "freed_shards", "removed", "segments")
 
     def __init__(self) -> None:
         self._deltas: dict[bytes, list[int]] = {}
+        #: Live bytes and records per segment (kvcache.server.segments) that the
+        #: transaction freed (negative) or moved there (compaction).
+        self.segments: dict[int, list[int]] = {}
         self.freed_bytes = 0
         self.freed_shards = 0
         #: Storage keys removed by the transaction.
@@ -43,6 +46,15 @@ class Deltas:
         if dcount < 0:
             self.freed_bytes -= dbytes
             self.freed_shards -= dcount
+
+    def add_segment(self, seg: int, dbytes: int, dcount: int) -> None:
+        """Count ``dbytes`` and ``dcount`` records more (or fewer) live in segment ``seg``."""
+        entry = self.segments.get(seg)
+        if entry is None:
+            self.segments[seg] = [dbytes, dcount]
+        else:
+            entry[0] += dbytes
+            entry[1] += dcount
 
     def items(self) -> list[tuple[bytes, int, int]]:
         """(partition, bytes, shards) of every nonzero change."""

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -142,6 +143,9 @@ class LmdbEnvironment:
         self._allocated = os.fstat(self._datafd).st_size
         self._sync_interval = sync_interval_s
         self.last_sync = time.monotonic()
+        #: Called by the periodic sync thread instead of a plain sync (the store syncs its
+        #: segment files there first, so what a synced index points at is on disk).
+        self.sync_hook: Callable[[], None] | None = None
         # Periodic syncs run on their own thread: an fsync of hundreds of megabytes on
         # the service thread stalled every request behind it (tail latency spikes).
         self._stop_sync = threading.Event()
@@ -189,8 +193,11 @@ class LmdbEnvironment:
     def _sync_periodically(self) -> None:
         while not self._stop_sync.wait(self._sync_interval):
             try:
-                self.env.sync(True)
-            except lmdb.Error as exc:  # reported, retried at the next interval
+                if self.sync_hook is not None:
+                    self.sync_hook()
+                else:
+                    self.env.sync(True)
+            except (lmdb.Error, OSError) as exc:  # reported, retried at the next interval
                 log.error("periodic LMDB sync failed: %s", exc)
             self.last_sync = time.monotonic()
 

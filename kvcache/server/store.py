@@ -21,8 +21,15 @@ Rules, in short (``docs/spec/wire.md`` has them in full):
   that stripe in ``expect`` and the shard was stored ``replace_after_s`` ago or
   more (a writer still at work is never overwritten): concurrent writers of one
   block cannot both be acknowledged while leaving it unreadable (CONFLICT).
-* GET replies are views into the read transaction (no copy);
-  :meth:`GetResult.release` ends it once the reply is sent.
+* Shard records live in append-only segment files (:mod:`kvcache.server.segments`);
+  LMDB holds the index: where each record is, its retention, the expiry index and
+  the counters. A PUT batch is appended with one ``pwritev`` before the index
+  transaction that points at it commits (and synced before it, as ``sync`` says).
+* GET replies are views of the segments' read-only maps (no copy), records that
+  follow each other joined into one view.
+* Space is reclaimed per segment: one with nothing live is unlinked, one mostly
+  dead has its live records copied forward first (:meth:`ShardStore.compact`);
+  no live shard is ever dropped to reclaim space.
 * Hits do not write on the read path: they are collected and written in
   batches by :meth:`ShardStore.maintain`, and only when they move an expiry
   by at least ``touch_resolution_s``.
@@ -34,6 +41,7 @@ read from others.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import operator
@@ -62,6 +70,7 @@ from kvcache.server.records import (
     KEY_LEN,
     PARTITION_LEN,
     RETENTION_HEAD,
+    SEGMENT_PREFIX,
     TENANT_LEN,
     USAGE_PREFIX,
     CheckedPut,
@@ -76,6 +85,7 @@ from kvcache.server.records import (
     store_keys,
 )
 from kvcache.server.removals import RemovalBook
+from kvcache.server.segments import LOCATION, SegmentFiles, SegmentState, default_segment_bytes
 from kvcache.shard import HEADER_DTYPE
 from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
@@ -91,6 +101,14 @@ _U64 = struct.Struct(">Q")
 _PAYLOAD_LEN = struct.Struct("<I")
 _PAYLOAD_LEN_AT: int = HEADER_DTYPE.fields["payload_len"][1]  # type: ignore[index]
 _second = operator.itemgetter(1)
+_LOC = struct.Struct(">IIII")
+_LOC_LEN = _LOC.size
+#: Where a record's header check sits (the last 4 bytes of the 104-byte header).
+_CHECK_AT: int = HEADER_DTYPE.fields["header_check"][1]  # type: ignore[index]
+#: A sealed segment whose live bytes fall below this fraction of it may be compacted.
+_COMPACT_BELOW = 0.9
+#: Bytes of records one compaction step copies at most.
+_COMPACT_STEP = 8 << 20
 #: Pending hits are written once this many have piled up, whatever their age.
 _MAX_PENDING_TOUCHES = 8192
 
@@ -105,6 +123,9 @@ COUNTERS = (
     "touches_written",
     "hints_clamped",
     "pins_refused",
+    "segments_dropped",
+    "segments_compacted",
+    "compacted_shards",
     "put_conflicts",
     "error_capacity",
     "error_quota",
@@ -130,7 +151,7 @@ def _watch_damage(
     def call(self: ShardStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return method(self, *args, **kwargs)
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             error = self.failed(exc, method.__name__)
             self.counters[f"error_{error.kind}"] += 1
             raise error from exc
@@ -158,9 +179,11 @@ class PutBatch:
 
 
 class GetResult:
-    """A GET's reply items and the stored records, as views into a read transaction.
+    """A GET's reply items and the found records, as views of the segment files.
 
-    The views stay valid until :meth:`release`; call it once the reply is sent.
+    ``parts`` are the found records back to back, in item order (the reply's data
+    section), with records adjacent on disk joined into one view: not one per item.
+    Call :meth:`release` once the reply is sent.
     """
 
     __slots__ = ("_txn", "items", "parts")
@@ -182,7 +205,7 @@ class GetResult:
         if self._txn is not None:
             self._txn.abort()
             self._txn = None
-            self.parts = []
+        self.parts = []
 
 
 class ShardStore:
@@ -209,10 +232,14 @@ class ShardStore:
         max_readers: int = 256,
         replace_after_s: float = 10.0,
         damaged_file: DamagedFile = DamagedFile.QUARANTINE,
+        segment_bytes: int | None = None,
+        segment_budget_bytes: int | None = None,
     ) -> None:
         if not 0 < low_watermark < high_watermark <= 1:
             raise ConfigError(f"bad watermarks low={low_watermark} high={high_watermark}")
         self.capacity_bytes = capacity_bytes
+        #: Compaction keeps the segment files under this (default: the capacity).
+        self.segment_budget = segment_budget_bytes or capacity_bytes
         self._high = int(capacity_bytes * high_watermark)
         self._low = int(capacity_bytes * low_watermark)
         # Set when usage reached the high watermark; background eviction then runs until
@@ -245,6 +272,16 @@ class ShardStore:
         self.damaged: str | None = None
         #: Called once, with the reason, when the store is first found damaged.
         self.on_damaged: Callable[[str], None] | None = None
+        try:
+            self.segments = SegmentFiles(
+                self._lmdb.path,
+                segment_bytes=segment_bytes or default_segment_bytes(capacity_bytes),
+                sync_each_write=sync is SyncMode.COMMIT,
+            )
+        except (OSError, ValueError) as exc:
+            self._lmdb.close()
+            raise StorageError(f"cannot use the segment files of {path}: {exc}") from exc
+        self._lmdb.sync_hook = self._sync_durably
         self._env = self._lmdb.env
         self._shards = self._lmdb.shards
         self._retention = self._lmdb.retention
@@ -254,6 +291,13 @@ class ShardStore:
         self._pending: dict[bytes, tuple[int, str]] = {}
         self._pending_since = 0.0
         self._next_sweep_ms = 0
+        #: (segment, batch offset) of a compaction under way.
+        self._compacting: tuple[int, int] | None = None
+        #: Segments whose live bytes fell since reclaim() last looked (it looks at no other).
+        self._shrunk: set[int] = set()
+        self._sealed_upto = -1
+        #: Sealed segments under 90 % live: candidates for compaction.
+        self._sparse: set[int] = set()
         #: Event counters (expired/evicted shards and bytes, errors by kind). The key set
         #: is fixed here, so another thread may copy the dict at any time.
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -276,13 +320,27 @@ class ShardStore:
         try:
             self.flush_touches()
         finally:
-            self._lmdb.close()
+            try:
+                self.segments.sync()
+            finally:
+                self.segments.close()
+                self._lmdb.close()
 
     def __enter__(self) -> ShardStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _sync_durably(self) -> None:
+        """The periodic sync (its own thread): the segments, then the index. Most of the
+        segments' bytes are synced while writers go on; then, with writers held out
+        between an append and its commit, what they appended meanwhile and the index (a
+        few MB at most: records are not in it)."""
+        self.segments.sync()
+        with self.segments.writing:
+            self.segments.sync()
+            self._env.sync(True)
 
     def failed(self, exc: BaseException, what: str) -> StorageError:
         """The StorageError for an LMDB or OS exception; a damaged file marks the store."""
@@ -418,17 +476,20 @@ class ShardStore:
         self._make_room(
             total, writer=TenantId(next(iter(incoming))) if len(incoming) == 1 else None
         )
-        self._lmdb.preallocate(total)
+        self._lmdb.preallocate(sum(len(c.keys) for c in passed) * 128)  # index rows only
         now = self.now_ms()
         resolved: dict[tuple[str, Retain], tuple[str, int]] = {}
         pins = self._pin_rooms(passed)
         replace_after_ms = self._replace_after_ms
         deltas = Deltas()
         status_updates: list[tuple[CheckedPut, list[int]]] = []
+        appended: tuple[int, SegmentState] | None = None
         try:
-            with self._env.begin(write=True) as txn:
+            with self.segments.writing, self._env.begin(write=True) as txn:
                 get_old = txn.cursor(db=self._retention).getmulti
                 shard_rows: list[tuple[bytes, memoryview]] = []
+                checks: list[int] = []
+                rewritten = False
                 retention_rows: dict[bytes, bytes] = {}
                 expiry_rows: list[tuple[bytes, bytes]] = []
                 earliest = 2**63
@@ -441,6 +502,7 @@ class ShardStore:
                             self._write_fresh(c, now, resolved, pins, shard_rows, retention_rows,
                                               expiry_rows, deltas),
                         )  # fmt: skip
+                        checks.extend(c.checks)
                         continue
                     conflicts: list[int] = []
                     for j, (skey, record, cls, stripe, expect) in enumerate(
@@ -471,7 +533,9 @@ class ShardStore:
                                 expiry_rows.remove(
                                     expiry_entry(skey, rec.traffic_class, rec.expiry_ms)
                                 )
+                                rewritten = True
                             else:
+                                self._record_dead(txn.get(skey, db=self._shards), deltas)
                                 txn.delete(
                                     *expiry_entry(skey, rec.traffic_class, rec.expiry_ms),
                                     db=self._expiry,
@@ -482,6 +546,7 @@ class ShardStore:
                             self._pending.pop(skey, None)
                         size = len(record)
                         shard_rows.append((skey, record))
+                        checks.append(c.checks[j])
                         retention_rows[skey] = (
                             RETENTION_HEAD.pack(expiry, size, stripe, now) + name.encode()
                         )
@@ -491,15 +556,29 @@ class ShardStore:
                     if conflicts:
                         status_updates.append((c, conflicts))
                 if shard_rows:
-                    txn.cursor(db=self._shards).putmulti(shard_rows)
+                    if rewritten:  # a key twice in this transaction: only its last record
+                        last = {k: i for i, (k, _) in enumerate(shard_rows)}
+                        keep = sorted(last.values())
+                        shard_rows = [shard_rows[i] for i in keep]
+                        checks = [checks[i] for i in keep]
+                    keys = [k for k, _ in shard_rows]
+                    seg, first, prior = self.segments.append(keys, [r for _, r in shard_rows])
+                    appended = (seg, prior)
+                    txn.cursor(db=self._shards).putmulti(
+                        zip(keys, _locations(seg, first, shard_rows, checks), strict=True)
+                    )
                     txn.cursor(db=self._retention).putmulti(list(retention_rows.items()))
                     txn.cursor(db=self._expiry).putmulti(expiry_rows)
-                    self._write_usage(txn, deltas)
-        except lmdb.Error as exc:
+                    self._write_usage(txn, deltas, appended=seg)
+        except (lmdb.Error, OSError) as exc:
+            if appended is not None:
+                self.segments.rewind(*appended)
             raise self.failed(exc, f"storing {len(passed)} PUT batch(es)") from exc
-        except OSError as exc:
-            raise self.failed(exc, f"storing {len(passed)} PUT batch(es)") from exc
-        self.book.apply(deltas)
+        except BaseException:
+            if appended is not None:
+                self.segments.rewind(*appended)
+            raise
+        self._apply(deltas)
         self._next_sweep_ms = min(self._next_sweep_ms, earliest)
         for c, conflicts in status_updates:
             c.status[[c.positions[j] for j in conflicts]] = Status.CONFLICT
@@ -637,17 +716,19 @@ class ShardStore:
             reach_s=hit.ttl_s if hit is not None else policy.max_ttl_s,
         )
         ttl_hint = retain.ttl_s
-        txn = self._env.begin(buffers=True)
-        try:
-            parts = self._get_quiet(txn, keys, wanted, quiet_above)
-            if parts is not None:  # every item a live hit of the wanted stripe, no slide due
-                sizes = list(map(len, parts))
-                self._check_reply_size(sizes)
+        # Index values are small (16-byte locations, ~36-byte retention rows): copied out,
+        # they cost less than py-lmdb's buffer objects, which it must invalidate one by one
+        # (bufviewlist_release was a fifth of a GET's store time, py-spy).
+        with self._env.begin() as txn:
+            found = self._get_quiet(txn, keys, wanted, quiet_above)
+            if found is not None:  # every item a live hit of the wanted stripe, no slide due
+                sizes = found["len"]
+                if int(sizes.sum()) > self._max_reply:
+                    self._check_reply_size(sizes.tolist())
                 reply["length"] = sizes
-                return GetResult(reply, parts, txn)
-            parts = []
+                return GetResult(reply, self.segments.views(found), None)
+            locations: list[bytes] = []
             hits: list[int] = []
-            sizes = []
             lookup = txn.get
             rdb, sdb = self._retention, self._shards
             unpack = RETENTION_HEAD.unpack_from
@@ -660,21 +741,19 @@ class ShardStore:
                     continue
                 if expiry <= quiet_above and not self._alive(key, raw, now, hit, ttl_hint):
                     continue
-                record = lookup(key, None, sdb)
-                if record is None:  # pragma: no cover - retention without shard: never so
+                location = lookup(key, None, sdb)
+                if location is None:  # pragma: no cover - retention without shard: never so
                     continue
-                parts.append(record)
+                locations.append(bytes(location))
                 hits.append(i)
-                sizes.append(len(record))
-            self._check_reply_size(sizes, hits)
-            if len(hits) < len(keys):
-                reply["status"] = Status.NOT_FOUND
-                reply["status"][hits] = Status.OK
-            reply["length"][hits] = sizes
-            return GetResult(reply, parts, txn)
-        except BaseException:
-            txn.abort()
-            raise
+        found = np.frombuffer(b"".join(locations), LOCATION)
+        sizes = found["len"]
+        self._check_reply_size(sizes.tolist(), hits)
+        if len(hits) < len(keys):
+            reply["status"] = Status.NOT_FOUND
+            reply["status"][hits] = Status.OK
+        reply["length"][hits] = sizes
+        return GetResult(reply, self.segments.views(found), None)
 
     def _check_reply_size(self, sizes: list[int], positions: list[int] | None = None) -> None:
         if sum(sizes) <= self._max_reply:  # the usual case, without a Python step per item
@@ -691,12 +770,13 @@ class ShardStore:
 
     def _get_quiet(
         self, txn: lmdb.Transaction, keys: list[bytes], wanted: list[int], quiet_above: int
-    ) -> list[memoryview] | None:
-        """Every record of ``keys`` if all are live hits of the wanted stripes that need no
-        expiry slide, else None (the caller then takes the per-item path).
+    ) -> npt.NDArray[np.void] | None:
+        """The locations of every record of ``keys`` (a LOCATION array) if all are live hits
+        of the wanted stripes that need no expiry slide, else None (the caller then takes
+        the per-item path).
 
         The common GET, done without a Python step per item: two ``getmulti``
-        lookups and the checks over C iterators.
+        lookups, the checks over C iterators, the locations as one array.
         """
         if not keys or (self._pending and not self._pending.keys().isdisjoint(keys)):
             return None
@@ -706,12 +786,12 @@ class ShardStore:
         heads = list(map(RETENTION_HEAD.unpack_from, map(_second, found)))
         if min(heads)[0] <= quiet_above:
             return None
-        if any(w and w != h[2] for w, h in zip(wanted, heads, strict=True)):
+        if any(wanted) and any(w and w != h[2] for w, h in zip(wanted, heads, strict=True)):
             return None
         records = txn.cursor(db=self._shards).getmulti(keys)
         if len(records) != len(keys):  # pragma: no cover - retention without shard: never so
             return None
-        return list(map(_second, records))
+        return np.frombuffer(b"".join(map(_second, records)), LOCATION)
 
     @_watch_damage
     def has(self, tenant: TenantId, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
@@ -787,8 +867,9 @@ class ShardStore:
                 expiry, size, stripe, _written = unpack(raw)
                 if pending:
                     expiry = max(expiry, pending.get(skey, (0,))[0])
-                record = lookup(skey, None, sdb) if expiry > now else None
-                if record is not None:
+                location = lookup(skey, None, sdb) if expiry > now else None
+                if location is not None:
+                    record = self.segments.read(location)
                     skeys.append(skey)
                     heads.append((size, stripe, expiry))
                     payloads.append(
@@ -827,8 +908,10 @@ class ShardStore:
                 return out
             if bytes(cursor.key()) == after and not cursor.next():
                 return out
-            for skey, record in cursor:
-                out.append((bytes(skey), bytes(record)))
+            read = self.segments.read
+            for skey, location in cursor:
+                record = bytes(read(location))
+                out.append((bytes(skey), record))
                 total += len(record)
                 if total >= max_bytes:
                     break
@@ -842,15 +925,19 @@ class ShardStore:
         try:
             with self._env.begin(write=True) as txn:
                 for skey, record in found:
-                    stored = txn.get(skey, db=self._shards)
+                    location = txn.get(skey, db=self._shards)
                     raw = txn.get(skey, db=self._retention)
-                    if stored is None or raw is None or bytes(stored) != record:
+                    if (
+                        location is None
+                        or raw is None
+                        or bytes(self.segments.read(location)) != record
+                    ):
                         continue
                     self._remove(txn, skey, Retention.unpack(raw), deltas)
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting bad shards") from exc
-        self.book.apply(deltas)
+        self._apply(deltas)
         for skey in deltas.removed:
             self._pending.pop(skey, None)
         return len(deltas.removed)
@@ -922,7 +1009,7 @@ class ShardStore:
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "DELETE") from exc
-        self.book.apply(deltas)
+        self._apply(deltas)
         for skey in deltas.removed:
             self._pending.pop(skey, None)
         for part, removed in deleted.items():
@@ -955,6 +1042,7 @@ class ShardStore:
             self.evict(self._low, limit=self._sweep_batch)
             self._draining = self.book.used > self._low
             more |= self._draining
+        more |= self.reclaim()
         return more
 
     @_watch_damage
@@ -1255,7 +1343,7 @@ class ShardStore:
         return expiry, record_class(raw)
 
     def _remove(self, txn: lmdb.Transaction, skey: bytes, rec: Retention, deltas: Deltas) -> None:
-        txn.delete(skey, db=self._shards)
+        self._record_dead(txn.pop(skey, db=self._shards), deltas)
         txn.delete(skey, db=self._retention)
         txn.delete(*expiry_entry(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
         deltas.add(partition(skey[:TENANT_LEN], rec.traffic_class), -rec.size, -1)
@@ -1283,42 +1371,80 @@ class ShardStore:
     ) -> Deltas:
         """Delete from the earliest expiry of one partition on, up to ``limit`` shards, in one
         transaction: while the expiry is at most ``until_expiry_ms`` and fewer than
-        ``until_bytes`` were freed."""
+        ``until_bytes`` were freed.
+
+        An expiry key's duplicates (the shards of one PUT batch, as a rule) are taken as a
+        group: their locations and retention rows in two ``getmulti`` calls, sizes and
+        segments as arrays, the deletes as C-level maps, the whole duplicate set in one
+        delete. A group whose rows do not all agree (never so, but checked) goes item by
+        item (:meth:`_delete_entries`).
+        """
         deltas = Deltas()
         last_expiry = 2**64 if until_expiry_ms is None else until_expiry_ms
         to_free = 2**63 if until_bytes is None else until_bytes
-        unpack = RETENTION_HEAD.unpack_from
         removed = deltas.removed
         nbytes = 0
         gone: list[tuple[int, int, int]] = []  # (expiry, size, written) of each removed
+        tenant = part[:TENANT_LEN]
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._expiry)
-                lookup, delete = txn.get, txn.delete
-                rdb, sdb = self._retention, self._shards
-                ekey = cursor.key() if cursor.set_range(part) else b""
-                while ekey[:PARTITION_LEN] == part and len(removed) < limit and nbytes < to_free:
-                    expiry, skey = split_expiry_entry(ekey, cursor.value())
+                locations = txn.cursor(db=self._shards).getmulti
+                retention = txn.cursor(db=self._retention).getmulti
+                drop_location = functools.partial(txn.delete, db=self._shards)
+                drop_retention = functools.partial(txn.delete, db=self._retention)
+                while len(removed) < limit and nbytes < to_free and cursor.set_range(part):
+                    ekey = cursor.key()
+                    if ekey[:PARTITION_LEN] != part:
+                        break
+                    expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
                     if expiry > last_expiry:
                         break
-                    raw = lookup(skey, None, rdb)
-                    cursor.delete()  # this duplicate, and move to the next entry
-                    ekey = cursor.key()
-                    if raw is None or unpack(raw)[0] != expiry:  # pragma: no cover - stale entry
-                        log.warning("dropped a stale expiry entry for %s", skey.hex())
+                    total = cursor.count()
+                    dups = cursor.iternext_dup(keys=False)
+                    want = limit - len(removed)
+                    skeys = [tenant + dup for dup in itertools.islice(dups, want)]
+                    found = locations(skeys)
+                    heads = retention(skeys)
+                    loc = np.frombuffer(b"".join(map(_second, found)), LOCATION)
+                    if (
+                        len(found) != len(skeys)
+                        or len(heads) != len(skeys)
+                        or any(_U64.unpack_from(v)[0] != expiry for _, v in heads)
+                    ):  # pragma: no cover - a stale or half-written entry: never so
+                        nbytes += self._delete_entries(txn, part, ekey, skeys, deltas)
                         continue
-                    delete(skey, b"", sdb)
-                    delete(skey, b"", rdb)
-                    removed.append(skey)
-                    head = unpack(raw)
-                    size = head[1]
-                    gone.append((head[0], size, head[3]))
-                    nbytes += size
-                    deltas.add(part, -size, -1)
+                    sizes = loc["len"].astype(np.int64)
+                    take = min(len(skeys), limit - len(removed))
+                    if nbytes + int(sizes[:take].sum()) > to_free:  # stop once enough is freed
+                        cut = int(np.searchsorted(np.cumsum(sizes), to_free - nbytes)) + 1
+                        take = min(take, cut)
+                    taken = skeys[:take] if take < len(skeys) else skeys
+                    if take == total:
+                        txn.delete(ekey, db=self._expiry)  # the key and all its duplicates
+                    else:  # the first ``take`` duplicates, from the head on
+                        cursor.set_range(part)
+                        step = cursor.delete
+                        for _ in range(take):
+                            step()
+                    list(map(drop_location, taken))
+                    list(map(drop_retention, taken))
+                    freed = int(sizes[:take].sum())
+                    nbytes += freed
+                    deltas.add(part, -freed, -take)
+                    segs, inverse = np.unique(loc["seg"][:take], return_inverse=True)
+                    per_seg = np.bincount(inverse, weights=sizes[:take], minlength=len(segs))
+                    counts = np.bincount(inverse, minlength=len(segs))
+                    for seg, b, c in zip(segs.tolist(), per_seg.tolist(), counts.tolist(),
+                                         strict=True):  # fmt: skip
+                        deltas.add_segment(seg, -int(b), -c)
+                    removed.extend(taken)
+                    written = [RETENTION_HEAD.unpack_from(v)[3] for _, v in heads[:take]]
+                    gone.extend(zip([expiry] * take, sizes[:take].tolist(), written, strict=True))
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting expired or evicted shards") from exc
-        self.book.apply(deltas)
+        self._apply(deltas)
         if self._pending:
             for skey in removed:
                 self._pending.pop(skey, None)
@@ -1342,13 +1468,206 @@ class ShardStore:
             tenant, name, cause, sizes=[g[1] for g in gone], ages_ms=[now - g[2] for g in gone]
         )
 
+    def _delete_entries(
+        self, txn: lmdb.Transaction, part: bytes, ekey: bytes, skeys: list[bytes], deltas: Deltas
+    ) -> int:  # pragma: no cover - only for entries that disagree with their rows
+        """Delete one expiry key's shards item by item, dropping entries whose retention row
+        is gone or names another expiry; returns bytes freed."""
+        expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
+        freed = 0
+        for skey in skeys:
+            txn.delete(ekey, skey[TENANT_LEN:], db=self._expiry)
+            raw = txn.get(skey, db=self._retention)
+            if raw is None or RETENTION_HEAD.unpack_from(raw)[0] != expiry:
+                log.warning("dropped a stale expiry entry for %s", skey.hex())
+                continue
+            self._record_dead(txn.pop(skey, db=self._shards), deltas)
+            txn.delete(skey, db=self._retention)
+            size = RETENTION_HEAD.unpack_from(raw)[1]
+            deltas.add(part, -size, -1)
+            deltas.removed.append(skey)
+            freed += size
+        return freed
+
+    def _lost_segments(self, segments: Mapping[int, SegmentState]) -> set[int]:
+        """Segments the index points into whose file is gone or shorter than what was
+        committed (a damaged or restored directory, or power lost under ``sync =
+        periodic`` after a segment was dropped): their shards are lost to this node."""
+        sizes = self.segments.on_disk()
+        lost = set()
+        for seg, state in segments.items():
+            size = sizes.get(seg)
+            if state.live and (size is None or size < state.end):
+                log.error(
+                    "segment %s is %s (index: %d bytes, %d live shards): forgetting its "
+                    "shards (read repair and `kvcache repair` put them back)",
+                    self.segments.path_of(seg),
+                    "missing" if size is None else f"cut short at {size} bytes",
+                    state.end,
+                    state.live,
+                )
+                lost.add(seg)
+        return lost
+
+    def _forget_segments(self, txn: lmdb.Transaction, lost: set[int]) -> Deltas:
+        """Remove every index entry pointing into ``lost`` (one walk of the index)."""
+        deltas = Deltas()
+        victims = []
+        for skey, location in txn.cursor(db=self._shards):
+            if _LOC.unpack(location)[0] in lost:
+                victims.append(bytes(skey))
+        for skey in victims:
+            raw = txn.get(skey, db=self._retention)
+            if raw is None:  # pragma: no cover - a location without retention: never so
+                txn.delete(skey, db=self._shards)
+                continue
+            self._remove(txn, skey, Retention.unpack(raw), deltas)
+        self._write_usage(txn, deltas)
+        return deltas
+
+    # ------------------------------------------------------------------ segment space
+
+    @_watch_damage
+    def reclaim(self) -> bool:
+        """Unlink sealed segments with nothing live, and compact one step of a sparse one
+        (its live records copied forward, so it empties). Returns True when more is due.
+
+        Compaction runs only while the segment files take more than the node's capacity
+        (live bytes are held under its high watermark, so that much is dead space), on the
+        sparsest sealed segment under 90 % live. Under expiry-ordered eviction segments
+        mostly empty on their own, and copying records that go soon anyway is waste
+        (measured: with a threshold of half live, compaction took a fifth of a full
+        node's PUT CPU). No live shard is dropped for space here: capacity eviction alone
+        does that, by the node's live bytes.
+        """
+        seg_files = self.segments
+        active = seg_files.active
+        if active != self._sealed_upto:  # segments sealed since: look at them too
+            self._shrunk.update(s for s in seg_files.state if self._sealed_upto <= s < active)
+            self._sealed_upto = active
+        if not self._shrunk and self._compacting is None:
+            return False
+        looked, self._shrunk = self._shrunk, set()
+        if active in looked:
+            self._shrunk.add(active)  # looked at again once sealed
+        state = seg_files.state
+        empty = [s for s in looked if s != active and s in state and not state[s].live]
+        if empty:
+            with self._env.begin(write=True) as txn:
+                for seg in empty:
+                    txn.delete(SEGMENT_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
+            for seg in empty:
+                seg_files.drop(seg)
+                if self._compacting is not None and self._compacting[0] == seg:
+                    self._compacting = None
+            self.counters["segments_dropped"] += len(empty)
+        for seg in looked:
+            st = state.get(seg)
+            if (
+                seg != active
+                and st is not None
+                and st.live
+                and st.live_bytes < _COMPACT_BELOW * st.end
+            ):
+                self._sparse.add(seg)
+        if self._compacting is None:
+            self._sparse = {s for s in self._sparse if s in state and state[s].live}
+            if not self._sparse or self.segments.file_bytes <= self.segment_budget:
+                return False
+            sparse = [(state[s].live_bytes / state[s].end, s) for s in self._sparse]
+            if not sparse:
+                return False
+            self._compacting = (min(sparse)[1], 0)
+        seg, start = self._compacting
+        nxt = self._compact_step(seg, start)
+        self._compacting = None if nxt is None else (seg, nxt)
+        if nxt is None:
+            self.counters["segments_compacted"] += 1
+        return True
+
+    def _compact_step(self, seg: int, start: int) -> int | None:
+        """Copy the live records of ``seg``'s batches from offset ``start`` forward, about
+        _COMPACT_STEP bytes, in one transaction; the next batch offset, or None at the end."""
+        keys: list[bytes] = []
+        records: list[memoryview] = []
+        checks: list[int] = []
+        nxt: int | None = None
+        copied = 0
+        deltas = Deltas()
+        appended: tuple[int, SegmentState] | None = None
+        try:
+            with self.segments.writing, self._env.begin(write=True) as txn:
+                lookup, sdb = txn.get, self._shards
+                for batch_at, skey, at, length in self.segments.walk(seg, start):
+                    if batch_at != start and copied >= _COMPACT_STEP:
+                        nxt = batch_at
+                        break
+                    start = batch_at
+                    location = lookup(skey, None, sdb)
+                    if location is None:
+                        continue
+                    where, off, _len, check = _LOC.unpack(location)
+                    if where != seg or off != at:
+                        continue  # replaced or removed since
+                    keys.append(skey)
+                    records.append(self.segments.view(seg)[at : at + length])
+                    checks.append(check)
+                    deltas.add_segment(seg, -length, -1)
+                    copied += length
+                if keys:
+                    new, first, before = self.segments.append(keys, records)
+                    appended = (new, before)
+                    rows = list(zip(keys, records, strict=True))
+                    txn.cursor(db=sdb).putmulti(
+                        zip(keys, _locations(new, first, rows, checks), strict=True)
+                    )
+                    self._write_usage(txn, deltas, appended=new)
+        except BaseException:
+            if appended is not None:
+                self.segments.rewind(*appended)
+            raise
+        self._apply(deltas)
+        self.counters["compacted_shards"] += len(keys)
+        return nxt
+
     def _first_expiry_ms(self) -> int:
         heads = [h for p in self.book.partitions() if (h := self._head_expiry(p)) is not None]
         return min(heads, default=2**63)
 
-    def _write_usage(self, txn: lmdb.Transaction, deltas: Deltas) -> None:
+    def _write_usage(
+        self, txn: lmdb.Transaction, deltas: Deltas, *, appended: int | None = None
+    ) -> None:
         for key, value in self.book.meta_rows(deltas):
             txn.put(key, value, db=self._meta)
+        touched = set(deltas.segments)
+        if appended is not None:
+            touched.add(appended)  # its end moved
+        for seg in touched:
+            state = self.segments.state.get(seg)
+            if state is None:  # pragma: no cover - a record in a segment the index forgot
+                continue
+            dbytes, dcount = deltas.segments.get(seg, (0, 0))
+            row = SegmentState(state.end, state.live_bytes + dbytes, state.live + dcount)
+            txn.put(SEGMENT_PREFIX + seg.to_bytes(4, "big"), row.pack(), db=self._meta)
+
+    def _apply(self, deltas: Deltas) -> None:
+        """Mirror a committed transaction's counters (usage and segments' live bytes)."""
+        self.book.apply(deltas)
+        state = self.segments.state
+        for seg, (dbytes, dcount) in deltas.segments.items():
+            found = state.get(seg)
+            if found is not None:
+                found.live_bytes += dbytes
+                found.live += dcount
+                if dcount < 0:
+                    self._shrunk.add(seg)
+
+    @staticmethod
+    def _record_dead(location: bytes | memoryview | None, deltas: Deltas) -> None:
+        """Count the record at ``location`` (an index value, or None) as no longer live."""
+        if location is not None:
+            seg, _off, length, _check = _LOC.unpack(location)
+            deltas.add_segment(seg, -length, -1)
 
     def _load_meta(self) -> None:
         with self._env.begin(write=True) as txn:
@@ -1357,6 +1676,13 @@ class ShardStore:
                 if txn.stat(self._shards)["entries"]:
                     raise StorageError(f"{self.path} holds shards but no format marker")
                 txn.put(b"format", FORMAT, db=self._meta)
+            elif fmt == b"kvcache-store-v3":
+                raise StorageError(
+                    f"{self.path} was written in store format 'kvcache-store-v3' (shard records "
+                    f"inside LMDB); this build reads {FORMAT.decode()!r} (records in segment "
+                    "files beside an LMDB index): use a fresh data directory (the store is a "
+                    "cache; nothing in it needs to be kept)"
+                )
             elif fmt != FORMAT:
                 raise StorageError(
                     f"{self.path} was written in store format {fmt.decode(errors='replace')!r}; "
@@ -1372,6 +1698,22 @@ class ShardStore:
                         break
                     rows.append((bytes(key), bytes(value)))
             self.book.load(rows)
+            segments: dict[int, SegmentState] = {}
+            if cursor.set_range(SEGMENT_PREFIX):
+                for key, value in cursor:
+                    if not key.startswith(SEGMENT_PREFIX):
+                        break
+                    seg = int.from_bytes(key[len(SEGMENT_PREFIX) :], "big")
+                    segments[seg] = SegmentState.unpack(bytes(value))
+            lost = self._lost_segments(segments)
+            forgotten = Deltas()
+            if lost:
+                forgotten = self._forget_segments(txn, lost)
+                for seg in lost:
+                    txn.delete(SEGMENT_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
+                    segments.pop(seg)
+        self.book.apply(forgotten)
+        self.segments.load(segments)
         if raw_policy is not None:
             persisted = RetentionPolicy.from_mapping(json.loads(raw_policy), source="stored policy")
             if persisted != self.policy:
@@ -1388,6 +1730,20 @@ class ShardStore:
 def _partition_class(part: bytes) -> str:
     """The stored class name of an expiry-index partition."""
     return part[TENANT_LEN:].rstrip(b"\x00").decode("ascii")
+
+
+def _locations(
+    seg: int, first: int, rows: list[tuple[bytes, memoryview]], checks: list[int]
+) -> list[bytes]:
+    """Index values of records appended back to back from ``first`` in segment ``seg``."""
+    n = len(rows)
+    lengths = np.fromiter((len(r) for _, r in rows), np.int64, n)
+    loc = np.empty(n, LOCATION)
+    loc["seg"] = seg
+    loc["off"] = first + np.cumsum(lengths) - lengths
+    loc["len"] = lengths
+    loc["check"] = checks
+    return loc.view(f"V{LOCATION.itemsize}").tolist()
 
 
 def _prefixes(tenant: bytes, items: npt.NDArray[np.void]) -> list[bytes]:

@@ -1,0 +1,396 @@
+"""Append-only segment files: where a daemon's shard records live (store format v4).
+
+The LMDB index (:mod:`kvcache.server.store`) keeps, per shard, only where its
+record is: ``segment u32 | offset u32 | length u32 | header_check u32``
+(:data:`LOCATION`). The record bytes are appended here, a PUT batch (or a
+group commit of several) with ONE ``pwritev``, and read back as memoryviews
+of a read-only ``mmap`` of the segment, which the socket loop sends as they
+are. A stored byte is then copied once on its way in (the kernel's copy into
+the page cache) instead of twice (LMDB's dirty page, then its write-back), and
+an evicted or expired shard costs an index delete, not the freeing of three
+overflow pages.
+
+File layout (``segments/NNNNNNNN.seg``, id in hex, never reused)::
+
+    batch:  magic u32 | count u32 | records u64      (16 bytes, little-endian)
+            count x (length u32 | storage key 26 | pad 2)   (32 bytes each)
+            the count records, back to back
+
+Each batch names its records' storage keys, so a segment can be walked
+without the index (:meth:`SegmentFiles.walk`): that is how compaction finds a
+sparse segment's live records. One batch's records are contiguous, so a GET
+of the shards one PUT wrote is sent as one buffer.
+
+Space is reclaimed per segment, never per record: the store counts each
+segment's live bytes (in LMDB ``meta``, written with the index rows that
+change them); a sealed segment with nothing live is unlinked, and one mostly
+dead has its live records copied forward (compaction) first.
+
+Durability: a batch is written before the index transaction that points at it
+commits, and it is synced before that transaction is (``sync = commit``:
+``fdatasync`` before the commit; ``periodic``: :meth:`sync` runs before each
+LMDB sync). A crash can leave bytes past a segment's recorded end: they are
+overwritten, as nothing points at them.
+
+This module does file I/O only; which records are live is the index's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "BATCH_HEAD",
+    "ENTRY_LEN",
+    "LOCATION",
+    "SEGMENT_DIR",
+    "SegmentFiles",
+    "SegmentState",
+    "default_segment_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+SEGMENT_DIR = "segments"
+_MAGIC = 0x4B565347  # "GSVK" little-endian: a batch head
+BATCH_HEAD = struct.Struct("<IIQ")
+#: A batch's entry per record: record length, storage key (26), 2 pad bytes.
+ENTRY_LEN = 32
+_KEY_LEN = 26
+#: The index's value per shard: segment, offset, length, the record's header check.
+LOCATION = np.dtype([("seg", ">u4"), ("off", ">u4"), ("len", ">u4"), ("check", ">u4")])
+_LOC = struct.Struct(">IIII")
+#: Offsets are u32: a segment never grows past this.
+_MAX_SEGMENT = (1 << 32) - 1
+_SPARES = 2
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+def default_segment_bytes(capacity_bytes: int) -> int:
+    """Segment size for a node of ``capacity_bytes``: a 64th of it, 4 MiB to 256 MiB (small
+    enough that a segment empties soon after its shards expire, large enough that files are
+    few)."""
+    return max(4 << 20, min(256 << 20, capacity_bytes // 64))
+
+
+@dataclass(slots=True)
+class SegmentState:
+    """One segment's bookkeeping: bytes written (its end) and what of it is live."""
+
+    end: int = 0
+    live_bytes: int = 0
+    live: int = 0
+
+    _PACK = struct.Struct(">QQQ")
+
+    def pack(self) -> bytes:
+        """The meta row's value."""
+        return self._PACK.pack(self.end, self.live_bytes, self.live)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> SegmentState:
+        """A meta row's value (our own disk: trusted layout)."""
+        return cls(*cls._PACK.unpack(raw))
+
+
+class _Segment:
+    """One open segment file and its read-only map (remapped as the file grows: the file
+    is never made sparse, as writes into holes cost 5x those that extend a file, measured
+    on ext4)."""
+
+    __slots__ = ("fd", "map", "old", "path")
+
+    def __init__(self, path: Path, *, create: bool) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        self.map: mmap.mmap | None = None
+        #: Earlier, shorter maps of the file that replies may still hold views of.
+        self.old: list[mmap.mmap] = []
+
+    def view(self, end: int) -> memoryview:
+        """A view of the file's first ``end`` bytes at least."""
+        if self.map is None or len(self.map) < end:
+            size = os.fstat(self.fd).st_size
+            if size < end:
+                raise OSError(f"segment {self.path} is {size} bytes, the index says {end}")
+            if self.map is not None:
+                self.old.append(self.map)
+                self.old = [m for m in self.old if not _closed(m)]
+            self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
+        return memoryview(self.map)
+
+    def unmapped(self) -> bool:
+        """Close every map of the file if no view of any is left (then the file may be
+        rewritten: no reply in flight can see it change)."""
+        maps = [m for m in (*self.old, self.map) if m is not None]
+        if not all(map(_closed, maps)):
+            return False  # a reply in flight still holds a view
+        self.map, self.old = None, []
+        return True
+
+    def close(self) -> None:
+        # An mmap with views is left to the garbage collector: replies in flight may still
+        # hold them (a mapping outlives the unlinked file).
+        self.map = None
+        os.close(self.fd)
+
+
+def _closed(found: mmap.mmap) -> bool:
+    """Close ``found`` if nothing holds a view of it; whether it is closed."""
+    try:
+        found.close()
+    except BufferError:
+        return False
+    return True
+
+
+class SegmentFiles:
+    """The segment files of one data directory: append, view, sync, drop.
+
+    Owned by the store's thread, but for :meth:`sync`, which the periodic sync
+    thread calls (a lock keeps it from syncing a file being closed).
+    """
+
+    def __init__(self, directory: Path, *, segment_bytes: int, sync_each_write: bool) -> None:
+        if not 64 << 10 <= segment_bytes <= _MAX_SEGMENT:
+            raise ValueError(f"segment_bytes must be 64 KiB .. 4 GiB, not {segment_bytes}")
+        self.directory = directory / SEGMENT_DIR
+        self.directory.mkdir(exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self._sync_each = sync_each_write
+        self._open: dict[int, _Segment] = {}
+        self.state: dict[int, SegmentState] = {}
+        self.active = -1
+        self._dirty: set[int] = set()
+        self._lock = threading.Lock()
+        #: Held by the store's thread from an append to the commit of the transaction that
+        #: points at it, and by the periodic sync's last step (see ShardStore), so that a
+        #: synced index never points at bytes not yet synced.
+        self.writing = threading.Lock()
+        #: Files of dropped segments kept for reuse (see _roll), at most _SPARES.
+        self._spares: list[Path] = []
+
+    # ------------------------------------------------------------------ opening
+
+    def path_of(self, seg: int) -> Path:
+        """The file of segment ``seg``."""
+        return self.directory / f"{seg:08x}.seg"
+
+    def on_disk(self) -> dict[int, int]:
+        """Segment id → file size of every segment file in the directory."""
+        out = {}
+        for path in self.directory.glob("*.seg"):
+            try:
+                out[int(path.stem, 16)] = path.stat().st_size
+            except ValueError:
+                continue
+        return out
+
+    def load(self, state: dict[int, SegmentState]) -> None:
+        """Take the index's view of the segments (from meta); files it does not know are
+        leftovers of a crash before their first commit, and are removed. The newest known
+        segment with room becomes the active one."""
+        for seg in set(self.on_disk()) - set(state):
+            log.info("removing segment %s: no index entry points into it", self.path_of(seg))
+            self.path_of(seg).unlink(missing_ok=True)
+        for spare in self.directory.glob("*.spare"):
+            spare.unlink(missing_ok=True)
+        self.state = dict(state)
+        newest = max(state, default=-1)
+        if newest >= 0 and state[newest].end < self.segment_bytes:
+            self.active = newest
+        else:
+            self.active = newest  # the next append rolls to newest + 1
+
+    def _segment(self, seg: int, *, create: bool = False) -> _Segment:
+        found = self._open.get(seg)
+        if found is None:
+            found = _Segment(self.path_of(seg), create=create)
+            self._open[seg] = found
+        return found
+
+    # ------------------------------------------------------------------ writing
+
+    def append(
+        self, keys: Sequence[bytes], records: Sequence[memoryview | bytes]
+    ) -> tuple[int, int, SegmentState]:
+        """Write one batch (keys and records) with one ``pwritev``; returns (segment, offset
+        of the first record, the segment's state before, for :meth:`rewind`). The records
+        follow each other from that offset. Raises OSError (disk full, I/O error)."""
+        n = len(records)
+        lengths = np.fromiter(map(len, records), np.int64, n)
+        total = int(lengths.sum())
+        head_len = BATCH_HEAD.size + ENTRY_LEN * n
+        need = head_len + total
+        state = self.state.get(self.active)
+        if state is None or (state.end and state.end + need > self.segment_bytes):
+            self._roll(need)
+            state = self.state[self.active]
+        if state.end + need > _MAX_SEGMENT:
+            raise OSError(f"a batch of {need} bytes does not fit a segment")
+        seg = self._segment(self.active)
+        entries = np.zeros(n, [("len", "<u4"), ("key", "V26"), ("pad", "V2")])
+        entries["len"] = lengths
+        entries["key"] = np.frombuffer(b"".join(keys), "V26")
+        buffers: list[bytes | memoryview] = [
+            BATCH_HEAD.pack(_MAGIC, n, total),
+            entries.tobytes(),
+            *records,
+        ]
+        before = SegmentState(state.end, state.live_bytes, state.live)
+        at = state.end
+        for i in range(0, len(buffers), _IOV_MAX):
+            chunk = buffers[i : i + _IOV_MAX]
+            want = sum(map(len, chunk))
+            done = os.pwritev(seg.fd, chunk, at)
+            while done < want:  # a short write: the rest, from where it stopped
+                rest = b"".join(bytes(b) for b in chunk)[done:]
+                done += os.pwrite(seg.fd, rest, at + done)
+            at += want
+        if self._sync_each:
+            os.fdatasync(seg.fd)
+        else:
+            with self._lock:
+                self._dirty.add(self.active)
+        first = state.end + head_len
+        state.end += need
+        state.live_bytes += total
+        state.live += n
+        return self.active, first, before
+
+    def rewind(self, seg: int, before: SegmentState) -> None:
+        """Undo :meth:`append`'s bookkeeping after the index transaction failed (the bytes
+        stay, unreferenced, and the next append overwrites them)."""
+        if seg in self.state:
+            self.state[seg] = before
+
+    def _roll(self, need: int) -> None:
+        seg = self.active + 1
+        spare = self._spares.pop() if self._spares else None
+        if spare is not None:
+            # A dropped segment's file, its blocks allocated and its pages cached: rewriting
+            # them costs half of extending a new file (measured), and nothing reads it.
+            os.replace(spare, self.path_of(seg))
+        self._segment(seg, create=True)
+        self.state[seg] = SegmentState()
+        self.active = seg
+
+    # ------------------------------------------------------------------ reading
+
+    def view(self, seg: int) -> memoryview:
+        """A read-only view of segment ``seg``, its recorded end at least (raises OSError if
+        the file is gone or shorter)."""
+        state = self.state.get(seg)
+        if state is None:
+            raise OSError(f"no segment {seg:08x} in {self.directory}")
+        return self._segment(seg).view(state.end)
+
+    def read(self, location: bytes | memoryview) -> memoryview:
+        """The record an index value points at (see :data:`LOCATION`)."""
+        seg, off, length, _check = _LOC.unpack_from(location)
+        return self.view(seg)[off : off + length]
+
+    def views(self, locations: np.ndarray) -> list[memoryview]:
+        """Views of the records at ``locations`` (a :data:`LOCATION` array), in order, with
+        records that follow each other in one segment joined into one view: what a GET
+        reply sends. Whole-array work but for one slice per run."""
+        n = len(locations)
+        if not n:
+            return []
+        seg = locations["seg"].astype(np.int64)
+        off = locations["off"].astype(np.int64)
+        end = off + locations["len"].astype(np.int64)
+        starts = np.ones(n, bool)
+        starts[1:] = (seg[1:] != seg[:-1]) | (off[1:] != end[:-1])
+        first = np.flatnonzero(starts)
+        last = np.append(first[1:], n) - 1
+        out = []
+        maps: dict[int, memoryview] = {}
+        for s, a, b in zip(seg[first].tolist(), off[first].tolist(), end[last].tolist(),
+                           strict=True):  # fmt: skip
+            whole = maps.get(s)
+            if whole is None:
+                whole = maps[s] = self.view(s)
+            out.append(whole[a:b])
+        return out
+
+    def walk(self, seg: int, start: int = 0) -> Iterator[tuple[int, bytes, int, int]]:
+        """(batch offset, storage key, record offset, record length) of every record of
+        segment ``seg`` from the batch at ``start`` on, up to its recorded end. Stops (and
+        logs) at a batch head that is not one (a damaged file): the rest is left to scrub."""
+        state = self.state.get(seg)
+        if state is None:
+            return
+        view = self.view(seg)
+        at = start
+        while at + BATCH_HEAD.size <= state.end:
+            magic, count, total = BATCH_HEAD.unpack_from(view, at)
+            body = at + BATCH_HEAD.size + ENTRY_LEN * count
+            if magic != _MAGIC or body + total > state.end:
+                log.warning("segment %s: no batch head at offset %d; not walked further",
+                            self.path_of(seg), at)  # fmt: skip
+                return
+            entries = np.frombuffer(
+                view[at + BATCH_HEAD.size : body], [("len", "<u4"), ("key", "V26"), ("pad", "V2")]
+            )
+            pos = body
+            for length, key in zip(entries["len"].tolist(), entries["key"].tolist(), strict=True):
+                yield at, key, pos, length
+                pos += length
+            at = body + total
+
+    # ------------------------------------------------------------------ space and sync
+
+    def drop(self, seg: int) -> None:
+        """Forget and unlink segment ``seg`` (nothing in the index points into it)."""
+        with self._lock:
+            found = self._open.pop(seg, None)
+            if found is None and self.path_of(seg).exists():
+                found = _Segment(self.path_of(seg), create=False)
+            reusable = found is not None and len(self._spares) < _SPARES and found.unmapped()
+            if found is not None:
+                found.close()
+            self._dirty.discard(seg)
+        self.state.pop(seg, None)
+        if reusable:
+            spare = self.directory / f"{seg:08x}.spare"
+            os.replace(self.path_of(seg), spare)
+            self._spares.append(spare)
+        else:
+            self.path_of(seg).unlink(missing_ok=True)
+
+    def sync(self) -> None:
+        """``fdatasync`` every segment written since the last call (before an LMDB sync)."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            for seg in dirty:
+                found = self._open.get(seg)
+                if found is not None:
+                    os.fdatasync(found.fd)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes written to all segments (live and dead): what they take on disk."""
+        return sum(s.end for s in self.state.values())
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of live records in all segments."""
+        return sum(s.live_bytes for s in self.state.values())
+
+    def close(self) -> None:
+        """Sync and close every file (views already handed out stay valid)."""
+        self.sync()
+        with self._lock:
+            for found in self._open.values():
+                found.close()
+            self._open.clear()

@@ -1,0 +1,284 @@
+"""Store format v4: shard records in segment files beside the LMDB index (real files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lmdb
+import pytest
+from server_fixtures import FakeClock, block_records, get_items, put_items
+
+from kvcache.credentials import tenant_id
+from kvcache.errors import StorageError
+from kvcache.retention import DAY_S, RetentionPolicy
+from kvcache.server.segments import SegmentFiles
+from kvcache.server.store import ShardStore
+from kvcache.wire import Status
+
+T = tenant_id("default")
+SEG = 64 << 10  # small segments, so a few blocks fill one
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def open_store(path: Path, clock: FakeClock, **kwargs: object) -> ShardStore:
+    return ShardStore(path, capacity_bytes=64 << 20, clock=clock, segment_bytes=SEG, **kwargs)  # type: ignore[arg-type]
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def put(store: ShardStore, shards: list[tuple[bytes, int, bytes]]) -> list[int]:
+    items, data = put_items(shards)
+    return store.put(T, items, data)["status"].tolist()  # type: ignore[no-any-return]
+
+
+def read(store: ShardStore, wanted: list[tuple[bytes, int]]) -> tuple[list[int], bytes, int]:
+    """(statuses, the reply's data section, how many buffers it was sent as)."""
+    result = store.get(T, get_items(wanted))
+    try:
+        data = b"".join(bytes(p) for p in result.parts)
+        return result.items["status"].tolist(), data, len(result.parts)
+    finally:
+        result.release()
+
+
+def seg_files(path: Path) -> list[Path]:
+    return sorted((path / "segments").glob("*.seg"))
+
+
+def test_a_batch_is_one_append_and_is_read_back_as_one_buffer(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    shards = block_records(key(1), body_len=640)
+    with open_store(tmp_path / "db", clock) as store:
+        assert put(store, shards) == [Status.OK] * 12
+        status, data, buffers = read(store, [(key(1), i) for i in range(12)])
+        assert status == [Status.OK] * 12
+        assert data == b"".join(r for _, _, r in shards)
+        assert buffers == 1  # twelve adjacent records, one view
+        # Asked out of order or with a gap: still exact bytes, in item order.
+        status, data, buffers = read(store, [(key(1), 5), (key(1), 3), (key(9), 0), (key(1), 4)])
+        assert status == [Status.OK, Status.OK, Status.NOT_FOUND, Status.OK]
+        assert data == shards[5][2] + shards[3][2] + shards[4][2]
+        assert buffers == 2  # 5 | 3 (not after 5) then 4 (after 3): 3 and 4 joined
+
+
+def test_segments_roll_and_reopen_keeps_every_record(tmp_path: Path, clock: FakeClock) -> None:
+    blocks = {n: block_records(key(n), body_len=2048) for n in range(12)}  # ~25 KiB each
+    with open_store(tmp_path / "db", clock) as store:
+        for shards in blocks.values():
+            assert put(store, shards) == [Status.OK] * 12
+        assert len(seg_files(tmp_path / "db")) >= 4
+    with open_store(tmp_path / "db", clock) as store:
+        for n, shards in blocks.items():
+            status, data, _ = read(store, [(key(n), i) for i in range(12)])
+            assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert store.recount() == store.usage()
+
+
+def test_dead_segments_are_dropped_and_a_sparse_one_is_compacted(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Expired shards free whole segments; a segment with a few live shards left has them
+    copied forward (never dropped), then goes."""
+    policy = RetentionPolicy.from_mapping({"classes": {"chat": "1d", "agent": "7d"}})
+    budget = {"segment_budget_bytes": 100 << 10}
+    with open_store(tmp_path / "db", clock, policy=policy, **budget) as store:
+        keep = block_records(key(100), body_len=2048, traffic_class="agent")
+        for n in range(10):
+            assert put(store, block_records(key(n), body_len=2048)) == [Status.OK] * 12
+            if n == 1:
+                assert put(store, keep) == [Status.OK] * 12
+        before = {p.name for p in seg_files(tmp_path / "db")}
+        clock.step(DAY_S + 60)  # every chat block expires; the agent block does not
+        assert store.sweep(limit=10_000) == 120
+        for _ in range(20):
+            if not store.reclaim():
+                break
+        assert store.counters["segments_dropped"] >= 3
+        after = {p.name for p in seg_files(tmp_path / "db")}
+        assert not (before - after) <= set() and len(after) < len(before)
+        status, data, _ = read(store, [(key(100), i) for i in range(12)])
+        assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in keep)
+        assert store.recount() == store.usage()
+        files = sum(p.stat().st_size for p in seg_files(tmp_path / "db"))
+        assert files <= 3 * SEG  # the dead space went
+    with open_store(tmp_path / "db", clock, policy=policy, **budget) as store:  # it persists
+        status, data, _ = read(store, [(key(100), i) for i in range(12)])
+        assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in keep)
+
+
+def test_compaction_moves_live_records_and_keeps_their_bytes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Past their budget, the segment files are compacted: a sparse segment's live records
+    are copied forward, exactly, and the segment goes."""
+    with open_store(tmp_path / "db", clock, segment_budget_bytes=150 << 10) as store:
+        blocks = {n: block_records(key(n), body_len=2048) for n in range(8)}
+        for shards in blocks.values():
+            put(store, shards)
+        # Delete most of the first segments' blocks, keeping every third one.
+        gone = [n for n in range(6) if n % 3]
+        items = get_items([(key(n), i) for n in gone for i in range(12)])
+        assert (store.delete(T, items)["status"] == Status.OK).all()
+        for _ in range(50):
+            if not store.reclaim():
+                break
+        assert store.counters["compacted_shards"] > 0
+        assert store.segments.file_bytes <= 150 << 10
+        for n, shards in blocks.items():
+            status, data, _ = read(store, [(key(n), i) for i in range(12)])
+            if n in gone:
+                assert status == [Status.NOT_FOUND] * 12
+            else:
+                assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert store.recount() == store.usage()
+        # Scrub's reader sees the moved records whole.
+        assert len(store.records_after(b"", max_bytes=1 << 30)) == 12 * (8 - len(gone))
+
+
+def test_a_v3_directory_is_refused_with_a_clear_message(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "db"
+    path.mkdir()
+    env = lmdb.open(str(path), max_dbs=4)
+    shards, meta = env.open_db(b"shards"), env.open_db(b"meta")
+    env.open_db(b"retention")
+    env.open_db(b"expiry", dupsort=True, dupfixed=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"kvcache-store-v3", db=meta)
+        txn.put(T + key(1) + b"\x00\x00", b"a whole record", db=shards)
+    env.close()
+    with pytest.raises(StorageError, match=r"kvcache-store-v3.*segment files.*fresh data direct"):
+        open_store(path, clock)
+
+
+def test_a_missing_or_cut_segment_loses_only_its_shards(tmp_path: Path, clock: FakeClock) -> None:
+    with open_store(tmp_path / "db", clock) as store:
+        for n in range(6):
+            put(store, block_records(key(n), body_len=2048))
+    files = seg_files(tmp_path / "db")
+    files[0].unlink()
+    os.truncate(files[1], 100)
+    with open_store(tmp_path / "db", clock) as store:
+        lost = [n for n in range(6) if read(store, [(key(n), 0)])[0] != [Status.OK]]
+        assert lost and len(lost) < 6
+        for n in set(range(6)) - set(lost):
+            status, _, _ = read(store, [(key(n), i) for i in range(12)])
+            assert status == [Status.OK] * 12
+        assert store.recount() == store.usage()
+        assert put(store, block_records(key(99), body_len=2048)) == [Status.OK] * 12
+
+
+def test_bytes_past_the_committed_end_are_overwritten(tmp_path: Path, clock: FakeClock) -> None:
+    """A crash between a segment write and its index commit leaves bytes nothing points
+    at; the next append writes over them."""
+    with open_store(tmp_path / "db", clock) as store:
+        put(store, block_records(key(1), body_len=640))
+    (active,) = seg_files(tmp_path / "db")
+    with open(active, "ab") as fh:
+        fh.write(b"\xff" * 5000)  # an append whose transaction never committed
+    with open_store(tmp_path / "db", clock) as store:
+        shards = block_records(key(2), body_len=640)
+        assert put(store, shards) == [Status.OK] * 12
+        status, data, _ = read(store, [(key(2), i) for i in range(12)])
+        assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        walked = [k for seg in store.segments.state for _, k, _, _ in store.segments.walk(seg)]
+        assert len(walked) == 24
+
+
+def test_segment_files_refuse_a_bad_size(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="segment_bytes"):
+        SegmentFiles(tmp_path, segment_bytes=1000, sync_each_write=False)
+
+
+def test_under_its_budget_a_sparse_segment_is_left_alone(tmp_path: Path, clock: FakeClock) -> None:
+    """Compaction copies records only when the files pass their budget: under it, a
+    half-dead segment stays (its shards will mostly go by themselves), an empty one goes."""
+    with open_store(tmp_path / "db", clock) as store:
+        for n in range(8):
+            put(store, block_records(key(n), body_len=2048))
+        gone = [n for n in range(6) if n % 3]
+        items = get_items([(key(n), i) for n in gone for i in range(12)])
+        store.delete(T, items)
+        store.delete(T, get_items([(key(0), i) for i in range(12)]))
+        store.delete(T, get_items([(key(3), i) for i in range(6)]))
+        while store.reclaim():
+            pass
+        assert store.counters["compacted_shards"] == 0
+        assert store.counters["segments_dropped"] >= 1
+        status, _, _ = read(store, [(key(3), i) for i in range(6, 12)])
+        assert status == [Status.OK] * 6
+        assert store.recount() == store.usage()
+
+
+def test_the_periodic_sync_syncs_segments_then_the_index(tmp_path: Path, clock: FakeClock) -> None:
+    """sync = periodic: the sync thread fdatasyncs the segments written since its last round
+    before it syncs LMDB (what a synced index points at is on disk first)."""
+    from kvcache.server.config import SyncMode
+
+    calls: list[str] = []
+    store = open_store(tmp_path / "db", clock, sync=SyncMode.PERIODIC, sync_interval_s=3600)
+    try:
+        segment_sync, env_sync = store.segments.sync, store._env.sync
+        store.segments.sync = lambda: (calls.append("segments"), segment_sync())[1]  # type: ignore[method-assign]
+        put(store, block_records(key(1), body_len=640))
+        assert store.segments._dirty  # written, not yet synced
+        with store.segments.writing:
+            pass  # the writer holds it only from an append to its commit
+        store._sync_durably()
+        assert calls == ["segments", "segments"] and not store.segments._dirty
+        assert env_sync is not None
+    finally:
+        store.close()
+
+
+def test_sweeping_part_of_one_batch_takes_its_head_and_keeps_the_rest(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """One PUT batch is one expiry key with its shards as duplicates: a sweep bounded below
+    its size takes the first shards of it, the next takes the next, and the counters, the
+    segment's live bytes and the shards left stay exact."""
+    shards = [s for n in range(5) for s in block_records(key(n), body_len=640)]
+    with open_store(tmp_path / "db", clock) as store:
+        assert put(store, shards) == [Status.OK] * 60
+        clock.step(8 * DAY_S)
+        seg = store.segments.active
+        taken = []
+        while (n := store.sweep(limit=7)) > 0:
+            taken.append(n)
+            assert store.recount() == store.usage()
+            assert store.segments.state[seg].live == 60 - sum(taken)
+        assert taken == [7] * 8 + [4]
+        assert store.usage()["shards"] == 0
+
+
+def test_a_reply_in_flight_keeps_its_bytes_while_its_segment_goes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A GET's views outlive the segment they point into: a dropped segment that a reply
+    still holds a view of is unlinked, never rewritten as a later segment."""
+    first = block_records(key(1), body_len=2048)
+    with open_store(tmp_path / "db", clock) as store:
+        put(store, first)
+        held = store.get(T, get_items([(key(1), i) for i in range(12)]))  # not released
+        # The segment grows after that view was taken: a later GET maps it again.
+        second = block_records(key(99), body_len=2048)
+        put(store, second)
+        assert read(store, [(key(99), i) for i in range(12)])[1] == b"".join(
+            r for _, _, r in second
+        )
+        store.delete(T, get_items([(key(k), i) for k in (1, 99) for i in range(12)]))
+        for n in range(2, 30):  # roll many segments, drop them, reuse their files
+            put(store, block_records(key(n), body_len=2048))
+            store.delete(T, get_items([(key(n), i) for i in range(12)]))
+            while store.reclaim():
+                pass
+        assert store.counters["segments_dropped"] >= 5
+        assert b"".join(bytes(p) for p in held.parts) == b"".join(r for _, _, r in first)
+        held.release()
