@@ -22,7 +22,15 @@ a local 12-daemon kvcache cluster on this host's loopback. In one run:
    ``--dsv41-gib`` (2 GiB: 18,725 blocks) as prompts of ``--dsv41-prompt-blocks`` (4,096)
    blocks, stored, then matched + loaded into pinned memory one prompt after another;
    every byte checked. (One match may ask a daemon for at most 16,384 keys today.)
-6. CPU: next to every throughput, the client's *cores busy* (CPU-seconds / wall seconds
+6. **DeepSeek-V4.1 state restore** (``bench/_dsv41_restore.py``): the time to restore a
+   2,801,664-byte SWA state into the sliding-window groups' pages of a BLHNC pool on the
+   device (``dsv41_restore_ms``; with the fetch from a peer tier over loopback first,
+   ``dsv41_fetch_restore_ms``), against the time vLLM would spend replaying 128 tokens
+   without it: ``replay_128_ms_est`` = 128 / the recompute baseline's prefill rate at its
+   shortest prompt (a lower bound, see that module), and ``prefill_128_ms`` measured;
+   ``dsv41_replay_vs_restore`` = ``replay_128_ms_est`` / ``dsv41_fetch_restore_ms``.
+   ``--restore-only`` runs just this part (and the 8K recompute it needs).
+7. CPU: next to every throughput, the client's *cores busy* (CPU-seconds / wall seconds
    of the timed phase) and CPU-seconds per GB, of the client and of the daemons. The
    client is this process (``getrusage(RUSAGE_SELF)``: all its threads, torch's too) plus
    its I/O worker processes (``Client.io_pids``, ``/proc/<pid>/stat`` utime + stime); the
@@ -31,7 +39,7 @@ a local 12-daemon kvcache cluster on this host's loopback. In one run:
    released at once (``bench/_load_worker.py``: the aggregate over the interval in which
    all of them were loading).
 
-Usage: python bench/engine_gpu.py [--quick] [--json PATH] [--tiny] [--scaling]
+Usage: python bench/engine_gpu.py [--quick] [--json PATH] [--tiny] [--scaling] [--restore-only]
 (``--tiny``: a few MiB and a 2-layer model on whatever device exists, to check the
 script on a CPU machine. ``scripts/engine-gpu.sh`` runs it on the GPU machine, 3 times,
 and reports the median and range of each figure.)
@@ -388,6 +396,34 @@ def dsv41(
     return out
 
 
+def dsv41_restore(
+    device: torch.device, recompute_s: dict[int, float], tokens: int, tiny: bool, repeat: int
+) -> dict[str, Any]:
+    """A V4.1 state restored into the SWA groups' pages, against a 128-token replay."""
+    from _dsv41_restore import replay_figures, restore_figures
+
+    out = restore_figures(device, max(repeat, 10), tiny=tiny)
+    rate = tokens / recompute_s[tokens] if tokens in recompute_s else None
+    out |= replay_figures(device, rate, tiny=tiny, repeat=repeat)
+    est = out.get("replay_128_ms_est")
+    out["dsv41_replay_vs_restore"] = (
+        est / out["dsv41_fetch_restore_ms"] if est is not None else float("nan")
+    )
+    print_table(
+        "DeepSeek V4.1: restoring the SWA state vs replaying 128 tokens (median)",
+        ["path", "ms"],
+        [
+            ["restore 2,801,664 B into the SWA groups' pages", f"{out['dsv41_restore_ms']:.3f}"],
+            ["fetch from a peer (loopback) + restore", f"{out['dsv41_fetch_restore_ms']:.3f}"],
+            [f"replay 128 tokens, est. at the {tokens}-token prefill rate", f"{est or float('nan'):.3f}"],
+            ["a 128-token prefill, measured", f"{out['prefill_128_ms']:.3f}"],
+            ["replay est. / (fetch + restore)", f"{out['dsv41_replay_vs_restore']:.2f}x"],
+            ["restored bytes equal", str(out["dsv41_restore_bit_equal"])],
+        ],
+    )  # fmt: skip
+    return out
+
+
 def scaling(
     cluster: LocalCluster,
     space: Namespace,
@@ -448,6 +484,11 @@ def main() -> None:
         help="blocks per DSV41 prompt (one match + load each; default 4096, 512 Ki tokens)",
     )
     p.add_argument("--nodes", type=int, default=12)
+    p.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="only the DeepSeek-V4.1 state restore against a 128-token replay",
+    )
     p.add_argument("--no-recompute", action="store_true", help="skip the recompute baseline")
     p.add_argument(
         "--io-processes", type=int, default=8, help="client I/O worker processes (default 8)"
@@ -482,10 +523,15 @@ def main() -> None:
 
     recompute_s: dict[int, float] = {}
     if not args.no_recompute:
-        recompute_s = recompute_baseline(device, token_sizes, args.tiny, args.quick)
+        sizes = token_sizes[:1] if args.restore_only else token_sizes
+        recompute_s = recompute_baseline(device, sizes, args.tiny, args.quick)
         for n_tokens, secs in recompute_s.items():
             figures[f"recompute_s_{n_tokens // 1000}k"] = secs
             figures[f"recompute_tok_per_s_{n_tokens // 1000}k"] = n_tokens / secs
+    figures |= dsv41_restore(device, recompute_s, token_sizes[0], args.tiny, repeat)
+    if args.restore_only:
+        write_json(args.json, figures)
+        return
 
     max_blocks = -(-max(token_sizes) // PAGE_TOKENS)
     e2e_blocks = e2e_bytes // page_bytes

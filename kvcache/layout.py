@@ -87,8 +87,12 @@ class KVLayout:
         )
 
 
-#: The reference deployment's read unit: 512-token blocks (as in Mooncake traces)
-#: of 224 bytes per token — 112 KiB per block (114,688 bytes).
+#: The reference deployment's read unit, as DeepSeek V4.1 Flash declares it in vLLM 0.32:
+#: one 128-token block of the prefix-cacheable MLA group (4 compressed-KV and 4 indexer-K
+#: layers, nvfp4 MLA and the MXFP4 indexer on SM100) of 896 bytes per token, i.e.
+#: 112 KiB (114,688 bytes). Its records are packed bytes of several formats, hence
+#: ``INT8``. A Mooncake trace's 512-token hash id covers 4 of these blocks
+#: (:data:`kvcache.workload.TRACE_BLOCK_TOKENS`).
 REFERENCE_LAYOUT = KVLayout(
-    tokens_per_block=512, bytes_per_token=224, dtype=DType.BFLOAT16, layers_in_block=1
+    tokens_per_block=128, bytes_per_token=896, dtype=DType.INT8, layers_in_block=8
 )

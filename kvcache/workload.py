@@ -2,7 +2,9 @@
 a seeded generator of multi-turn agent and chat conversations. Pure code.
 
 A request is an arrival time, an input length in tokens, and one *hash id* per
-512-token block of its input (the last block may be partial). Equal ids at the
+512-token block of its input (the last block may be partial). A store whose blocks
+are smaller (the reference layout's 128 tokens) sees 4 blocks per hash id: tokens
+are synthesised per hash id, so the keys of those blocks chain exactly as the trace's. Equal ids at the
 same position mean the same prefix, so tokens synthesised from the ids give the
 same block keys exactly when the real prompts would share a prefix. KV payload
 bytes are synthesised from each block's key, so every loaded byte can be checked.
@@ -26,6 +28,7 @@ __all__ = [
     "TRACE_BLOCK_TOKENS",
     "Request",
     "WorkloadSpec",
+    "block_identities",
     "generate_workload",
     "ideal_hit_blocks",
     "payload_for_key",
@@ -118,15 +121,41 @@ def payload_for_key(key: bytes, payload_len: int) -> npt.NDArray[np.uint8]:
     return np.bitwise_xor(base, tiled)
 
 
-def ideal_hit_blocks(requests: Iterable[Request]) -> list[int]:
-    """Per request, the leading full blocks an infinite cache would have (seen before)."""
-    seen: set[int] = set()
+def block_identities(request: Request, tokens_per_block: int) -> list[tuple[int, ...]]:
+    """What names each full ``tokens_per_block``-token block of a request: the trace's
+    hash id and the block's place inside it (a 512-token hash id holds 4 blocks of 128),
+    or the run of hash ids a larger block covers."""
+    per = TRACE_BLOCK_TOKENS
+    if per % tokens_per_block == 0:
+        inner = per // tokens_per_block
+        count = request.input_length // tokens_per_block
+        return [(request.hash_ids[b // inner], b % inner) for b in range(count)]
+    if tokens_per_block % per == 0:
+        outer = tokens_per_block // per
+        count = request.input_length // tokens_per_block
+        return [tuple(request.hash_ids[b * outer : (b + 1) * outer]) for b in range(count)]
+    raise ConfigError(
+        f"tokens_per_block={tokens_per_block} must divide the trace's {per}-token blocks "
+        "or be a multiple of them"
+    )
+
+
+def ideal_hit_blocks(
+    requests: Iterable[Request], *, tokens_per_block: int = TRACE_BLOCK_TOKENS
+) -> list[int]:
+    """Per request, the leading full blocks an infinite cache would have (seen before).
+
+    Blocks are ``tokens_per_block`` tokens: with the reference layout's 128, each trace
+    hash id stands for 4 blocks, and a request's last, partial hash id still gives its
+    full 128-token blocks (which hit when a later request repeats that id).
+    """
+    seen: set[tuple[int, ...]] = set()
     out = []
     for req in requests:
-        full = req.hash_ids[: req.full_blocks]
+        full = block_identities(req, tokens_per_block)
         hit = 0
-        for h in full:
-            if h not in seen:
+        for ident in full:
+            if ident not in seen:
                 break
             hit += 1
         out.append(hit)

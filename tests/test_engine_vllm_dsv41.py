@@ -111,6 +111,13 @@ def test_claimed_window_whose_load_fails_is_recomputed_whole(result: Any) -> Non
     assert sched["swa_state_restores"] == 2  # held, failed
     assert sched["swa_bounded_replays"] == 1  # lost
     assert sched["swa_full_recomputes"] == 1  # failed
+    # The same counters on vLLM's Prometheus /metrics, through vLLM's connector-stats path
+    # (Scheduler.make_stats -> KVConnectorProm -> KVCachePromMetrics).
+    metrics = result["b"]["metrics"]
+    assert metrics["swa_state_restores"] == 2
+    assert metrics["swa_bounded_replays"] == 1
+    assert metrics["swa_full_recomputes"] == 1
+    assert metrics["lookups"] == sched["lookups"] > 0
 
 
 def test_bytes_through_the_store_and_the_tier_are_identical(result: Any) -> None:

@@ -319,3 +319,20 @@ def test_span_adapter_moves_one_groups_block_and_nothing_else() -> None:
     assert torch.equal(backing[3 * 64 + 16 : 3 * 64 + 40], before[7 * 64 + 16 : 7 * 64 + 40])
     changed = (backing != before).nonzero().flatten().tolist()
     assert all(16 <= i % 64 < 40 and i // 64 in (3, 7) for i in changed)
+
+
+def test_counter_deltas_hand_over_increments_once() -> None:
+    from kvcache.engine.stats import EXPORTED_COUNTERS, ConnectorStats, CounterDeltas
+
+    assert {"swa_state_restores", "swa_bounded_replays", "swa_full_recomputes"} <= set(
+        EXPORTED_COUNTERS
+    )
+    stats = ConnectorStats(role="scheduler", pid=1)
+    deltas = CounterDeltas()
+    assert deltas.take(stats) == {}
+    stats.swa_state_restores += 2
+    stats.lookups += 5
+    assert deltas.take(stats) == {"swa_state_restores": 2, "lookups": 5}
+    assert deltas.take(stats) == {}  # nothing counted twice
+    stats.swa_full_recomputes += 1
+    assert deltas.take(stats) == {"swa_full_recomputes": 1}

@@ -8,8 +8,11 @@ from kvcache.errors import ConfigError
 from kvcache.layout import REFERENCE_LAYOUT, DType, KVLayout
 
 
-def test_reference_layout_is_112_kib() -> None:
-    assert REFERENCE_LAYOUT.payload_bytes == 112 * 1024
+def test_reference_layout_is_v41_flash_mla_block() -> None:
+    # DeepSeek V4.1 Flash's MLA group in vLLM 0.32 (SM100, nvfp4 MLA, MXFP4 indexer):
+    # 128-token blocks of 896 bytes per token, 112 KiB.
+    assert REFERENCE_LAYOUT.payload_bytes == 112 * 1024 == 114_688
+    assert (REFERENCE_LAYOUT.tokens_per_block, REFERENCE_LAYOUT.bytes_per_token) == (128, 896)
 
 
 def test_payload_is_tokens_times_bytes() -> None:

@@ -75,6 +75,11 @@ def register(sub: Any) -> None:
     demo.add_argument("--etcd", action="store_true", help="membership in an etcd of the demo's own")
     demo.add_argument("--lease-ttl", type=int, default=10, help="etcd lease seconds (default 10)")
     demo.add_argument("--nodes", type=int, default=12, help="daemons (default 12)")
+    demo.add_argument(
+        "--swa-workers", type=int, default=0, help="also run N workers' SWA tiers (default 0)"
+    )
+    demo.add_argument("--swa-ttl", type=float, default=180.0, help="SWA state life, trace seconds")
+    demo.add_argument("--swa-state-bytes", type=int, default=2_801_664, help="bytes per state")
     demo.add_argument("--seed", type=int, default=7, help="seed of the generated workload")
     demo.add_argument("--capacity", default="4GiB", help="capacity per daemon")
     demo.add_argument("--dir", type=Path, help="cluster directory (default: a temporary one)")

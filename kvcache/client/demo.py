@@ -5,6 +5,14 @@ the missed blocks (synthesise their KV bytes from their keys) and store them.
 Every loaded byte is compared with what was stored, so the summary's
 ``wrong_bytes`` is a real check, not a claim. ``--plot`` draws the hit rate
 and load throughput over the replay (:func:`kvcache.plots.demo_figure`).
+
+Blocks are the reference layout's: DeepSeek V4.1 Flash's 128-token MLA blocks of
+114,688 bytes, 4 per 512-token hash id of a trace. With ``--swa-workers N`` the
+replay also runs N workers' SWA tiers (:mod:`kvcache.swa_local.fleet`): each request
+goes to a worker, fetches the sliding-window state at the end of its store hit if
+some worker holds it, and takes its own; ``swa_exact_hit_rate`` and
+``swa_replayed_tokens`` are then measured, beside the simulator's prediction of the
+same figures on the same requests (``swa_simulated``).
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ import numpy as np
 from kvcache.client.client import Client
 from kvcache.client.localcluster import LocalCluster
 from kvcache.errors import ClusterError, ConfigError
-from kvcache.keys import Namespace
+from kvcache.keys import Namespace, block_keys
 from kvcache.layout import REFERENCE_LAYOUT
 from kvcache.plots import DemoPoint
+from kvcache.swa_local.fleet import SwaFleet
+from kvcache.swa_local.simulate import DSV41_STATE_BYTES, Routing, simulate
 from kvcache.workload import (
     Request,
     generate_workload,
@@ -60,6 +70,12 @@ class DemoOptions:
     etcd: bool = False
     #: The daemons' etcd lease, seconds.
     lease_ttl_s: int = 10
+    #: Workers whose SWA tiers the replay runs (0: none).
+    swa_workers: int = 0
+    #: A state's life, seconds of trace time.
+    swa_ttl_s: float = 180.0
+    #: Bytes of one state (DeepSeek V4.1 Flash on SM100 by default).
+    swa_state_bytes: int = DSV41_STATE_BYTES
 
 
 @dataclass(slots=True)
@@ -82,6 +98,9 @@ class DemoSummary:
     points: list[DemoPoint] = field(default_factory=list)
     #: Index of the request before which the fault was injected.
     fault_at: int | None = None
+    #: With SWA workers: the fleet's figures, and the simulator's on the same requests.
+    swa: dict[str, Any] | None = None
+    swa_simulated: dict[str, Any] | None = None
 
     @property
     def hit_rate_after_fault(self) -> float:
@@ -111,7 +130,20 @@ class DemoSummary:
             "wall_seconds": self.wall_seconds,
             "fault": self.fault,
             "hit_rate_after_fault": self.hit_rate_after_fault,
+            **self._swa_dict(),
         }
+
+    def _swa_dict(self) -> dict[str, Any]:
+        if self.swa is None:
+            return {}
+        out: dict[str, Any] = {
+            "swa_exact_hit_rate": self.swa["exact_hit_rate"],
+            "swa_replayed_tokens": self.swa["replayed_tokens"],
+            "swa": self.swa,
+        }
+        if self.swa_simulated is not None:
+            out["swa_simulated"] = self.swa_simulated
+        return out
 
 
 def _parse_fault(spec: str | None, nodes: int) -> tuple[str, int] | None:
@@ -153,10 +185,50 @@ def run_demo(options: DemoOptions, *, out: TextIO = sys.stderr) -> DemoSummary:
         ) as cluster:
             config = cluster.client_config()
             with Client(config) as client:
-                summary = _replay(client, cluster, requests, options, fault, out)
+                summary = _replay_with_swa(client, cluster, requests, options, fault, out)
     if options.plot is not None:
         write_plot(summary, options.plot)
         print(f"plot written to {options.plot}", file=out)
+    return summary
+
+
+_NAMESPACE = Namespace(model="demo/synthetic-kv", revision="1", layout=REFERENCE_LAYOUT)
+
+
+def _replay_with_swa(
+    client: Client,
+    cluster: LocalCluster,
+    requests: list[Request],
+    options: DemoOptions,
+    fault: tuple[str, int] | None,
+    out: TextIO,
+) -> DemoSummary:
+    """:func:`_replay`, with the SWA fleet when ``options.swa_workers`` asks for one."""
+    if options.swa_workers < 1:
+        return _replay(client, cluster, requests, options, fault, out)
+    fleet = SwaFleet(
+        client,
+        _NAMESPACE,
+        workers=options.swa_workers,
+        ttl_s=options.swa_ttl_s,
+        state_bytes=options.swa_state_bytes,
+        seed=options.seed,
+    )
+    with fleet:
+        summary = _replay(client, cluster, requests, options, fault, out, fleet=fleet)
+    summary.swa = fleet.figures.to_dict()
+    summary.wrong_bytes += fleet.figures.wrong_bytes
+    predicted = simulate(
+        requests,
+        workers=options.swa_workers,
+        ttl_s=options.swa_ttl_s,
+        routing=Routing.RANDOM,
+        state_bytes=options.swa_state_bytes,
+        seed=options.seed,
+        replay_tokens=fleet.figures.replay_tokens,
+        tokens_per_block=REFERENCE_LAYOUT.tokens_per_block,
+    )
+    summary.swa_simulated = predicted.to_dict()
     return summary
 
 
@@ -167,11 +239,13 @@ def _replay(
     options: DemoOptions,
     fault: tuple[str, int] | None,
     out: TextIO,
+    *,
+    fleet: SwaFleet | None = None,
 ) -> DemoSummary:
-    ns = Namespace(model="demo/synthetic-kv", revision="1", layout=REFERENCE_LAYOUT)
+    ns = _NAMESPACE
     payload_len = REFERENCE_LAYOUT.payload_bytes
     tpb = REFERENCE_LAYOUT.tokens_per_block
-    ideal = ideal_hit_blocks(requests)
+    ideal = ideal_hit_blocks(requests, tokens_per_block=tpb)
     summary = DemoSummary(fault=options.fault or "")
     fault_at = len(requests) // 3 if fault else -1
     summary.fault_at = fault_at if fault else None
@@ -198,10 +272,17 @@ def _replay(
             if delay > 0:
                 time.sleep(delay)
         tokens = tokens_for(req)
-        match = client.match_prefix(ns, tokens)
+        if fleet is None:
+            match = client.match_prefix(ns, tokens)
+        else:
+            worker = fleet.route(req.timestamp_ms / 1000.0)
+            keys = block_keys(ns, tokens)
+            match, holders = fleet.lookup(worker, keys)
         t = time.perf_counter()
         result = client.load(ns, match, traffic_class=req.traffic_class)
         elapsed = time.perf_counter() - t
+        if fleet is not None:
+            fleet.continue_at(worker, keys, result.blocks, holders)
         summary.points.append(
             DemoPoint(
                 input_tokens=req.input_length,
@@ -225,6 +306,8 @@ def _replay(
             )
             summary.blocks_stored += stored.written
             summary.store_failures += stored.failed
+        if fleet is not None:
+            fleet.take(worker, keys)
         summary.requests += 1
         summary.input_tokens += req.input_length
         summary.hit_tokens += result.tokens
@@ -288,6 +371,21 @@ def print_summary(summary: DemoSummary, out: TextIO = sys.stdout) -> None:
     ]
     if summary.fault:
         rows.append(("fault injected", summary.fault))
+    if summary.swa is not None:
+        sim = summary.swa_simulated or {}
+        rows.append(
+            (
+                "SWA exact hit rate",
+                f"{summary.swa['exact_hit_rate']:.1%} "
+                f"(simulator {sim.get('exact_hit_rate', float('nan')):.1%})",
+            )
+        )
+        rows.append(
+            (
+                "SWA tokens replayed",
+                f"{summary.swa['replayed_tokens']:,} (simulator {sim.get('replayed_tokens', 0):,})",
+            )
+        )
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}", file=out)
@@ -325,6 +423,9 @@ def run_cli(args: argparse.Namespace) -> int:
         plot=getattr(args, "plot", None),
         etcd=getattr(args, "etcd", False),
         lease_ttl_s=getattr(args, "lease_ttl", 10),
+        swa_workers=getattr(args, "swa_workers", 0),
+        swa_ttl_s=getattr(args, "swa_ttl", 180.0),
+        swa_state_bytes=getattr(args, "swa_state_bytes", DSV41_STATE_BYTES),
     )
     summary = run_demo(options)
     print_summary(summary)

@@ -353,7 +353,7 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
         pool = self._pool()
         ns = self._require_layout()
         pages = [
-            _as_bytes(pool.get_flat_data_page(int(host_indices[i * self._page_size]))).numpy()
+            _as_bytes(_flat_page(pool, int(host_indices[i * self._page_size]))).numpy()
             for i in range(len(keys))
         ]
         return self._store(ns, keys, pages, hint)
@@ -427,3 +427,15 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ConfigError("page tensors must be contiguous")
     return t.reshape(-1).view(torch.uint8)
+
+
+def _flat_page(pool: Any, index: int) -> torch.Tensor:
+    """One host page, flat: SGLang 0.5.23's ``get_data_page(index, flat=True)``
+    (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``), or the older
+    ``get_flat_data_page``."""
+    getter = getattr(pool, "get_data_page", None)
+    if getter is not None:
+        page: torch.Tensor = getter(index, flat=True)
+        return page
+    flat: torch.Tensor = pool.get_flat_data_page(index)
+    return flat

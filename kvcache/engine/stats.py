@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConnectorStats", "StatsFile"]
+__all__ = ["EXPORTED_COUNTERS", "ConnectorStats", "CounterDeltas", "StatsFile"]
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +121,46 @@ class ConnectorStats:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return asdict(self)
+
+
+#: The counters a connector reports through vLLM's stats path to its Prometheus
+#: ``/metrics`` (as ``vllm:kvcache_<name>_total``, summed over the engine's processes).
+EXPORTED_COUNTERS: tuple[str, ...] = (
+    "lookups",
+    "requests_matched",
+    "tokens_matched",
+    "blocks_loaded",
+    "tokens_loaded",
+    "load_error_blocks",
+    "load_failed_requests",
+    "blocks_saved",
+    "blocks_save_failed",
+    "blocks_save_dropped",
+    "swa_local_hits",
+    "swa_remote_hits",
+    "swa_misses",
+    "swa_state_restores",
+    "swa_bounded_replays",
+    "swa_full_recomputes",
+)
+
+
+class CounterDeltas:
+    """What grew since the last call: vLLM asks each connector half for its stats every
+    step and sums them across processes, so each half hands over increments, never totals
+    (the totals stay in the stats file)."""
+
+    def __init__(self, names: tuple[str, ...] = EXPORTED_COUNTERS) -> None:
+        self.names = names
+        self._last: dict[str, int] = dict.fromkeys(names, 0)
+
+    def take(self, stats: ConnectorStats) -> dict[str, int]:
+        """The exported counters' increments since the last ``take`` (only those that grew)."""
+        out: dict[str, int] = {}
+        for name in self.names:
+            now = int(getattr(stats, name))
+            grew = now - self._last[name]
+            if grew > 0:
+                out[name] = grew
+            self._last[name] = now
+        return out

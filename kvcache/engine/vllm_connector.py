@@ -47,8 +47,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvcache.engine.stats import CounterDeltas
 from kvcache.engine.vllm_context import ConnectorContext
 from kvcache.engine.vllm_meta import StepPlan
+from kvcache.engine.vllm_metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.engine.vllm_scheduler import SchedulerSide
 from kvcache.engine.vllm_worker import WorkerSide
 from kvcache.errors import ConfigError
@@ -122,6 +124,7 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
             ranks=ranks,
         )
         self.ctx = ctx
+        self._deltas = CounterDeltas()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if is_scheduler:
@@ -148,6 +151,30 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
     def stats(self) -> Any:
         """This half's counters (:class:`~kvcache.engine.vllm_meta.ConnectorStats`)."""
         return self.ctx.stats
+
+    # ================================================================ metrics (both halves)
+
+    def get_kv_connector_stats(self) -> KVCacheConnectorStats | None:
+        """This half's counter increments since vLLM last asked (``kvcache.engine.vllm_metrics``)."""
+        with self.ctx.lock:
+            grew = self._deltas.take(self.ctx.stats)
+        return KVCacheConnectorStats(data=grew) if grew else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCacheConnectorStats:
+        """Rebuild stats sent between vLLM's processes."""
+        return KVCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVCachePromMetrics:
+        """The ``vllm:kvcache_*_total`` counters on vLLM's ``/metrics``."""
+        return KVCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:

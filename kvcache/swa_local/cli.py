@@ -20,7 +20,7 @@ from kvcache.errors import ConfigError
 from kvcache.retention.policy import parse_duration
 from kvcache.swa_local.plot import hit_rate_chart
 from kvcache.swa_local.simulate import REFERENCE_STATE_BYTES, Routing, simulate, sweep_ttl
-from kvcache.workload import read_trace
+from kvcache.workload import TRACE_BLOCK_TOKENS, read_trace
 
 __all__ = ["register"]
 
@@ -53,6 +53,13 @@ def register(sub: Any) -> None:
         help=f"bytes of one state (default {REFERENCE_STATE_BYTES}: 20 layers x 134 x 528)",
     )
     sim.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    sim.add_argument(
+        "--tokens-per-block",
+        type=int,
+        default=TRACE_BLOCK_TOKENS,
+        help=f"the store's block (default {TRACE_BLOCK_TOKENS}, the trace's; 128: DeepSeek V4.1, "
+        "4 blocks per hash id, as `kvcache demo --swa-workers` replays it)",
+    )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.add_argument("--plot", type=Path, help="draw hit rate against TTL into this PNG")
     sim.add_argument(
@@ -64,6 +71,8 @@ def register(sub: Any) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    if args.tokens_per_block < 1:
+        raise ConfigError(f"--tokens-per-block must be >= 1, got {args.tokens_per_block}")
     if args.state_bytes < 1:
         raise ConfigError(f"--state-bytes must be >= 1, got {args.state_bytes}")
     ttl = parse_duration(args.ttl, what="--ttl")
@@ -76,6 +85,7 @@ def _simulate(args: argparse.Namespace) -> int:
         "routing": routing,
         "state_bytes": args.state_bytes,
         "seed": args.seed,
+        "tokens_per_block": args.tokens_per_block,
     }
     result = simulate(requests, ttl_s=ttl, **options)
     out = result.to_dict()

@@ -42,12 +42,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcache.errors import ArgumentError
-from kvcache.workload import TRACE_BLOCK_TOKENS, Request
+from kvcache.workload import TRACE_BLOCK_TOKENS, Request, block_identities
 
-__all__ = ["REFERENCE_STATE_BYTES", "Routing", "SwaSimulation", "simulate", "sweep_ttl"]
+__all__ = [
+    "DSV41_STATE_BYTES",
+    "REFERENCE_STATE_BYTES",
+    "Routing",
+    "SwaSimulation",
+    "simulate",
+    "sweep_ttl",
+]
 
 #: 20 sliding-window layers x 134 tokens x 528 bytes (the reference deployment).
 REFERENCE_STATE_BYTES = 20 * 134 * 528
+
+#: DeepSeek V4.1 Flash in vLLM 0.32 on SM100: 4 SWA blocks of 16,896 B in each of 40
+#: layers plus the compressor ring's 98,304 B.
+DSV41_STATE_BYTES = 40 * 4 * 16_896 + 98_304
 
 
 class Routing(enum.Enum):
@@ -145,21 +156,28 @@ def simulate(
     state_bytes: int = REFERENCE_STATE_BYTES,
     seed: int = 0,
     replay_tokens: int = 128,
+    tokens_per_block: int = TRACE_BLOCK_TOKENS,
 ) -> SwaSimulation:
-    """Replay ``requests`` (in arrival order); see the module docstring."""
+    """Replay ``requests`` (in arrival order); see the module docstring.
+
+    ``tokens_per_block`` is the store's block: the trace's 512 by default, 128 for
+    DeepSeek V4.1 (each hash id then names 4 blocks, and states lie at 128-token
+    boundaries, as ``kvcache demo --swa-workers`` takes them).
+    """
     if workers < 1 or not ttl_s > 0 or state_bytes < 1:
         raise ArgumentError(
             f"need workers >= 1, ttl_s > 0, state_bytes >= 1; got {workers}, {ttl_s}, {state_bytes}"
         )
     rng = random.Random(seed)
-    seen: set[int] = set()
-    # State key (blocks, id of the last block) -> {worker: expiry}.
-    holders: dict[tuple[int, int], dict[int, float]] = {}
+    seen: set[tuple[int, ...]] = set()
+    # State key (blocks, identity of the last block) -> {worker: expiry}.
+    holders: dict[tuple[int, tuple[int, ...]], dict[int, float]] = {}
     live = [0] * workers
     peak = 0
-    expiries: list[tuple[float, int, tuple[int, int]]] = []
+    expiries: list[tuple[float, int, tuple[int, tuple[int, ...]]]] = []
     count = continuations = hits = same = fetches = unreachable = exact = replayed = 0
-    taken: set[tuple[int, int]] = set()
+    taken: set[tuple[int, tuple[int, ...]]] = set()
+    tpb = tokens_per_block
     store_tokens = state_tokens = 0
     first_ms = last_ms = None
     for req in requests:
@@ -175,7 +193,7 @@ def simulate(
                 if not held:
                     del holders[key]
         count += 1
-        full = req.hash_ids[: req.full_blocks]
+        full = block_identities(req, tpb)
         hit = 0
         for block_id in full:
             if block_id not in seen:
@@ -192,16 +210,16 @@ def simulate(
         worker = min(best) if routing is Routing.AFFINITY and best else rng.randrange(workers)
         if hit:
             continuations += 1
-            store_tokens += hit * TRACE_BLOCK_TOKENS
+            store_tokens += hit * tpb
             if not any((b, full[b - 1]) in taken for b in range(1, hit + 1)):
                 unreachable += 1
             if best_blocks == hit:
                 exact += 1
-            elif hit * TRACE_BLOCK_TOKENS > replay_tokens:
+            elif hit * tpb > replay_tokens:
                 replayed += replay_tokens
             if best:
                 hits += 1
-                state_tokens += best_blocks * TRACE_BLOCK_TOKENS
+                state_tokens += best_blocks * tpb
                 if worker in best:
                     same += 1
                 else:

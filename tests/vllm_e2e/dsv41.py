@@ -175,8 +175,14 @@ class Engine:
             structured_output_manager=StructuredOutputManager(config),
             block_size=block,
             hash_block_size=block,
+            log_stats=True,
         )
         self.connector = self.sched.connector
+        # vLLM's own Prometheus path for connector stats (what its frontend's
+        # PrometheusStatLogger does with each step's SchedulerStats.kv_connector_stats):
+        # one KVConnectorProm per process, as in vLLM, with an engine label per Engine.
+        self.prom, self.engine_idx = _prom(config, name)
+        self.prom_name = name
         ctx = ConnectorContext.build(
             config,
             worker_cfg,
@@ -249,7 +255,24 @@ class Engine:
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_recving=done, failed_recving=failed),
         )
-        self.sched.update_from_output(out, mro)
+        outputs = self.sched.update_from_output(out, mro)
+        for eco in outputs.values():
+            stats = eco.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:
+                self.prom.observe(stats.kv_connector_stats, self.engine_idx)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """This engine's ``vllm:kvcache_*_total`` counters, read back from Prometheus."""
+        from prometheus_client import REGISTRY
+
+        out = {}
+        for name in ("swa_state_restores", "swa_bounded_replays", "swa_full_recomputes",
+                     "lookups", "requests_matched"):  # fmt: skip
+            value = REGISTRY.get_sample_value(
+                f"vllm:kvcache_{name}_total", {"engine": self.prom_name}
+            )
+            out[name] = float(value or 0.0)
         return out
 
     def wait_loads(self, timeout_s: float = 60.0) -> None:
@@ -300,6 +323,21 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
+
+
+ENGINE_NAMES = ("a", "a2", "a3", "b")
+_PROM: list[Any] = []
+
+
+def _prom(config: Any, name: str) -> tuple[Any, int]:
+    """The process's one ``KVConnectorProm`` (Prometheus metrics register once) and the
+    engine index of ``name``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    if not _PROM:
+        labels = {i: [n] for i, n in enumerate(ENGINE_NAMES)}
+        _PROM.append(KVConnectorProm(config, labelnames=["engine"], per_engine_labelvalues=labels))
+    return _PROM[0], ENGINE_NAMES.index(name)
 
 
 def main() -> None:
@@ -368,7 +406,7 @@ def main() -> None:
         if case == "held":
             result["bytes"] = compare(a, first["block_ids"], b, result[case]["block_ids"], PROMPT)
         b.run_to_end()
-    result["b"] = {"stats": b.stats()}
+    result["b"] = {"stats": b.stats(), "metrics": b.metrics()}
     a.close()
     b.close()
     out_path.write_text(json.dumps(result))
