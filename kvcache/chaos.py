@@ -35,11 +35,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache.client.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.errors import KVCacheError
 from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.server.probe import Probe
 from kvcache.shard import HEADER_BYTES, ShardHeader, shard_hash
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import Status
 from kvcache.workload import payload_for_key
 

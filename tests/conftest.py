@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.client.localcluster import LocalCluster
+from kvcache.testing.localcluster import LocalCluster
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcache.client.localcluster import LocalCluster
 from kvcache.server.probe import Probe
+from kvcache.testing.localcluster import LocalCluster
 
 
 def shard_retention(

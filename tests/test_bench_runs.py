@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import Namespace
 from kvcache.layout import DType, KVLayout
+from kvcache.testing.localcluster import LocalCluster
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 

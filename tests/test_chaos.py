@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from kvcache.chaos import chaos_prompt, check_prompt, run_kill_stop
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import Namespace
 from kvcache.layout import DType, KVLayout
+from kvcache.testing.localcluster import LocalCluster
 
 LAYOUT = KVLayout(
     tokens_per_block=64, bytes_per_token=1792, dtype=DType.BFLOAT16, layers_in_block=7

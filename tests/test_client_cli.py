@@ -37,7 +37,7 @@ def test_up_status_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     )
     try:
         space = Namespace(model="cli", revision="1", layout=REFERENCE_LAYOUT)
-        tokens = np.arange(512 * 3, dtype=np.uint32)
+        tokens = np.arange(REFERENCE_LAYOUT.tokens_per_block * 3, dtype=np.uint32)
         assert (root / "credentials.toml").stat().st_mode & 0o777 == 0o600
         with Client(ClientConfig.load(root / "client.toml")) as client:
             client.store(
@@ -154,7 +154,7 @@ def test_down_signals_only_our_daemons_and_restart_keeps_settings(tmp_path: Path
     import subprocess
     import sys
 
-    from kvcache.client.localcluster import LocalCluster
+    from kvcache.testing.localcluster import LocalCluster
 
     cluster = LocalCluster(tmp_path / "c").start(nodes=2, capacity="96MiB")
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -12,10 +12,10 @@ import pytest
 from vllm_e2e.damage import damage_block
 
 from kvcache.client import Client, ClientConfig
-from kvcache.client.localcluster import LocalCluster
 from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 LAYOUT = KVLayout(

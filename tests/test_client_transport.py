@@ -19,8 +19,8 @@ import pytest
 
 from kvcache import REFERENCE_LAYOUT, Namespace
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import block_keys
+from kvcache.testing.localcluster import LocalCluster
 
 P = 114_688
 

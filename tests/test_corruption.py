@@ -16,10 +16,10 @@ import pytest
 
 from kvcache.chaos import ShardFault, find_shard, flip_record_byte, plant, unflip
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.shard import HEADER_BYTES
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 # Small blocks keep the every-byte sweep short: 1 KiB payloads, shards of about 100 bytes.

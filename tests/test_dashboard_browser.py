@@ -26,9 +26,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 from server_fixtures import http
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import Namespace
 from kvcache.layout import REFERENCE_LAYOUT
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 pytestmark = pytest.mark.timeout(300)

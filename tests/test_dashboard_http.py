@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 from server_fixtures import DaemonProcess, http, wait_until
 
-from kvcache.client.localcluster import LocalCluster, free_ports
 from kvcache.cluster import ClusterMap, NodeInfo
 from kvcache.credentials import Credentials
 from kvcache.dashboard import Collector
 from kvcache.dashboard.auth import COOKIE_NAME
+from kvcache.testing.localcluster import LocalCluster, free_ports
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvcache.cli import build_parser
-from kvcache.client.localcluster import DAEMON_ENV
 from kvcache.server.config import load_server_config, parse_admin_listen
+from kvcache.testing.localcluster import DAEMON_ENV
 from kvcache.wire import parse_endpoint
 
 REPO = Path(__file__).resolve().parent.parent

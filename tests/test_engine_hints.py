@@ -14,11 +14,11 @@ from retention_fixtures import shard_retention
 from test_engine_sglang import HostPool, StorageConfig, page_hashes
 
 from kvcache.client import ClientConfig
-from kvcache.client.localcluster import LocalCluster
 from kvcache.engine.hints import hint_from_params
 from kvcache.engine.sglang_backend import KVCacheStorage
 from kvcache.engine.vllm_plan import SaveSpec, StepPlan
 from kvcache.retention import Hint
+from kvcache.testing.localcluster import LocalCluster
 
 DAY_MS = 86_400_000
 #: The class every engine adapter uses for a request without a hint: the client's default.

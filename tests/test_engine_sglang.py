@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.client.localcluster import LocalCluster
 from kvcache.engine.sglang_backend import KVCacheStorage
 from kvcache.errors import ConfigError
+from kvcache.testing.localcluster import LocalCluster
 
 
 @dataclass

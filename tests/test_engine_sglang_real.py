@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from vllm_e2e.harness import run
 
-from kvcache.client.localcluster import LocalCluster
+from kvcache.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -41,9 +41,9 @@ from vllm_e2e.harness import run as run_cmd
 from vllm_e2e.harness import run_engine as _run_engine
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.engine.vllm_meta import namespace_from_dict
 from kvcache.keys import Namespace, block_keys
+from kvcache.testing.localcluster import LocalCluster
 
 # Building the vLLM venv (first run only, ~2 min) and three engine processes take a while.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

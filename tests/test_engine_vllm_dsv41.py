@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from vllm_e2e.harness import E2E, build_vllm_python, run
 
-from kvcache.client.localcluster import LocalCluster
+from kvcache.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

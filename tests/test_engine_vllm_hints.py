@@ -21,9 +21,9 @@ from retention_fixtures import shard_retention
 from vllm_e2e.harness import E2E, EngineRun, build_vllm_python, engine_spec
 from vllm_e2e.harness import run as run_cmd
 
-from kvcache.client.localcluster import LocalCluster
 from kvcache.engine.vllm_meta import namespace_from_dict
 from kvcache.keys import block_keys
+from kvcache.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

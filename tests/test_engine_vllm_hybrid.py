@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import pytest
 from vllm_e2e.harness import E2E, EngineRun, HeldEngine, build_vllm_python, run, run_engine
 
-from kvcache.client.localcluster import LocalCluster
+from kvcache.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

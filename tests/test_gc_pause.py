@@ -12,10 +12,10 @@ import pytest
 
 from kvcache import gc_pause
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.gc_pause import MAX_PAUSE_S, gc_paused
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 

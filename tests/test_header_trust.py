@@ -17,10 +17,10 @@ import pytest
 
 from kvcache.chaos import ShardFault, _probe, find_shard, flip_record_byte, plant
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.shard import HEADER_BYTES, ShardHeader
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import Status
 from kvcache.workload import payload_for_key
 

@@ -16,11 +16,11 @@ import pytest
 
 from kvcache.cli import main as kvcache_main
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.cluster import NodeState
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.membership.localetcd import etcd_binary
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 LAYOUT = KVLayout(tokens_per_block=16, bytes_per_token=512, dtype=DType.BFLOAT16, layers_in_block=4)

@@ -19,10 +19,10 @@ import pytest
 
 from kvcache.chaos import find_shard
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.shard import HEADER_BYTES, ShardHeader
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 SMALL = KVLayout(tokens_per_block=16, bytes_per_token=64, dtype=DType.INT8, layers_in_block=1)

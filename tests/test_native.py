@@ -143,7 +143,7 @@ def _round_trip(env: dict[str, str]) -> str:
         "import numpy as np, tempfile, pathlib\n"
         "from kvcache import native\n"
         "from kvcache.client import Client\n"
-        "from kvcache.client.localcluster import LocalCluster\n"
+        "from kvcache.testing.localcluster import LocalCluster\n"
         "from kvcache.keys import Namespace\n"
         "from kvcache.layout import REFERENCE_LAYOUT as L\n"
         "P = L.payload_bytes\n"

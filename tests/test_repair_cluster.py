@@ -18,7 +18,6 @@ import pytest
 
 from kvcache.cli import main
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.client.matching import held_shards
 from kvcache.client.plan import best_counts
 from kvcache.cluster import ClusterMap, NodeState
@@ -26,6 +25,7 @@ from kvcache.keys import BlockKey, Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.placement import Placement
 from kvcache.server.probe import Probe
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 LAYOUT = KVLayout(tokens_per_block=16, bytes_per_token=256, dtype=DType.INT8, layers_in_block=1)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.client.localcluster import LocalCluster
 from kvcache.retention.cli import main
 from kvcache.retention.policy import DAY_S, RetentionPolicy
 from kvcache.retention.simulate import simulate
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import Request
 
 

@@ -13,12 +13,12 @@ import pytest
 from retention_fixtures import shard_retention
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.credentials import Credentials, TenantCredentials
 from kvcache.errors import ArgumentError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.retention import Hint
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 LAYOUT = KVLayout(tokens_per_block=64, bytes_per_token=256, dtype=DType.BFLOAT16, layers_in_block=1)

@@ -22,12 +22,12 @@ import pytest
 
 from kvcache.cli import main as kvcache_main
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import Namespace
 from kvcache.layout import DType, KVLayout
 from kvcache.retention.cli import main as retention_main
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.retention.tracegen import TraceModel, generate_trace, write_trace
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import TRACE_BLOCK_TOKENS, Request, payload_for_key, read_trace, tokens_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

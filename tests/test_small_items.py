@@ -14,10 +14,10 @@ import pytest
 
 from kvcache.cli import main
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.errors import ClosedError, ConfigError
 from kvcache.keys import Namespace
 from kvcache.layout import DType, KVLayout
+from kvcache.testing.localcluster import LocalCluster
 
 SMALL = KVLayout(tokens_per_block=16, bytes_per_token=64, dtype=DType.INT8, layers_in_block=1)
 

@@ -17,7 +17,6 @@ from server_fixtures import FakeClock
 
 from kvcache import DType, KVLayout, Namespace, block_keys
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.credentials import tenant_id
 from kvcache.errors import ProtocolError
 from kvcache.keys import BlockKey
@@ -28,6 +27,7 @@ from kvcache.server.swa_directory import SwaDirectory
 from kvcache.swa_local import HolderRecord, StateKey, state_digest
 from kvcache.swa_local.directory import Directory
 from kvcache.swa_local.protocol import parse_answers, record_items
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import (
     DIR_ANSWER_DTYPE,
     Header,

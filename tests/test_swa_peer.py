@@ -12,7 +12,6 @@ import pytest
 
 from kvcache import DType, KVLayout, Namespace, block_keys
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.credentials import TenantCredentials
 from kvcache.keys import BlockKey
 from kvcache.net import open_session
@@ -26,6 +25,7 @@ from kvcache.swa_local import (
     state_digest,
 )
 from kvcache.swa_local.server import PeerServer
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import Header, Limits, MessageReader, Op, Status
 
 SECRET = b"s" * 32

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 LAYOUT = KVLayout(

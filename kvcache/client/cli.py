@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvcache.client.localcluster import LocalCluster
+from kvcache.testing.localcluster import LocalCluster
 
 __all__ = ["register"]
 

@@ -31,13 +31,13 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvcache.client.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.errors import ClusterError, ConfigError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import REFERENCE_LAYOUT
 from kvcache.plots import DemoPoint
 from kvcache.swa_local.fleet import SwaFleet
 from kvcache.swa_local.simulate import DSV41_STATE_BYTES, Routing, simulate
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import (
     Request,
     generate_workload,

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.client.config import ClientConfig
-from kvcache.client.localcluster import DAEMON_ENV
 from kvcache.cluster import ClusterMap, NodeInfo
 from kvcache.credentials import Credentials
 from kvcache.errors import ArgumentError, ClusterError
 from kvcache.testing.hosts import HostNet, HostNetMode
+from kvcache.testing.localcluster import DAEMON_ENV
 
 __all__ = ["HostCluster", "HostDaemon"]
 

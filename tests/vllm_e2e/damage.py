@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import BlockKey
 from kvcache.server.probe import Probe
 from kvcache.shard import HEADER_BYTES, ShardHeader, shard_hash
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import Status
 
 __all__ = ["damage_block"]

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import pytest
 
-from kvcache.client.localcluster import LocalCluster
+from kvcache.testing.localcluster import LocalCluster
 
 __all__ = [
     "ENGINE_TIMEOUT_S",
