@@ -103,6 +103,8 @@ def test_batched_round_trip(daemon: DaemonProcess) -> None:
         'kvcache_server_class_bytes{class="chat"}',
         "kvcache_server_expired_shards_total",
         "kvcache_server_evicted_shards_total",
+        "kvcache_server_segments_dropped_total",
+        "kvcache_server_compacted_shards_total",
         'kvcache_server_items_total{op="get",status="not_found"}',
         'kvcache_server_tenant_bytes{tenant="default",class="chat"}',
     ):

@@ -330,6 +330,9 @@ def render_prometheus(
         ("hints_clamped", "Retention hints not granted as asked (TTL clamped, pin dropped)."),
         ("pins_refused", "Pins dropped because the tenant's pin quota was full."),
         ("put_conflicts", "PUT items refused because another stripe of the block is stored."),
+        ("segments_dropped", "Segment files removed (or kept as spares) with nothing live."),
+        ("segments_compacted", "Segments whose live records were copied forward and dropped."),
+        ("compacted_shards", "Records copied forward by segment compaction."),
     ):
         lines += _family(f"{name}_total", "counter", help_text, [("", store_counters[name])])
     if swa_directory is not None:
