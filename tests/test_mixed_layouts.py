@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,6 +165,13 @@ def test_a_store_replaces_every_leftover_shard_of_a_stripe(cluster: LocalCluster
                     key, index, bytes(128), stripe_id=0xDEAD, traffic_class="default"
                 )
                 assert probe.put([(key, index, record)]).tolist() == [0]
+        # The premise: both leftovers are replace_after_s (0.2 s) old when the store runs.
+        # Stored at slightly different moments, one could otherwise still be young when
+        # the other is not: that one is refused (CONFLICT), the block is acknowledged with
+        # 11 shards, and the leftover stays (1 run in 6 here before this wait).
+        aged = time.monotonic() + 0.3
+        while time.monotonic() < aged:
+            client.load_prefix(ns, toks)  # round trips while the daemons' clocks move on
         until_written(client, ns, toks, pl)
         stripes = {i: find_shard(cluster, key, i)[1] for i in range(12)}
         assert 0xDEAD not in stripes.values()
