@@ -37,7 +37,6 @@ import numpy as np
 
 from kvcache.chaos import ShardFault, find_shard, flip_record_byte, plant
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.credentials import Credentials, TenantCredentials
 from kvcache.errors import KVCacheError
 from kvcache.keys import Namespace, block_keys
@@ -46,6 +45,7 @@ from kvcache.server.lmdb_check import parse_meta
 from kvcache.server.probe import Probe, fake_shard
 from kvcache.server.store import ShardStore
 from kvcache.shard import HEADER_BYTES
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import Status
 from kvcache.workload import payload_for_key
 

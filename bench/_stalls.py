@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.server.probe import Probe
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import Header, Op, make_items, parse_endpoint
 
 P = 114_688

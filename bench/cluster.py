@@ -52,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit, machine, parser, print_table, write_json
 
 from kvcache.client import Client, ClientConfig
-from kvcache.client.localcluster import LocalCluster, free_ports
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import REFERENCE_LAYOUT
 from kvcache.memtune import tune_malloc
+from kvcache.testing.localcluster import LocalCluster, free_ports
 from kvcache.workload import payload_for_key
 
 P = REFERENCE_LAYOUT.payload_bytes

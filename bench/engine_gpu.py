@@ -63,10 +63,10 @@ from _common import commit, machine, parser, print_table, write_json
 from _load_worker import process_cpu, run_together, self_cpu
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.engine import PagedKVAdapter
 from kvcache.keys import Namespace
 from kvcache.layout import DType, KVLayout
+from kvcache.testing.localcluster import LocalCluster
 
 LAYERS, KV_HEADS, HEAD, PAGE_TOKENS = 32, 8, 128, 16
 GIB = 1 << 30

@@ -36,11 +36,11 @@ from _common import commit, machine, parser, print_table, write_json
 
 from kvcache.client import Client
 from kvcache.client.demo import DemoOptions, DemoSummary, run_demo
-from kvcache.client.localcluster import LocalCluster
 from kvcache.client.matching import held_shards
 from kvcache.client.plan import best_counts
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import REFERENCE_LAYOUT
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
 P = REFERENCE_LAYOUT.payload_bytes

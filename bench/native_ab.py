@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit, machine, parser, print_table, write_json
 
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.keys import Namespace
 from kvcache.layout import REFERENCE_LAYOUT
 from kvcache.memtune import tune_malloc
+from kvcache.testing.localcluster import LocalCluster
 
 BLOCKS = 1024
 P = REFERENCE_LAYOUT.payload_bytes

@@ -164,7 +164,7 @@ def run_rounds(
 def bench_kvcache(blocks: np.ndarray, n: int, rounds: int, tmp: Path) -> dict[str, Any]:
     """kvcache: 12 local daemons, one in-process client, 64-block store_keys / load_keys."""
     from kvcache.client import Client, ClientConfig
-    from kvcache.client.localcluster import LocalCluster
+    from kvcache.testing.localcluster import LocalCluster
 
     class Kvcache:
         def __init__(self, client: Any) -> None:

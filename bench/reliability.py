@@ -58,12 +58,12 @@ from kvcache.chaos import (
     run_kill_stop,
 )
 from kvcache.client import Client
-from kvcache.client.localcluster import LocalCluster
 from kvcache.credentials import Credentials, TenantCredentials
 from kvcache.errors import KVCacheError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.server.probe import Probe
+from kvcache.testing.localcluster import LocalCluster
 from kvcache.wire import Header, Op, make_items
 from kvcache.workload import payload_for_key
 

@@ -380,8 +380,8 @@ def long_tokens(count: int) -> npt.NDArray[np.uint32]:
 def long_loader(cluster_root: str, tokens: int, out_path: str) -> None:
     """Child process: match and load the long prompt into a file mapping; print figures."""
     from kvcache.client import Client
-    from kvcache.client.localcluster import LocalCluster
     from kvcache.keys import Namespace
+    from kvcache.testing.localcluster import LocalCluster
 
     layout = LONG_LAYOUT
     space = Namespace(model="bench/scale-long", revision="1", layout=layout)
@@ -431,8 +431,8 @@ def _anon_now() -> float:
 
 def long_part(root: Path, tokens: int) -> dict[str, Any]:
     from kvcache.client import Client
-    from kvcache.client.localcluster import LocalCluster
     from kvcache.keys import Namespace, block_keys
+    from kvcache.testing.localcluster import LocalCluster
     from kvcache.workload import payload_for_key
 
     layout = LONG_LAYOUT
@@ -487,9 +487,9 @@ def open_sockets() -> int:
 def nodes_part(root: Path, nodes: int, prompts: int, rounds: int) -> dict[str, Any]:
     """Client cost of 64-block prompts against ``nodes`` daemons."""
     from kvcache.client import Client
-    from kvcache.client.localcluster import LocalCluster
     from kvcache.keys import Namespace, block_keys
     from kvcache.layout import REFERENCE_LAYOUT
+    from kvcache.testing.localcluster import LocalCluster
     from kvcache.workload import payload_for_key
 
     space = Namespace(model=f"bench/scale-{nodes}", revision="1", layout=REFERENCE_LAYOUT)

@@ -38,7 +38,7 @@ Unsuffixed headline figures are the window-1 ones. ``*_cpu_s_per_gb_*``: user
 its own timed chunks, per GB moved; ``client_cpu_*`` the same for this process.
 
 The raw peers and the daemons run with the malloc and BLAS settings of
-``kvcache.client.localcluster.DAEMON_ENV``, as deployed daemons do; the client
+``kvcache.testing.localcluster.DAEMON_ENV``, as deployed daemons do; the client
 process applies the same malloc settings (``tune_malloc``), like the real client.
 
 ``--baseline TREE`` adds a fifth peer, ``base``: the daemon of another source
@@ -79,11 +79,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import commit, machine, print_table, write_json
 from server_fixtures import DaemonProcess
 
-from kvcache.client.localcluster import DAEMON_ENV
 from kvcache.memtune import tune_malloc
 from kvcache.net import client_tls_context
 from kvcache.server.probe import Probe
 from kvcache.shard import ShardHeader, new_stripe_id, payload_hash, shard_hash
+from kvcache.testing.localcluster import DAEMON_ENV
 from kvcache.wire import (
     FLAG_REPLY,
     HEADER_BYTES,

@@ -57,7 +57,9 @@ def replay(cluster: LocalCluster, requests: list[Request], layout: KVLayout) -> 
     admins = [n.admin for n in cluster.nodes]
     base = time.time() - requests[0].timestamp_ms / 1000
     hit = total = 0
-    with Client(cluster.client_config()) as client:
+    # The replay measures retention, not the machine: a loaded CI box must not have the
+    # client mark slow daemons down (2 s by default) and lose stores and hits for it.
+    with Client(cluster.client_config(timeout_s=30.0)) as client:
         for req in requests:
             offset = base + req.timestamp_ms / 1000 - time.time()
             for admin in admins:
