@@ -102,12 +102,12 @@ static void advance(const uint64_t *lens, size_t n, uint64_t *state, size_t got)
     state[1] = off;
 }
 
-/* Receive from the non-blocking socket fd into segments (addrs[j], lens[j]), continuing at
- * state = {segment, offset}, until all are full or the socket has nothing more.
- * Returns the bytes received by this call (>= 0); state[2] is set to 1 if the peer closed
- * the stream; a negative value is -errno (EAGAIN only when nothing at all was received). */
-int64_t kv_recv_scatter(int fd, const uint64_t *addrs, const uint64_t *lens, size_t n,
-                        uint64_t *state) {
+/* The loop both directions share: recvmsg (sending = 0) or sendmsg (sending = 1) over
+ * the segments from state = {segment, offset}, until all are done or the socket would
+ * block. Returns the bytes moved by this call (>= 0), or -errno (EAGAIN only when nothing
+ * at all moved); a receive that sees the peer close sets state[2] = 1. */
+static int64_t transfer(int fd, const uint64_t *addrs, const uint64_t *lens, size_t n,
+                        uint64_t *state, int sending) {
     struct iovec iov[KV_IOV_MAX];
     int64_t total = 0;
     while ((size_t)state[0] < n) {
@@ -120,20 +120,29 @@ int64_t kv_recv_scatter(int fd, const uint64_t *addrs, const uint64_t *lens, siz
         memset(&msg, 0, sizeof msg);
         msg.msg_iov = iov;
         msg.msg_iovlen = (size_t)c;
-        ssize_t got = recvmsg(fd, &msg, 0);
-        if (got < 0) {
+        ssize_t moved = sending ? sendmsg(fd, &msg, MSG_NOSIGNAL) : recvmsg(fd, &msg, 0);
+        if (moved < 0) {
             if (errno == EINTR) continue;
             if (total > 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return total;
             return -(int64_t)errno;
         }
-        if (got == 0) {
+        if (moved == 0 && !sending) {
             state[2] = 1;
             return total;
         }
-        advance(lens, n, state, (size_t)got);
-        total += got;
+        advance(lens, n, state, (size_t)moved);
+        total += moved;
     }
     return total;
+}
+
+/* Receive from the non-blocking socket fd into segments (addrs[j], lens[j]), continuing at
+ * state = {segment, offset}, until all are full or the socket has nothing more.
+ * Returns the bytes received by this call (>= 0); state[2] is set to 1 if the peer closed
+ * the stream; a negative value is -errno (EAGAIN only when nothing at all was received). */
+int64_t kv_recv_scatter(int fd, const uint64_t *addrs, const uint64_t *lens, size_t n,
+                        uint64_t *state) {
+    return transfer(fd, addrs, lens, n, state, 0);
 }
 
 /* Send segments (addrs[j], lens[j]) on the non-blocking socket fd, continuing at state =
@@ -141,28 +150,7 @@ int64_t kv_recv_scatter(int fd, const uint64_t *addrs, const uint64_t *lens, siz
  * sent by this call (>= 0), or -errno (EAGAIN only when nothing at all was sent). */
 int64_t kv_send_gather(int fd, const uint64_t *addrs, const uint64_t *lens, size_t n,
                        uint64_t *state) {
-    struct iovec iov[KV_IOV_MAX];
-    int64_t total = 0;
-    while ((size_t)state[0] < n) {
-        int c = fill_iov(iov, addrs, lens, n, state);
-        if (c == 0) {
-            state[0] = n;
-            break;
-        }
-        struct msghdr msg;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = iov;
-        msg.msg_iovlen = (size_t)c;
-        ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
-        if (sent < 0) {
-            if (errno == EINTR) continue;
-            if (total > 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return total;
-            return -(int64_t)errno;
-        }
-        advance(lens, n, state, (size_t)sent);
-        total += sent;
-    }
-    return total;
+    return transfer(fd, addrs, lens, n, state, 1);
 }
 
 /* Where the data section of a GET reply lands (kvcache.client.assembly.LoadAssembly):
