@@ -10,15 +10,7 @@
 # Usage: [RUNS=3] [WARM_HOST_GB=64] bash scripts/engine-gpu.sh [bench/engine_gpu.py flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-site=/tmp/kvcache-site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
-export PYTHONPATH="$site:$(pwd)"
-export LD_LIBRARY_PATH="$(pwd)/.whl/lib:${LD_LIBRARY_PATH:-}"
-# kvcache's native helpers, built here by scripts/build-native.sh and carried in .whl/lib
-# (the GPU host has no xxHash headers; the library needs only libc): required, so a run
-# never silently measures the Python fall-back.
-export KVCACHE_NATIVE=require KVCACHE_NATIVE_LIBRARY="$(pwd)/.whl/lib/libkvfast.so"
-export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
+source scripts/_gpu-site.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc; free -g | head -2
 python3 -c 'import torch, numpy, xxhash, aiohttp, lmdb, kvcache.erasure as e; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "numpy", numpy.__version__, "xxhash", xxhash.VERSION, "lmdb", lmdb.__version__, "erasure backend", e.get_codec().backend)'

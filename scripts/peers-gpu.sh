@@ -134,15 +134,7 @@ carried=".peer-wheels/$peer"
 [ -d "$carried" ] || { echo "$carried is missing: bash scripts/peers-gpu.sh prepare $peer, then carry it" >&2; exit 1; }
 py="$(command -v python3)"
 py="$(realpath -s "$py")"
-site=/tmp/kvcache-site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
-export PYTHONPATH="$site:$(pwd)"
-export LD_LIBRARY_PATH="$(pwd)/.whl/lib:${LD_LIBRARY_PATH:-}"
-# kvcache's native helpers, built here by scripts/build-native.sh and carried in .whl/lib
-# (the GPU host has no xxHash headers; the library needs only libc): required, so a run
-# never silently measures the Python fall-back.
-export KVCACHE_NATIVE=require KVCACHE_NATIVE_LIBRARY="$(pwd)/.whl/lib/libkvfast.so"
-export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
+source scripts/_gpu-site.sh
 export KVCACHE_PEERS_DIR=/tmp/kvcache-peers
 root="$KVCACHE_PEERS_DIR/$peer"
 rm -rf "$root"

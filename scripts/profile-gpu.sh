@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Where the engine path's CPU goes on the lent GPU host, in one call: bench/engine_gpu.py
+# (--quick, no recompute baseline) under `py-spy record --subprocesses`, so the benchmark
+# process, its I/O worker processes and the 12 daemons are all sampled; then
+# bench/_pyspy_table.py sums the samples by role (main, io, daemon) into self and inclusive
+# tables. Carry .whl as for scripts/engine-gpu.sh (it holds the py-spy wheel too).
+# Writes $OUT/profile_gpu.txt (the tables and the benchmark's output) and the raw samples
+# as $OUT/profile_gpu_raw.txt. Extra arguments go to bench/engine_gpu.py.
+# Usage: [RATE=100] bash scripts/profile-gpu.sh [bench/engine_gpu.py flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_gpu-site.sh
+out="${OUT:-bench/results}"
+mkdir -p "$out"
+spy="$site/bin/py-spy"
+[ -x "$spy" ] || { echo "no py-spy in .whl: pip download py-spy (see docs/benchmarks.md)" >&2; exit 1; }
+"$spy" record --subprocesses --nonblocking --format raw --rate "${RATE:-100}" \
+  -o "$out/profile_gpu_raw.txt" -- \
+  python3 bench/engine_gpu.py --quick --no-recompute --json "$out/profile_gpu.json" "$@" \
+  2>&1 | tee "$out/profile_gpu.txt"
+python3 bench/_pyspy_table.py "$out/profile_gpu_raw.txt" --top 40 | tee -a "$out/profile_gpu.txt"
