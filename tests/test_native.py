@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -245,6 +246,89 @@ def test_native_landing_segments_equal_the_numpy_ones(
     for a, b, is_scratch in zip(fast.addrs.tolist(), slow.addrs.tolist(), kinds, strict=True):
         if not is_scratch:
             assert a == b
+
+
+def _accept_assembly(k: int, m: int, payload: int, blocks_in_load: int, known: np.ndarray) -> Any:
+    from kvcache.client.assembly import LoadAssembly
+    from kvcache.erasure import get_codec
+
+    return LoadAssembly(
+        key_words=np.arange(blocks_in_load, dtype="<u8").repeat(2).view("V16"),
+        stripes=np.where(known, np.arange(1, blocks_in_load + 1), 0).astype(np.uint64),
+        out=np.zeros((blocks_in_load, payload), np.uint8),
+        k=k,
+        n=k + m,
+        payload_len=payload,
+        codec=get_codec(),
+    )
+
+
+@needs_native
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.sampled_from([(10, 2, 114_688), (3, 2, 1000), (2, 1, 65)]),
+    st.integers(0, 2**32),
+)
+def test_native_accept_equals_the_numpy_one(
+    count: int, code: tuple[int, int, int], seed: int
+) -> None:
+    """Same verdicts and the same got / rejected / not-found marks, for replies mixing
+    good records, wrong lengths, NOT_FOUND, errors, sealed blocks, headers damaged in
+    their identity (class length, stripe id, key, index) and blocks of unknown stripe."""
+    from kvcache.shard import shard_len_for
+
+    k, m, payload = code
+    n, blocks_in_load = k + m, 6
+    rng = np.random.default_rng(seed)
+    known = rng.random(blocks_in_load) < 0.7
+    pair = [_accept_assembly(k, m, payload, blocks_in_load, known) for _ in range(2)]
+    record = HEADER_BYTES + shard_len_for(payload, k)
+    blocks = rng.integers(0, blocks_in_load, count).astype(np.int64)
+    indices = rng.integers(0, n, count).astype(np.int64)
+    statuses = rng.choice(np.array([0, 0, 0, 1, 2], np.uint8), count)
+    lengths = np.where(rng.random(count) < 0.8, record, rng.integers(0, 3 * record, count))
+    sealed = rng.random(blocks_in_load) < 0.2
+    # Received headers: the expected identity, then some bytes damaged.
+    received = pair[0]._identities.copy()
+    received[:, HEADER_DTYPE.fields["class_len"][1]] = 4  # a class name of 4 bytes
+    rows = rng.integers(0, blocks_in_load * n, 12)
+    cols = rng.integers(0, received.shape[1], 12)
+    received[rows, cols] ^= rng.integers(1, 256, 12).astype(np.uint8)
+    for asm in pair:
+        asm.sealed[:] = sealed
+        asm._header_rows[:, : received.shape[1]] = received
+    fast = pair[0].accept(blocks, indices, statuses, lengths.astype(np.int64))
+    slow = pair[1]._accept_numpy(blocks, indices, statuses, lengths.astype(np.int64))
+    assert fast.tolist() == slow.tolist()
+    for table in ("got", "rejected", "not_found"):
+        assert getattr(pair[0], table).tolist() == getattr(pair[1], table).tolist(), table
+
+
+@needs_native
+def test_native_accept_checks_the_identity_but_an_unknown_stripe() -> None:
+    from kvcache.shard import shard_len_for
+
+    k, m, payload = 3, 2, 1000
+    known = np.array([True, False])
+    asm = _accept_assembly(k, m, payload, 2, known)
+    record = HEADER_BYTES + shard_len_for(payload, k)
+    asm._header_rows[:, : asm._identities.shape[1]] = asm._identities
+    stripe_at = HEADER_DTYPE.fields["stripe_id"][1]
+    class_at = HEADER_DTYPE.fields["class_len"][1]
+    asm._header_rows[:, class_at] = 4  # a class name of 4 bytes
+    asm._header_rows[[1, 6], stripe_at] ^= 0xFF  # block 0 shard 1, block 1 shard 1
+    asm._header_rows[2, class_at] = 0  # block 0 shard 2: no class name
+    blocks = np.array([0, 0, 0, 0, 1, 1], np.int64)
+    indices = np.array([0, 1, 2, 3, 1, 2], np.int64)
+    statuses = np.array([0, 0, 0, 1, 0, 0], np.uint8)
+    lengths = np.array([record, record, record, 0, record, record - 1], np.int64)
+    accepted = asm.accept(blocks, indices, statuses, lengths)
+    # Another stripe id: rejected where the stripe is known, taken where it is not.
+    assert accepted.tolist() == [True, False, False, False, True, False]
+    assert np.flatnonzero(asm.got).tolist() == [0, 6]
+    assert np.flatnonzero(asm.rejected).tolist() == [1, 2, 7]
+    assert np.flatnonzero(asm.not_found).tolist() == [3]
 
 
 @settings(max_examples=40, deadline=None)

@@ -38,6 +38,8 @@ from kvcache.errors import ErasureError
 from kvcache.shard import (
     HEADER_BYTES,
     HEADER_DTYPE,
+    IDENTITY_BYTES,
+    MAX_CLASS_NAME,
     build_headers,
     header_verdicts,
     identity_matches,
@@ -49,6 +51,7 @@ from kvcache.shard import (
 __all__ = ["BlockVerdict", "LoadAssembly", "RepairShard"]
 
 _STRIPE_AT: int = HEADER_DTYPE.fields["stripe_id"][1]  # type: ignore[index]
+_CLASS_LEN_AT: int = HEADER_DTYPE.fields["class_len"][1]  # type: ignore[index]
 
 IntArray = npt.NDArray[np.int64]
 #: Most k-subsets tried per block when locating bad shards (C(12, 10) = 66).
@@ -144,6 +147,29 @@ class LoadAssembly:
         self.sealed = np.zeros(blocks, bool)
         #: Landings in progress per block.
         self._writing = np.zeros(blocks, np.int64)
+        # What the native accept reads and marks, by address (C-contiguous, one
+        # byte per bool, alive as long as this assembly): ctypes' argument conversions
+        # cost more than the checks themselves.
+        self._accept_geometry = np.array(
+            [n, HEADER_BYTES + self.length, HEADER_BYTES, IDENTITY_BYTES, _CLASS_LEN_AT,
+             _STRIPE_AT, MAX_CLASS_NAME],
+            np.uint64,
+        )  # fmt: skip
+        self._accept_at: tuple[int, ...] = ()
+        if native.AVAILABLE:
+            self._accept_at = tuple(
+                native.addresses_of(a)
+                for a in (
+                    self.sealed,
+                    self._unknown,
+                    self.got,
+                    self.rejected,
+                    self.not_found,
+                    self._header_rows,
+                    self._identities,
+                    self._accept_geometry,
+                )
+            )
 
     # -------------------------------------------------------------- landing (I/O threads)
 
@@ -287,12 +313,24 @@ class LoadAssembly:
 
         Items of sealed blocks are ignored: their bytes went to scratch.
         """
+        if native.AVAILABLE:
+            return native.accept_items(blocks, indices, statuses, lengths, self._accept_at)
+        return self._accept_numpy(blocks, indices, statuses, lengths)
+
+    def _accept_numpy(
+        self,
+        blocks: IntArray,
+        indices: IntArray,
+        statuses: npt.NDArray[np.uint8],
+        lengths: IntArray,
+    ) -> npt.NDArray[np.bool_]:
+        """:meth:`accept` without the native library (the same verdicts and marks)."""
         open_ = ~self.sealed[blocks]
         blocks, indices = blocks[open_], indices[open_]
         statuses, lengths = statuses[open_], lengths[open_]
         if not open_.all():
             accepted_all = np.zeros(len(open_), bool)
-            accepted_all[open_] = self.accept(blocks, indices, statuses, lengths)
+            accepted_all[open_] = self._accept_numpy(blocks, indices, statuses, lengths)
             return accepted_all
         missing = statuses == 1  # Status.NOT_FOUND
         if missing.any():

@@ -44,6 +44,7 @@ __all__ = [
     "LIBRARY",
     "LIBRARY_ENV",
     "Segments",
+    "accept_items",
     "addresses_of",
     "landing_segments",
     "put_segments",
@@ -59,7 +60,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -91,6 +92,8 @@ def _load() -> Any:
     u64 = ctypes.c_uint64
     lib.kv_put_segments.argtypes = [ptr, ptr, size, u64, u64, u64, ptr, u64, ptr, ptr]
     lib.kv_put_segments.restype = size
+    lib.kv_accept_items.argtypes = [ptr, ptr, ptr, ptr, size, *[ptr] * 9]
+    lib.kv_accept_items.restype = size
     for name in ("kv_recv_scatter", "kv_send_gather"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_int, ptr, ptr, size, ptr]
@@ -282,6 +285,39 @@ def send_gather(fd: int, seg: Segments) -> int:
     return sent
 
 
+def _at(array: npt.NDArray[Any]) -> int:
+    """The address of a C-contiguous array, writable or not."""
+    return _address_of_writable(array) if array.flags.writeable else addresses_of(array)
+
+
+def accept_items(
+    blocks: npt.NDArray[np.int64],
+    indices: npt.NDArray[np.int64],
+    statuses: npt.NDArray[np.uint8],
+    lengths: npt.NDArray[np.int64],
+    tables_at: tuple[int, ...],
+) -> npt.NDArray[np.bool_]:
+    """Per item of a landed GET reply, is it exactly the shard asked for
+    (``kv_accept_items`` in kvfast.c); marks got / rejected / not-found in place.
+    ``tables_at``: the addresses of (sealed, unknown, got, rejected, not_found,
+    header_rows, identities, geometry), C-contiguous arrays the caller keeps alive."""
+    assert _LIB is not None
+    count = len(blocks)
+    accepted = np.empty(count, bool)
+    if not count:
+        return accepted
+    _LIB.kv_accept_items(
+        _at(np.ascontiguousarray(blocks, np.int64)),
+        _at(np.ascontiguousarray(indices, np.int64)),
+        _at(np.ascontiguousarray(statuses, np.uint8)),
+        _at(np.ascontiguousarray(lengths, np.int64)),
+        count,
+        *tables_at,
+        _address_of_writable(accepted),
+    )
+    return accepted
+
+
 def landing_segments(
     blocks: npt.NDArray[np.int64],
     indices: npt.NDArray[np.int64],
@@ -299,7 +335,7 @@ def landing_segments(
     at = _address_of_writable(table)
     arrays = [np.ascontiguousarray(a) for a in (blocks, indices, statuses, lengths, live)]
     used = _LIB.kv_landing_segments(
-        *(_address_of_writable(a) if a.flags.writeable else addresses_of(a) for a in arrays),
+        *(_at(a) for a in arrays),
         count,
         addresses_of(geometry),
         at,

@@ -18,7 +18,7 @@
 
 #define KV_IOV_MAX 1024
 
-int kv_abi_version(void) { return 2; }
+int kv_abi_version(void) { return 3; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -223,4 +223,68 @@ size_t kv_put_segments(const int64_t *blocks, const int64_t *indices, size_t cou
         lens[2 * j + 1] = body_len;
     }
     return 2 * count;
+}
+
+/* Are a[0..len) and b[0..len) equal outside [s1, s1 + n1) and [s2, s2 + n2)? */
+static int same_but(const uint8_t *a, const uint8_t *b, uint64_t len, uint64_t s1, uint64_t n1,
+                    uint64_t s2, uint64_t n2) {
+    if (s2 < s1) {
+        uint64_t t = s1; s1 = s2; s2 = t;
+        t = n1; n1 = n2; n2 = t;
+    }
+    uint64_t e1 = s1 + n1, e2 = s2 + n2;
+    if (e1 > s2) { /* overlapping windows: one window [s1, max(e1, e2)) */
+        if (e1 > e2) e2 = e1;
+        s2 = e1 = e2;
+    }
+    return memcmp(a, b, s1) == 0 && memcmp(a + e1, b + e1, s2 - e1) == 0 &&
+           memcmp(a + e2, b + e2, len - e2) == 0;
+}
+
+/* Per item of a landed GET reply (LoadAssembly.accept): is it exactly the shard asked
+ * for? Items of sealed blocks are ignored. NOT_FOUND (status 1) marks not_found; a record
+ * of the wrong length is rejected; a record of the right length is accepted (got) when its
+ * header's first identity_bytes equal the expected identity, but for the class-length byte
+ * (which must be 1..max_class) and, for a block whose stripe is unknown, the 8 stripe-id
+ * bytes; else it is rejected. The (blocks, n) tables are row-major; header rows are
+ * header_bytes apart, identity rows identity_bytes apart. Returns the accepted count. */
+size_t kv_accept_items(const int64_t *blocks, const int64_t *indices, const uint8_t *statuses,
+                       const int64_t *lengths, size_t count, const uint8_t *sealed,
+                       const uint8_t *unknown, uint8_t *got, uint8_t *rejected,
+                       uint8_t *not_found, const uint8_t *header_rows,
+                       const uint8_t *identities, const uint64_t *geom, uint8_t *accepted) {
+    /* geom = {n, record_len, header_bytes, identity_bytes, class_len_at, stripe_at,
+     * max_class} */
+    const uint64_t n = geom[0], record = geom[1], hb = geom[2], idb = geom[3];
+    const uint64_t class_at = geom[4], stripe_at = geom[5], max_class = geom[6];
+    size_t taken = 0;
+    for (size_t j = 0; j < count; j++) {
+        accepted[j] = 0;
+        uint64_t b = (uint64_t)blocks[j];
+        if (sealed[b]) continue;
+        uint64_t flat = b * n + (uint64_t)indices[j];
+        if (statuses[j] == 1) {
+            not_found[flat] = 1;
+            continue;
+        }
+        if (statuses[j] != 0) continue;
+        if ((uint64_t)lengths[j] != record) {
+            rejected[flat] = 1;
+            continue;
+        }
+        const uint8_t *have = header_rows + flat * hb, *want = identities + flat * idb;
+        int good = have[class_at] >= 1 && have[class_at] <= max_class;
+        if (good) {
+            good = unknown[b] ? same_but(have, want, idb, class_at, 1, stripe_at, 8)
+                              : same_but(have, want, idb, class_at, 1, class_at, 1);
+        }
+        if (good) {
+            got[flat] = 1;
+            accepted[j] = 1;
+            taken++;
+        } else {
+            rejected[flat] = 1;
+        }
+    }
+    return taken;
 }
