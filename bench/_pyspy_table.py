@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+from pathlib import Path
 
 _PROCESS = re.compile(r'^process \d+:"(.*)"$', re.S)
 
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("profile")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    text = open(args.profile, encoding="utf-8", errors="replace").read()
+    text = Path(args.profile).read_text(encoding="utf-8", errors="replace")
     # A command line may hold newlines: a sample is a line that ends in " <count>".
     samples = re.findall(r"(.*?) (\d+)\n", text, re.S)
     self_n: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)

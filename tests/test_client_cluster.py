@@ -64,6 +64,33 @@ def test_round_trip_and_touch(shared_cluster: LocalCluster) -> None:
         assert (again.written, again.touched) == (0, 20)
 
 
+def has_requests(cluster: LocalCluster) -> int:
+    return sum(int(stats["requests"]["has"]) for stats in cluster.node_stats())
+
+
+def test_a_store_of_new_blocks_asks_no_has_and_one_of_stored_blocks_touches_them(
+    shared_cluster: LocalCluster,
+) -> None:
+    space, tokens = ns("no-has-first"), prompt(12, 11)
+    with client_for(shared_cluster) as client:
+        before = has_requests(shared_cluster)
+        stored = client.store(space, tokens, payloads_for(space, tokens))
+        assert (stored.written, stored.touched, stored.failed) == (12, 0, 0)
+        assert has_requests(shared_cluster) == before  # PUTs only
+        # Stored already: every holder answers CONFLICT, and the careful pass (HAS first)
+        # finds the blocks readable and touches them, writing nothing.
+        again = client.store(space, tokens, payloads_for(space, tokens))
+        assert (again.written, again.touched, again.failed) == (0, 12, 0)
+        assert has_requests(shared_cluster) > before
+        assert_loads(client, space, tokens, 12)
+    space, tokens = ns("has-first"), prompt(6, 12)
+    with client_for(shared_cluster, ask_before_store=True) as client:
+        before = has_requests(shared_cluster)
+        stored = client.store(space, tokens, payloads_for(space, tokens))
+        assert (stored.written, stored.failed) == (6, 0)
+        assert has_requests(shared_cluster) > before
+
+
 def test_longer_prompt_hits_only_shared_prefix(shared_cluster: LocalCluster) -> None:
     space = ns("prefix")
     base = prompt(8, 2)

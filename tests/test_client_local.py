@@ -134,16 +134,19 @@ def test_a_dead_node_is_marked_down_and_skipped(cluster: Cluster) -> None:
 
 
 def test_a_long_store_decides_again_what_it_may_replace(cluster: Cluster) -> None:
-    """Chunks written more than EXPECT_FRESH_S after the store's first HAS ask the holders
-    again (one more HAS round per late chunk), so a slow store never replaces a stripe
-    another writer finished meanwhile."""
+    """On the careful path (HAS first: here for every store, with ask_before_store), chunks
+    written more than EXPECT_FRESH_S after the store's first HAS ask the holders again (one
+    more HAS round per late chunk), so a slow store never replaces a stripe another writer
+    finished meanwhile. (A store that asks nothing names nothing to replace.)"""
     from kvcache.client.storing import EXPECT_FRESH_S
 
     tokens = prompt(6, 5)
     for node in cluster.nodes:
         node.delay_s = EXPECT_FRESH_S / 2 + 0.1  # each PUT round takes over half of it
     metrics = cluster.nodes[0].handler.metrics
-    with cluster.client(chunk_bytes=2 * P, window=1, timeout_s=10.0) as client:
+    with cluster.client(
+        chunk_bytes=2 * P, window=1, timeout_s=10.0, ask_before_store=True
+    ) as client:
         before = metrics.snapshot()["requests"].get("has", 0)
         assert client.store(NS, tokens, payloads(tokens)).written == 6
         has_rounds = metrics.snapshot()["requests"].get("has", 0) - before

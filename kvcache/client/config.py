@@ -65,6 +65,10 @@ class ClientConfig:
     #: a pause) leave no stand-in copies behind; the down holder's shards are rebuilt from
     #: parity for each load meanwhile.
     repair_down_after_s: float = 60.0
+    #: Ask the holders what they have (HAS) before every store, as stores did until
+    #: 2026-12. Off: a store's PUTs go out at once, and only blocks some holder answers
+    #: CONFLICT for (another stripe is stored there) are stored again after a HAS.
+    ask_before_store: bool = False
     #: Let glibc reuse large freed buffers instead of mmap/munmap per batch (see kvcache.memtune).
     tune_malloc: bool = True
     #: Hold Python's cyclic garbage collector off while a load, store or match runs; it is

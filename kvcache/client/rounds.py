@@ -513,6 +513,9 @@ class PutRound:
         self._hedge_s, self._timeout_s = hedge_s, timeout_s
         blocks, n = holders.shape
         self.acks = np.zeros((blocks, n), bool)
+        #: Blocks a holder answered CONFLICT for (another stripe's live shard is stored
+        #: there); the driver marks them.
+        self.conflicts = np.zeros(blocks, bool)
         self.sends: dict[int, Send] = {}
         self._respill = respill
         self.redirected = (

@@ -1,11 +1,17 @@
 """Quorum stores: encode, send every holder its shards, keep what reached the write quorum.
 
-A store first asks the holders what they have (HAS): a block that is
-readable (k shards of one stripe) is only touched, the rest is written, a
-chunk at a time with ``window`` chunks in flight while the next ones are
-encoded on a small thread pool (ISA-L and xxh3 release the GIL). A block
-counts as written when ``min_write_shards`` shards of *its* stripe were
-stored; otherwise the shards it did store are deleted again.
+A store sends its PUTs at once, a chunk at a time with ``window`` chunks in
+flight while the next ones are encoded on a small thread pool (ISA-L and xxh3
+release the GIL). A block counts as written when ``min_write_shards`` shards
+of *its* stripe were stored; otherwise the shards it did store are deleted
+again. A block some holder answered CONFLICT for (a live shard of another
+stripe is stored there) is stored again the careful way: first ask the
+holders what they have (HAS); a block that is readable (k shards of one
+stripe) is then only touched, the rest is written, naming what it may replace.
+Blocks are stored because a match just missed them, so the HAS round that
+every store once began with found nothing almost always: it cost a round trip
+and the client's and daemons' CPU for it (``ask_before_store`` brings it back
+for every store; a client that knows a block's stripe is broken asks first).
 
 Racing writers: a daemon never replaces a live shard of another stripe
 unless the PUT names that stripe (``expect``) and it is old enough that its
@@ -45,7 +51,7 @@ from kvcache.client.rounds import PutRound
 from kvcache.client.view import ClusterView
 from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import BlockKey
-from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, make_items
+from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 __all__ = ["Payloads", "StoreResult", "store_keys", "touch_or_delete"]
 
@@ -96,26 +102,74 @@ def store_keys(
         raise ArgumentError(f"{len(keys)} keys but {len(rows)} payloads")
     if not keys:
         return StoreResult(0, 0, 0)
+    ask = core.config.ask_before_store or bool(core.suspects(keys))
+    result, contested = _store(
+        core, keys, rows, payload_len=payload_len, cls=cls, first_block=first_block,
+        encoder=encoder, retain=retain, ask=ask,
+    )  # fmt: skip
+    if not contested:
+        return result
+    # Another stripe is stored on some holders: the careful way for those blocks (a HAS
+    # first, so a readable block is touched and a broken one replaced).
+    again, _ = _store(
+        core, [keys[i] for i in contested], _rows_of(rows, np.asarray(contested, np.int64)),
+        payload_len=payload_len, cls=cls, first_block=0, encoder=encoder, retain=retain,
+        ask=True,
+    )  # fmt: skip
+    failed = sorted(
+        {*result.failed_blocks} - {first_block + i for i in contested}
+        | {first_block + contested[j] for j in again.failed_blocks}
+    )
+    return StoreResult(
+        written=result.written + again.written,
+        touched=result.touched + again.touched,
+        failed=len(failed),
+        failed_blocks=tuple(failed),
+    )
+
+
+def _store(
+    core: ClientCore,
+    keys: list[BlockKey],
+    rows: Any,
+    *,
+    payload_len: int,
+    cls: str,
+    first_block: int,
+    encoder: concurrent.futures.Executor | None,
+    retain: Retain,
+    ask: bool,
+) -> tuple[StoreResult, list[int]]:
+    """One pass of :func:`store_keys`; with ``ask`` the HAS round first. Also returns the
+    blocks (indices into ``keys``) that failed with a CONFLICT from some holder, when not
+    ``ask``: the caller stores those again, asking first."""
     config = core.config
     k, n = config.k, config.n
     view = core.view()
     up = core.up_mask(view)
     placement_rows, redirected, order = view.targets(keys, up)
     read_rows = view.read_rows(keys, placement_rows)
-    held = held_shards(
-        core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
-    )
-    best = best_counts(without_foreign(held, n=n), len(keys), n=n)
-    suspects = core.suspects(keys)
-    present = best >= k
-    for i in suspects:
-        present[i] = False
-    touched = touch_or_delete(
-        core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls, view=view, retain=retain
-    )
-    todo = np.flatnonzero(~present)
-    expect = _replaceable(held, placement_rows, best, suspects, k=k)
+    if ask:
+        held = held_shards(
+            core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
+        )
+        best = best_counts(without_foreign(held, n=n), len(keys), n=n)
+        suspects = core.suspects(keys)
+        present = best >= k
+        for i in suspects:
+            present[i] = False
+        touched = touch_or_delete(
+            core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls, view=view,
+            retain=retain,
+        )  # fmt: skip
+        todo = np.flatnonzero(~present)
+        expect = _replaceable(held, placement_rows, best, suspects, k=k)
+    else:  # nothing asked, nothing named: a holder keeps any live shard it has
+        touched = 0
+        todo = np.arange(len(keys))
+        expect = np.zeros(placement_rows.shape, np.uint64)
     checked_at = core.clock()
+    conflicted = np.zeros(len(keys), bool)
     chunk = config.chunk_blocks(payload_len)
     groups = [todo[s : s + chunk] for s in range(0, len(todo), chunk)]
     now_ms = int(time.time() * 1000)
@@ -145,7 +199,7 @@ def store_keys(
             while pending and len(flights) < config.window:
                 g_index = len(flights) + done_groups
                 batch = pending.pop(0).result()
-                if core.clock() - checked_at > EXPECT_FRESH_S:
+                if ask and core.clock() - checked_at > EXPECT_FRESH_S:
                     # What this store may replace was decided long ago: decide again for
                     # this chunk, so it never replaces a stripe another writer finished since.
                     group = groups[g_index]
@@ -172,6 +226,7 @@ def store_keys(
             ok = round_.written
             written += int(ok.sum())
             failed.extend((first_block + group[~ok]).tolist())
+            conflicted[group[~ok & round_.conflicts]] = True
             for i in group[ok].tolist():
                 core.clear_suspect(keys[i])
             if not ok.all():
@@ -181,12 +236,14 @@ def store_keys(
             future.cancel()
         if own_pool:
             pool.shutdown(wait=True)
+    contested = [] if ask else np.flatnonzero(conflicted).tolist()
     core.count("blocks_written", written)
     core.count("blocks_touched", touched)
-    core.count("write_failures", len(failed))
-    return StoreResult(
+    core.count("write_failures", len(failed) - len(contested))
+    result = StoreResult(
         written=written, touched=touched, failed=len(failed), failed_blocks=tuple(failed)
     )
+    return result, contested
 
 
 def _fresh_expect(
@@ -322,6 +379,8 @@ def _drive_put(
     group_expect: Any,
     retain: Retain = NO_RETAIN,
 ) -> None:
+    """Run a PUT round to its end; blocks a holder answered CONFLICT for are marked in
+    ``round_.conflicts``."""
     while not round_.done:
         for event in pump.wait(round_.next_wakeup()):
             now = core.clock()
@@ -337,7 +396,12 @@ def _drive_put(
                     )
                 continue
             statuses = event.reply.items["status"]
-            core.count("write_conflicts", int(np.count_nonzero(statuses == 7)))
+            conflicts = statuses == Status.CONFLICT
+            if conflicts.any():
+                core.count("write_conflicts", int(np.count_nonzero(conflicts)))
+                sent = round_.sends.get(event.ticket)
+                if sent is not None and len(sent.blocks) == len(statuses):
+                    round_.conflicts[sent.blocks[conflicts]] = True
             round_.on_reply(event.ticket, statuses == 0, now)
         round_.tick(core.clock())
     # Counted from the round's start: a round that ran to its deadline marks the nodes that
