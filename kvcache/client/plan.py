@@ -213,13 +213,16 @@ def plan_reads(
 def _by_node(
     node: IntArray, blocks: IntArray, indices: IntArray
 ) -> list[tuple[int, IntArray, IntArray]]:
+    if not len(node):
+        return []
     order = np.argsort(node, kind="stable")
-    node, blocks, indices = node[order], blocks[order], indices[order]
-    cuts = np.nonzero(np.diff(node))[0] + 1
+    node = node[order]
+    blocks = blocks[order].astype(np.int64, copy=False)
+    indices = indices[order].astype(np.int64, copy=False)
+    # Slices at the node boundaries (np.split's Python loop cost more than the rest).
+    bounds = [0, *(np.flatnonzero(node[1:] != node[:-1]) + 1).tolist(), len(node)]
+    firsts = node[bounds[:-1]].tolist()
     return [
-        (int(nd[0]), bl.astype(np.int64), ix.astype(np.int64))
-        for nd, bl, ix in zip(
-            np.split(node, cuts), np.split(blocks, cuts), np.split(indices, cuts), strict=True
-        )
-        if len(nd)
+        (nd, blocks[a:b], indices[a:b])
+        for nd, a, b in zip(firsts, bounds[:-1], bounds[1:], strict=True)
     ]
