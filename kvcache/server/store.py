@@ -823,54 +823,91 @@ class ShardStore:
     @_watch_damage
     def has(self, tenant: TenantId, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
         """One record (ordinal, shard index, stripe id) per live shard of each asked key."""
-        # The match path of every request: one C-level getmulti answers every key (all the
-        # rows of each, in one buffer); the checks run over numpy columns.
-        prefixes = _prefixes(tenant, items)
-        unique = list(dict.fromkeys(prefixes))
+        # The match path of every request: the keys sorted (neighbours share B-tree pages),
+        # one C-level getmulti answers them all (every row of each, in one buffer), and the
+        # answer is mapped back to the asked order and checked as numpy columns.
+        n = len(items)
+        if not n:
+            return make_items(Op.HAS, 0, reply=True)
+        keys16 = np.ascontiguousarray(items["key"]).view(np.uint8).reshape(n, 16)
+        hi = np.ascontiguousarray(keys16[:, :8]).view(">u8").ravel()
+        lo = np.ascontiguousarray(keys16[:, 8:]).view(">u8").ravel()
+        order = np.lexsort((lo, hi))
+        hs = hi[order]
+        blocks = np.empty((n, BLOCK_LEN), np.uint8)
+        blocks[:, :TENANT_LEN] = np.frombuffer(tenant, np.uint8)
+        blocks[:, TENANT_LEN:] = keys16[order]
+        asked: list[bytes] = blocks.view(f"V{BLOCK_LEN}").ravel().tolist()
         now = self.now_ms()
         with self._env.begin() as txn:
-            found = self._block_rows(txn, unique)
+            found = self._block_rows(txn, asked if n < 2 or (hs[1:] != hs[:-1]).all()
+                                     else list(dict.fromkeys(asked)))  # fmt: skip
         m = len(found) // _HIT_LEN
         if not m:
             return make_items(Op.HAS, 0, reply=True)
         raw = np.frombuffer(found, np.uint8).reshape(m, _HIT_LEN)
         rows = raw.view(_HIT).reshape(m)["row"]
-        live = rows["expiry"] > now
+        rh = np.ascontiguousarray(raw[:, TENANT_LEN : TENANT_LEN + 8]).view(">u8").ravel()
+        rl = np.ascontiguousarray(raw[:, TENANT_LEN + 8 : BLOCK_LEN]).view(">u8").ravel()
+        pos = np.searchsorted(hs, rh)
+        if (n > 1 and not (hs[1:] != hs[:-1]).all()) or not (
+            (hs[pos] == rh).all() and (lo[order][pos] == rl).all()
+        ):
+            # A key asked twice, or two keys sharing their first 8 bytes: by dictionary.
+            return self._has_general(_prefixes(tenant, items), raw, rows, now)
+        ordinals = order[pos].astype(np.uint64)
+        live = self._live_rows(raw, rows, now)
+        keep = np.flatnonzero(live)
+        keep = keep[np.argsort(ordinals[keep], kind="stable")]  # in the asked order
+        reply = make_items(Op.HAS, len(keep), reply=True)
+        if len(keep):
+            reply["ordinal"] = ordinals[keep]
+            reply["index"] = rows["index"][keep]
+            reply["stripe"] = rows["stripe"][keep]
+        return reply
+
+    def _live_rows(
+        self, raw: npt.NDArray[np.uint8], rows: npt.NDArray[np.void], now: int
+    ) -> npt.NDArray[np.bool_]:
+        """Which rows of a getmulti answer are live (a pending hit may have moved them on)."""
+        live: npt.NDArray[np.bool_] = rows["expiry"] > now
         pending = self._pending
         if pending and not live.all():
             for j in np.flatnonzero(~live).tolist():
                 late = pending.get(raw[j, :KEY_LEN].tobytes())
                 if late is not None and late[0] > now:
                     live[j] = True
-        # Rows come grouped by key, in the order asked: a group starts where the key changes.
-        words = np.ascontiguousarray(raw[:, :BLOCK_LEN]).view(np.uint64)
-        starts = np.flatnonzero(np.r_[True, (words[1:] != words[:-1]).any(axis=1)])
-        group_keys = [raw[i, :BLOCK_LEN].tobytes() for i in starts.tolist()]
-        sizes = np.diff(np.r_[starts, m])
-        if len(unique) == len(prefixes):
-            ordinal_of = {k: i for i, k in enumerate(prefixes)}
-            ordinals = np.repeat(np.array([ordinal_of[k] for k in group_keys], np.uint64), sizes)
-            index, stripe = rows["index"], rows["stripe"]
-        else:  # a key asked twice: its shards answer each of its ordinals
-            asked: dict[bytes, list[int]] = {}
-            for i, k in enumerate(prefixes):
-                asked.setdefault(k, []).append(i)
-            pick: list[int] = []
-            ords: list[int] = []
-            for start, size, k in zip(starts.tolist(), sizes.tolist(), group_keys, strict=True):
-                for o in asked[k]:
-                    pick.extend(range(start, start + size))
-                    ords.extend([o] * size)
-            order = np.argsort(np.array(ords, np.int64), kind="stable")
-            sel = np.array(pick, np.int64)[order]
-            ordinals = np.array(ords, np.uint64)[order]
-            index, stripe, live = rows["index"][sel], rows["stripe"][sel], live[sel]
-        keep = np.flatnonzero(live)
-        reply = make_items(Op.HAS, len(keep), reply=True)
-        if len(keep):
-            reply["ordinal"] = ordinals[keep]
-            reply["index"] = index[keep]
-            reply["stripe"] = stripe[keep]
+        return live
+
+    def _has_general(
+        self,
+        prefixes: list[bytes],
+        raw: npt.NDArray[np.uint8],
+        rows: npt.NDArray[np.void],
+        now: int,
+    ) -> npt.NDArray[np.void]:
+        """HAS records for any request (keys repeated included), from the getmulti answer
+        ``raw`` (grouped by key, each key once)."""
+        live = self._live_rows(raw, rows, now)
+        flat = raw.tobytes()
+        asked: dict[bytes, list[int]] = {}
+        for i, k in enumerate(prefixes):
+            asked.setdefault(k, []).append(i)
+        pick: list[int] = []
+        ords: list[int] = []
+        for j in range(len(raw)):
+            if live[j]:
+                at = j * _HIT_LEN
+                for o in asked.get(flat[at : at + BLOCK_LEN], ()):
+                    pick.append(j)
+                    ords.append(o)
+        order = np.argsort(np.array(ords, np.int64), kind="stable")
+        sel = np.array(pick, np.int64)[order]
+        reply = make_items(Op.HAS, len(sel), reply=True)
+        if len(sel):
+            reply["ordinal"] = np.array(ords, np.uint64)[order]
+            reply["index"] = rows["index"][sel]
+            reply["stripe"] = rows["stripe"][sel]
         return reply
 
     # ------------------------------------------------------------------ LIST / scrub
