@@ -2,9 +2,9 @@
 
 Storage layout (store format ``kvcache-store-v5``, LMDB named databases)::
 
-    index      tenant 8 | key 16 (DUPSORT, DUPFIXED)  → one 44-byte row per shard held of the key:
-               index u16 | class id u16 | size u32 | expiry_ms u64 | stripe u64 | written_ms u64
-               | segment u32 | offset u32 | header_check u32          (all big-endian, :data:`ROW`)
+    index      tenant 8 | key 16 (DUPSORT, DUPFIXED)  → one 36-byte row per shard held of the key:
+               index u16 | class id u16 | size u32 | expiry_ms u64 | stripe u64 | written_s u32
+               | segment u32 | offset u32                          (all big-endian, :data:`ROW`)
     expiry     tenant 8 | class 16 | expiry_ms u64 BE          → key 16 | index u16 BE  (DUPSORT, DUPFIXED)
     meta       b"format"; b"usage:" + tenant 8 + class 16 → bytes u64 | shards u64; b"policy";
                b"seg:" + segment u32 BE → end u64 | live bytes u64 | live records u64;
@@ -80,6 +80,7 @@ __all__ = [
     "fresh_rows",
     "partition",
     "row_location",
+    "written_s",
     "split_expiry_entry",
     "split_partition",
     "split_store_key",
@@ -108,12 +109,12 @@ _NAME_AT: int = _FIELDS["traffic_class"][1]
 _CHECKED_LEN = HEADER_BYTES - 4
 
 #: One shard's row in the ``index`` database: shard index (the duplicates' sort key), class
-#: id, record size, expiry_ms, stripe, written_ms, segment, offset, header check.
-ROW = struct.Struct(">HHIQQQIII")
+#: id, record size, expiry_ms, stripe, written (seconds, rounded up), segment, offset.
+ROW = struct.Struct(">HHIQQIII")
 ROW_LEN = ROW.size
 ROW_DTYPE = np.dtype(
     [("index", ">u2"), ("cls", ">u2"), ("size", ">u4"), ("expiry", ">u8"), ("stripe", ">u8"),
-     ("written", ">u8"), ("seg", ">u4"), ("off", ">u4"), ("check", ">u4")]
+     ("written", ">u4"), ("seg", ">u4"), ("off", ">u4")]
 )  # fmt: skip
 assert ROW_DTYPE.itemsize == ROW_LEN
 _LOC = struct.Struct(">IIII")
@@ -174,7 +175,8 @@ class Row:
     """One shard's index row: where its record is, and its retention.
 
     ``written_ms`` is when this daemon stored the shard (its own clock), which decides
-    whether another writer may replace it (docs/spec/wire.md, PUT); ``size`` is the
+    whether another writer may replace it (docs/spec/wire.md, PUT); it is kept in whole
+    seconds, rounded up, so a shard never looks older than it is. ``size`` is the
     record's length (header + body), what capacity and quotas count.
     """
 
@@ -186,31 +188,36 @@ class Row:
     traffic_class: str
     seg: int
     off: int
-    check: int
 
     def pack(self, classes: ClassTable) -> bytes:
         """The row's bytes (a new class name gets an id in ``classes``)."""
         return ROW.pack(
             self.index, classes.id_of(self.traffic_class), self.size, self.expiry_ms,
-            self.stripe, self.written_ms, self.seg, self.off, self.check,
+            self.stripe, written_s(self.written_ms), self.seg, self.off,
         )  # fmt: skip
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview, classes: ClassTable) -> Row:
         """Parse a row written by :meth:`pack` (our own disk: trusted layout)."""
-        index, cid, size, expiry, stripe, written, seg, off, check = ROW.unpack_from(raw)
-        return cls(index, expiry, size, stripe, written, classes.names[cid], seg, off, check)
+        index, cid, size, expiry, stripe, written, seg, off = ROW.unpack_from(raw)
+        return cls(index, expiry, size, stripe, written * 1000, classes.names[cid], seg, off)
 
     @property
     def location(self) -> bytes:
         """The record's location as :data:`kvcache.server.segments.LOCATION` bytes."""
-        return _LOC.pack(self.seg, self.off, self.size, self.check)
+        return _LOC.pack(self.seg, self.off, self.size, 0)
+
+
+def written_s(written_ms: int) -> int:
+    """A row's written time: milliseconds rounded UP to whole seconds (a shard may look
+    younger than it is, never older: the racing-writer rule's wait is never cut short)."""
+    return -(-written_ms // 1000)
 
 
 def row_location(raw: bytes | memoryview) -> bytes:
-    """The LOCATION bytes of a packed row (segment, offset, length, header check)."""
-    _i, _c, size, _e, _s, _w, seg, off, check = ROW.unpack_from(raw)
-    return _LOC.pack(seg, off, size, check)
+    """The LOCATION bytes of a packed row (segment, offset, length; no header check)."""
+    _i, _c, size, _e, _s, _w, seg, off = ROW.unpack_from(raw)
+    return _LOC.pack(seg, off, size, 0)
 
 
 def class_field(name: str) -> bytes:
@@ -244,7 +251,6 @@ def fresh_rows(
     written_ms: int,
     seg: int,
     offsets: npt.NDArray[np.integer],
-    checks: npt.NDArray[np.integer],
 ) -> list[bytes]:
     """Index rows of shards written at once (of any tenants and classes), built as columns:
     the batch twin of :meth:`Row.pack` (a property test holds them byte-identical). Every
@@ -259,10 +265,9 @@ def fresh_rows(
     rows["size"] = sizes
     rows["expiry"] = expiry_ms
     rows["stripe"] = stripes
-    rows["written"] = written_ms
+    rows["written"] = written_s(written_ms)
     rows["seg"] = seg
     rows["off"] = offsets
-    rows["check"] = checks
     out: list[bytes] = rows.view(f"V{ROW_LEN}").tolist()
     return out
 

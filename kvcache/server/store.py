@@ -102,6 +102,8 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 _U64 = struct.Struct(">Q")
+#: A row's size field (kvcache.server.records.ROW: after the index and the class id).
+_SIZE = struct.Struct(">I")
 #: The payload length field of a stored shard's header (see kvcache.shard.HEADER_DTYPE).
 _PAYLOAD_LEN = struct.Struct("<I")
 _PAYLOAD_LEN_AT: int = HEADER_DTYPE.fields["payload_len"][1]  # type: ignore[index]
@@ -558,7 +560,7 @@ class ShardStore:
                                 expiry, name = decide.merge(current, (expiry, name))
                             self._pending.pop(skey, None)
                         size = len(record)
-                        cols.add(skey, record, c.checks[j], classes.id_of(name), expiry, stripe)
+                        cols.add(skey, record, classes.id_of(name), expiry, stripe)
                         staged[skey] = (expiry, size, stripe, name)
                         expiry_rows.append(expiry_entry(skey, name, expiry))
                         deltas.add(partition(tenant, name), size, 1)
@@ -580,7 +582,6 @@ class ShardStore:
                         written_ms=now,
                         seg=seg,
                         offsets=first + np.cumsum(lengths) - lengths,
-                        checks=np.array(cols.checks, np.uint32),
                     )
                     blocks = [k[:BLOCK_LEN] for k in cols.keys]
                     txn.cursor(db=self._index).putmulti(zip(blocks, rows, strict=True))
@@ -636,7 +637,6 @@ class ShardStore:
             n = len(idx)
             cols.keys.extend(keys)
             cols.records.extend(c.records if whole else [c.records[j] for j in idx])
-            cols.checks.extend(c.checks if whole else [c.checks[j] for j in idx])
             cols.class_ids.extend(itertools.repeat(self.classes.id_of(name), n))
             cols.expiry.extend(itertools.repeat(expiry, n))
             cols.stripes.extend(stripes)
@@ -754,14 +754,14 @@ class ShardStore:
                 raw = rows.get(key)
                 if raw is None:
                     continue
-                _index, cid, size, expiry, stripe, _written, seg, off, check = unpack(raw)
+                _index, cid, size, expiry, stripe, _written, seg, off = unpack(raw)
                 if wanted[i] and stripe != wanted[i]:
                     continue
                 if expiry <= quiet_above and not self._alive(
                     key, expiry, cid, size, now, hit, ttl_hint
                 ):
                     continue
-                locations.append(_LOC.pack(seg, off, size, check))
+                locations.append(_LOC.pack(seg, off, size, 0))
                 hits.append(i)
         found = np.frombuffer(b"".join(locations), LOCATION)
         sizes = found["len"]
@@ -817,7 +817,7 @@ class ShardStore:
         loc["seg"] = rows["seg"]
         loc["off"] = rows["off"]
         loc["len"] = rows["size"]
-        loc["check"] = rows["check"]
+        loc["check"] = 0
         return loc
 
     @_watch_damage
@@ -942,11 +942,11 @@ class ShardStore:
                 if skey < first or (skey == first and not inclusive):
                     found = cursor.next()
                     continue
-                _index, cid, size, expiry, stripe, _written, seg, off, check = ROW.unpack(raw)
+                _index, cid, size, expiry, stripe, _written, seg, off = ROW.unpack(raw)
                 if pending:
                     expiry = max(expiry, pending.get(skey, (0,))[0])
                 if expiry > now:
-                    record = self.segments.read(_LOC.pack(seg, off, size, check))
+                    record = self.segments.read(_LOC.pack(seg, off, size, 0))
                     skeys.append(skey)
                     heads.append((size, stripe, expiry))
                     payloads.append(
@@ -1267,7 +1267,7 @@ class ShardStore:
                             TenantId(part[:TENANT_LEN]),
                             decide.split_stored(_partition_class(part))[0],
                         )
-                        out[key] = max(out.get(key, 0), now - int(ROW.unpack(raw)[5]))
+                        out[key] = max(out.get(key, 0), now - int(ROW.unpack(raw)[5]) * 1000)
                         break
                     if not cursor.next():
                         break
@@ -1492,11 +1492,11 @@ class ShardStore:
         transaction: while the expiry is at most ``until_expiry_ms`` and fewer than
         ``until_bytes`` were freed.
 
-        An expiry key's duplicates (the shards of one PUT batch, as a rule) are taken as a
-        group: their locations and retention rows in two ``getmulti`` calls, sizes and
-        segments as arrays, the deletes as C-level maps, the whole duplicate set in one
-        delete. A group whose rows do not all agree (never so, but checked) goes item by
-        item (:meth:`_delete_entries`).
+        An expiry key's duplicates (the shards of one PUT batch, as a rule) are taken in
+        order: each shard's row is found and deleted by one cursor step (one B-tree descent
+        a shard), the sizes and segments summed as arrays, and the taken duplicates
+        deleted together (the whole key when all go). An entry whose row is gone or names
+        another expiry (never so, but checked) is dropped from the expiry index alone.
         """
         deltas = Deltas()
         last_expiry = 2**64 if until_expiry_ms is None else until_expiry_ms
@@ -1505,53 +1505,66 @@ class ShardStore:
         nbytes = 0
         gone: list[tuple[int, int, int]] = []  # (expiry, size, written) of each removed
         tenant = part[:TENANT_LEN]
+        size_of = _SIZE.unpack_from
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._expiry)
-                drop_row = functools.partial(txn.delete, db=self._index)
+                rows_at = txn.cursor(db=self._index)
+                find, value, drop = rows_at.set_range_dup, rows_at.value, rows_at.delete
                 while len(removed) < limit and nbytes < to_free and cursor.set_range(part):
                     ekey = cursor.key()
                     if ekey[:PARTITION_LEN] != part:
                         break
-                    expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
+                    at_expiry = ekey[PARTITION_LEN:]
+                    expiry = _U64.unpack(at_expiry)[0]
                     if expiry > last_expiry:
                         break
                     total = cursor.count()
-                    dups = cursor.iternext_dup(keys=False)
-                    want = limit - len(removed)
-                    skeys = [tenant + dup for dup in itertools.islice(dups, want)]
-                    rows = self._aligned_rows(txn, skeys)
-                    if rows is None or (rows["expiry"] != expiry).any():
-                        # pragma: no cover - a stale or half-written entry: never so
-                        nbytes += self._delete_entries(txn, part, ekey, skeys, deltas)
-                        continue
-                    sizes = rows["size"].astype(np.int64)
-                    take = min(len(skeys), limit - len(removed))
-                    if nbytes + int(sizes[:take].sum()) > to_free:  # stop once enough is freed
-                        cut = int(np.searchsorted(np.cumsum(sizes), to_free - nbytes)) + 1
-                        take = min(take, cut)
-                    taken = skeys[:take] if take < len(skeys) else skeys
-                    if take == total:
+                    dups = list(itertools.islice(cursor.iternext_dup(keys=False),
+                                                 limit - len(removed)))  # fmt: skip
+                    raws: list[bytes] = []
+                    taken: list[bytes] = []
+                    seen = 0
+                    for dup in dups:
+                        seen += 1
+                        block, index = tenant + dup[:16], dup[16:]
+                        if find(block, index):
+                            raw = value()
+                            if raw[:2] == index and raw[8:16] == at_expiry:
+                                drop()
+                                raws.append(raw)
+                                taken.append(block + index)
+                                if until_bytes is not None:
+                                    nbytes += size_of(raw, 4)[0]
+                                    if nbytes >= to_free:
+                                        break
+                                continue
+                        log.warning("dropped a stale expiry entry for %s", (block + index).hex())
+                    if seen == total:
                         txn.delete(ekey, db=self._expiry)  # the key and all its duplicates
-                    else:  # the first ``take`` duplicates, from the head on
+                    else:  # the first ``seen`` duplicates, from the head on
                         cursor.set_range(part)
                         step = cursor.delete
-                        for _ in range(take):
+                        for _ in range(seen):
                             step()
-                    raws = rows[:take].view(f"V{ROW_LEN}").tolist()
-                    list(map(drop_row, [k[:BLOCK_LEN] for k in taken], raws))
-                    freed = int(sizes[:take].sum())
-                    nbytes += freed
+                    if not raws:
+                        continue
+                    rows = np.frombuffer(b"".join(raws), ROW_DTYPE)
+                    sizes = rows["size"].astype(np.int64)
+                    freed = int(sizes.sum())
+                    if until_bytes is None:
+                        nbytes += freed
+                    take = len(raws)
                     deltas.add(part, -freed, -take)
-                    segs, inverse = np.unique(rows["seg"][:take], return_inverse=True)
-                    per_seg = np.bincount(inverse, weights=sizes[:take], minlength=len(segs))
+                    segs, inverse = np.unique(rows["seg"], return_inverse=True)
+                    per_seg = np.bincount(inverse, weights=sizes, minlength=len(segs))
                     counts = np.bincount(inverse, minlength=len(segs))
                     for seg, b, c in zip(segs.tolist(), per_seg.tolist(), counts.tolist(),
                                          strict=True):  # fmt: skip
                         deltas.add_segment(seg, -int(b), -c)
                     removed.extend(taken)
-                    written = rows["written"][:take].tolist()
-                    gone.extend(zip([expiry] * take, sizes[:take].tolist(), written, strict=True))
+                    written = (rows["written"].astype(np.int64) * 1000).tolist()
+                    gone.extend(zip([expiry] * take, sizes.tolist(), written, strict=True))
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting expired or evicted shards") from exc
@@ -1578,45 +1591,6 @@ class ShardStore:
         self.removals.record(
             tenant, name, cause, sizes=[g[1] for g in gone], ages_ms=[now - g[2] for g in gone]
         )
-
-    def _delete_entries(
-        self, txn: lmdb.Transaction, part: bytes, ekey: bytes, skeys: list[bytes], deltas: Deltas
-    ) -> int:  # pragma: no cover - only for entries that disagree with their rows
-        """Delete one expiry key's shards item by item, dropping entries whose retention row
-        is gone or names another expiry; returns bytes freed."""
-        expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
-        freed = 0
-        for skey in skeys:
-            txn.delete(ekey, skey[TENANT_LEN:], db=self._expiry)
-            raw = self._row(txn, skey)
-            if raw is None or ROW.unpack(raw)[3] != expiry:
-                log.warning("dropped a stale expiry entry for %s", skey.hex())
-                continue
-            rec = Row.unpack(raw, self.classes)
-            txn.delete(skey[:BLOCK_LEN], raw, db=self._index)
-            deltas.add_segment(rec.seg, -rec.size, -1)
-            deltas.add(part, -rec.size, -1)
-            deltas.removed.append(skey)
-            freed += rec.size
-        return freed
-
-    def _aligned_rows(
-        self, txn: lmdb.Transaction, skeys: list[bytes]
-    ) -> npt.NDArray[np.void] | None:
-        """The rows of ``skeys`` (storage keys of one tenant, sorted: an expiry key's
-        duplicates) as a ROW_DTYPE array in their order, or None if any is missing."""
-        n = len(skeys)
-        found = self._block_rows(txn, list(dict.fromkeys(k[:BLOCK_LEN] for k in skeys)))
-        raw = np.frombuffer(found, np.uint8).reshape(-1, _HIT_LEN)
-        want = np.frombuffer(b"".join(skeys), np.uint8).reshape(n, KEY_LEN)
-        if len(raw) != n or not np.array_equal(raw[:, :KEY_LEN], want):
-            # Blocks with more shards here than these: pick the asked ones.
-            rows = self._rows_of(txn, skeys)
-            if len(rows) != n:
-                return None
-            picked = np.frombuffer(b"".join(rows[k] for k in skeys), ROW_DTYPE)
-            return picked
-        return raw.view(_HIT).reshape(n)["row"]
 
     def _lost_segments(self, segments: Mapping[int, SegmentState]) -> set[int]:
         """Segments the index points into whose file is gone or shorter than what was
@@ -1867,22 +1841,18 @@ class _Columns:
     """The shards a PUT transaction writes, as columns (rows are built once the records'
     places in the segment are known)."""
 
-    __slots__ = ("checks", "class_ids", "expiry", "keys", "records", "stripes")
+    __slots__ = ("class_ids", "expiry", "keys", "records", "stripes")
 
     def __init__(self) -> None:
         self.keys: list[bytes] = []
         self.records: list[memoryview] = []
-        self.checks: list[int] = []
         self.class_ids: list[int] = []
         self.expiry: list[int] = []
         self.stripes: list[int] = []
 
-    def add(
-        self, key: bytes, record: memoryview, check: int, class_id: int, expiry: int, stripe: int
-    ) -> None:
+    def add(self, key: bytes, record: memoryview, class_id: int, expiry: int, stripe: int) -> None:
         self.keys.append(key)
         self.records.append(record)
-        self.checks.append(check)
         self.class_ids.append(class_id)
         self.expiry.append(expiry)
         self.stripes.append(stripe)
