@@ -1,8 +1,8 @@
-"""Append-only segment files: where a daemon's shard records live (store format v4).
+"""Append-only segment files: where a daemon's shard records live (store format v4, v5).
 
-The LMDB index (:mod:`kvcache.server.store`) keeps, per shard, only where its
-record is: ``segment u32 | offset u32 | length u32 | header_check u32``
-(:data:`LOCATION`). The record bytes are appended here, a PUT batch (or a
+The LMDB index (:mod:`kvcache.server.store`) keeps, per shard, one row with
+its retention and where its record is (segment, offset, length: handed here
+as a :data:`LOCATION`). The record bytes are appended here, a PUT batch (or a
 group commit of several) with ONE ``pwritev``, and read back as memoryviews
 of a read-only ``mmap`` of the segment, which the socket loop sends as they
 are. A stored byte is then copied once on its way in (the kernel's copy into

@@ -735,9 +735,9 @@ class ShardStore:
             reach_s=hit.ttl_s if hit is not None else policy.max_ttl_s,
         )
         ttl_hint = retain.ttl_s
-        # Index values are small (16-byte locations, ~36-byte retention rows): copied out,
-        # they cost less than py-lmdb's buffer objects, which it must invalidate one by one
-        # (bufviewlist_release was a fifth of a GET's store time, py-spy).
+        # Index rows are small (36 bytes): copied out, they cost less than py-lmdb's buffer
+        # objects, which it must invalidate one by one (bufviewlist_release was a fifth of a
+        # GET's store time, py-spy).
         with self._env.begin() as txn:
             found = self._get_quiet(txn, keys, wanted, quiet_above)
             if found is not None:  # every item a live hit of the wanted stripe, no slide due
@@ -792,8 +792,8 @@ class ShardStore:
         of the wanted stripes that need no expiry slide, else None (the caller then takes
         the per-item path).
 
-        The common GET, done without a Python step per item: two ``getmulti``
-        lookups, the checks over C iterators, the locations as one array.
+        The common GET, done without a Python step per item: one ``getmulti`` of the blocks'
+        index rows, the checks and the locations as numpy columns.
         """
         if not keys or (self._pending and not self._pending.keys().isdisjoint(keys)):
             return None
@@ -918,7 +918,7 @@ class ShardStore:
     ) -> npt.NDArray[np.void]:
         """Up to ``limit`` live shards of ``tenant`` from (``start`` key, ``index``) on, in
         storage-key order (key, then index), as LIST reply records. One read transaction
-        over the retention records; each shard's header is read for its payload length."""
+        over the index rows; each shard's header is read for its payload length."""
         if limit <= 0:
             return make_items(Op.LIST, 0, reply=True)
         now = self.now_ms()
@@ -1274,7 +1274,7 @@ class ShardStore:
         return out
 
     def recount(self) -> dict[str, Any]:
-        """Usage recomputed from the retention records (a consistency check for tests)."""
+        """Usage recomputed from the index rows (a consistency check for tests)."""
         book = UsageBook()
         deltas = Deltas()
         with self._env.begin() as txn:
