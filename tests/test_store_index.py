@@ -141,7 +141,7 @@ def test_has_answers_many_keys_in_the_asked_order(tmp_path: Path) -> None:
         ]
         items, data = put_items(shards)
         assert not store.put(T, items, data)["status"].any()  # type: ignore[arg-type]
-        asked = [*reversed(keys), bytes(16)]
+        asked = [*reversed(keys), b"\xff" * 16]
         reply = store.has(T, keys_items(Op.HAS, asked))  # type: ignore[arg-type]
         held = {k: sorted({n % 12, 11}) for n, k in enumerate(keys)}
         expected = [(o, i) for o, k in enumerate(asked) for i in held.get(k, [])]
