@@ -24,12 +24,12 @@ records, :func:`kvcache.shard.shard_len_for`), over the wire protocol
   no way to drop it);
 * ``rss_mib``: the daemon's RSS after the timed requests;
 * ``index_bytes_per_shard``: everything on disk but the records themselves,
-  per shard (store format v4): the pages of the three LMDB databases
-  (``shards``: each record's location; ``retention``; ``expiry``) times the
-  page size, plus the segment files' bytes beyond the records (batch heads and
-  a 32-byte entry per record). ``lmdb_index_bytes_per_shard`` and
-  ``segment_overhead_per_shard`` are the two parts, ``shards_db_overhead`` the
-  location database alone.
+  per shard (store format v5): the pages of the two LMDB databases
+  (``index``: one row per shard, its location and retention; ``expiry``) times
+  the page size, plus the segment files' bytes beyond the records (batch heads
+  and a 32-byte entry per record). ``lmdb_index_bytes_per_shard`` and
+  ``segment_overhead_per_shard`` are the two parts, ``index_db_per_shard`` and
+  ``expiry_db_per_shard`` the two databases.
 
 ``long``: a 1M-token prompt (7,813 blocks of 128 tokens at 896 bytes a token:
 114,688-byte blocks) stored on a 12-daemon :class:`LocalCluster`, then
@@ -166,30 +166,30 @@ def fill(path: Path, shards: int, seed: int) -> tuple[float, npt.NDArray[np.void
 
 
 def index_bytes(path: Path, record_bytes: int = FILL_RECORD) -> dict[str, float]:
-    """Bytes on disk per shard of the index (store format v4: the ``shards`` locations, the
-    ``retention`` and ``expiry`` databases) plus the segment files' own overhead (batch
-    heads and per-record entries: the files' bytes less the records')."""
+    """Bytes on disk per shard of the index (store format v5: the ``index`` database, one row
+    per shard with its location and retention, and the ``expiry`` database) plus the segment
+    files' own overhead (batch heads and per-record entries: the files' bytes less the
+    records')."""
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
     try:
         out: dict[str, float] = {}
         with env.begin() as txn:
             stats = {name: txn.stat(env.open_db(name, txn=txn, create=False)) for name in
-                     (b"shards", b"retention", b"expiry")}  # fmt: skip
-        psize = stats[b"shards"]["psize"]
-        count = max(1, stats[b"shards"]["entries"])
+                     (b"index", b"expiry")}  # fmt: skip
+        psize = stats[b"index"]["psize"]
+        count = max(1, stats[b"index"]["entries"])
 
-        def pages(s: dict[str, int], *, overflow: bool = True) -> int:
-            return s["branch_pages"] + s["leaf_pages"] + (s["overflow_pages"] if overflow else 0)
+        def pages(s: dict[str, int]) -> int:
+            return s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
 
-        lmdb_bytes = (
-            pages(stats[b"shards"]) + pages(stats[b"retention"]) + pages(stats[b"expiry"])
-        ) * psize
+        lmdb_bytes = (pages(stats[b"index"]) + pages(stats[b"expiry"])) * psize
         files = sum(p.stat().st_size for p in (path / "segments").glob("*.seg"))
         segment_overhead = max(0, files - count * record_bytes)
         out["index_bytes_per_shard"] = (lmdb_bytes + segment_overhead) / count
         out["lmdb_index_bytes_per_shard"] = lmdb_bytes / count
         out["segment_overhead_per_shard"] = segment_overhead / count
-        out["shards_db_overhead_per_shard"] = pages(stats[b"shards"]) * psize / count
+        out["index_db_per_shard"] = pages(stats[b"index"]) * psize / count
+        out["expiry_db_per_shard"] = pages(stats[b"expiry"]) * psize / count
         out["entries"] = count
         return out
     finally:
@@ -585,7 +585,7 @@ def report(figures: dict[str, Any], fills: list[int]) -> bool:
         ("has64_median_ms", "{:.2f}"), ("has64_p99_ms", "{:.2f}"), ("sweep_shards_per_s", "{:,.0f}"),
         ("evict_shards_per_s", "{:,.0f}"), ("restart_s", "{:.2f}"),
         ("restart_full_s", "{:.2f}"), ("rss_mib", "{:.0f}"),
-        ("index_bytes_per_shard", "{:.1f}"), ("shards_db_overhead_per_shard", "{:.1f}"),
+        ("index_bytes_per_shard", "{:.1f}"), ("index_db_per_shard", "{:.1f}"),
         ("fill_s", "{:.1f}"),
     ]  # fmt: skip
     if any(f"restart_s_{t}" in figures for t in tags):

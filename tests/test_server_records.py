@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -14,11 +15,15 @@ from kvcache.errors import IntegrityError, ShardFormatError
 from kvcache.server.probe import fake_shard
 from kvcache.server.records import (
     PARTITION_LEN,
-    Retention,
+    ROW_DTYPE,
+    ROW_LEN,
+    ClassTable,
+    Row,
     check_put,
     expiry_entry,
     fresh_rows,
     partition,
+    row_location,
     split_expiry_entry,
     split_store_key,
     store_keys,
@@ -106,37 +111,78 @@ def test_expiry_entries_sort_by_partition_then_time() -> None:
     assert early[0][:PARTITION_LEN] == partition(TENANT, "chat") != other_class[0][:PARTITION_LEN]
 
 
+_U32 = st.integers(0, 2**32 - 1)
+_U64 = st.integers(0, 2**64 - 1)
+_CLASS = st.from_regex(r"\+?[a-z0-9][a-z0-9_-]{0,14}", fullmatch=True)
+
+
 @given(
     rows=st.lists(
         st.tuples(
             st.binary(min_size=16, max_size=16),
             st.integers(0, 65535),
-            st.integers(1, 2**32 - 1),
-            st.integers(0, 2**64 - 1),
+            _CLASS,
+            _U32,
+            _U64,
+            _U64,
+            _U32,
         ),
         min_size=1,
         max_size=20,
     ),
-    cls=st.from_regex(r"[a-z0-9][a-z0-9_-]{0,14}", fullmatch=True),
-    expiry=st.integers(0, 2**63 - 1),
-    written=st.integers(0, 2**63 - 1),
+    written=st.integers(0, (2**32 - 1) * 1000),
+    seg=_U32,
 )
-def test_fresh_rows_are_the_records_and_keys_one_at_a_time(
-    rows: list[tuple[bytes, int, int, int]], cls: str, expiry: int, written: int
+def test_fresh_rows_are_the_rows_one_at_a_time(
+    rows: list[tuple[bytes, int, str, int, int, int, int]], written: int, seg: int
 ) -> None:
-    """The column builder of a fresh PUT equals Retention.pack and expiry_entry, row by row."""
+    """The column builder of a PUT's rows equals Row.pack, row by row, and every row reads
+    back (Row.unpack, row_location, the numpy ROW_DTYPE) as what was written."""
     tenant = b"tenant-8"
     keys = store_keys(
         tenant,
         np.frombuffer(b"".join(r[0] for r in rows), "V16"),
         np.array([r[1] for r in rows]),
     )
-    sizes = np.array([r[2] for r in rows], np.int64)
-    stripes = np.array([r[3] for r in rows], np.uint64)
-    ret, exp = fresh_rows(
-        keys, sizes, stripes, traffic_class=cls, expiry_ms=expiry, written_ms=written
+    table = ClassTable()
+    ids = np.array([table.id_of(r[2]) for r in rows], np.uint16)
+    packed = fresh_rows(
+        keys,
+        class_ids=ids,
+        sizes=np.array([r[3] for r in rows], np.uint32),
+        expiry_ms=np.array([r[4] for r in rows], np.uint64),
+        stripes=np.array([r[5] for r in rows], np.uint64),
+        written_ms=written,
+        seg=seg,
+        offsets=np.array([r[6] for r in rows], np.uint32),
     )
-    for key, (_k, _i, size, stripe), r, e in zip(keys, rows, ret, exp, strict=True):
-        assert r == Retention(expiry, size, stripe, written, cls).pack()
-        assert e == expiry_entry(key, cls, expiry)
-        assert split_expiry_entry(*e) == (expiry, key)
+    again = ClassTable.unpack(table.pack())
+    assert again.names == table.names
+    for (_k, index, cls, size, expiry, stripe, off), raw in zip(rows, packed, strict=True):
+        row = Row(index, expiry, size, stripe, written, cls, seg, off)
+        assert len(raw) == ROW_LEN and raw == row.pack(table)
+        # Written times are kept in whole seconds, rounded up: never older than they were.
+        back = Row.unpack(raw, again)
+        assert back == replace(row, written_ms=back.written_ms)
+        assert 0 <= back.written_ms - written < 1000 and back.written_ms % 1000 == 0
+        assert row_location(raw) == row.location
+        arr = np.frombuffer(raw, ROW_DTYPE)[0]
+        assert (int(arr["index"]), int(arr["expiry"]), int(arr["stripe"])) == (
+            index,
+            expiry,
+            stripe,
+        )
+    # The rows of one block key sort by shard index (the duplicates' order in the index).
+    by_key: dict[bytes, list[bytes]] = {}
+    for skey, raw in zip(keys, packed, strict=True):
+        by_key.setdefault(skey[:24], []).append(raw)
+    for found in by_key.values():
+        assert [r[:2] for r in sorted(found)] == sorted(r[:2] for r in found)
+
+
+def test_class_table_persists_only_what_was_committed() -> None:
+    table = ClassTable.unpack(None)
+    assert not table.dirty and table.id_of("chat") == 0 and table.dirty
+    assert table.id_of("+chat") == 1 and table.id_of("chat") == 0
+    table.persisted()
+    assert not table.dirty and ClassTable.unpack(table.pack()).names == ["chat", "+chat"]

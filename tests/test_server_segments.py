@@ -1,17 +1,21 @@
-"""Store format v4: shard records in segment files beside the LMDB index (real files)."""
+"""Store format v4/v5: shard records in segment files beside the LMDB index (real files)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import lmdb
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from server_fixtures import FakeClock, block_records, get_items, put_items
 
 from kvcache.credentials import tenant_id
 from kvcache.errors import StorageError
 from kvcache.retention import DAY_S, RetentionPolicy
+from kvcache.server.probe import fake_shard
 from kvcache.server.segments import SegmentFiles
 from kvcache.server.store import ShardStore
 from kvcache.wire import Status
@@ -282,3 +286,49 @@ def test_a_reply_in_flight_keeps_its_bytes_while_its_segment_goes(
         assert store.counters["segments_dropped"] >= 5
         assert b"".join(bytes(p) for p in held.parts) == b"".join(r for _, _, r in first)
         held.release()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(0, 3), st.integers(0, 40), st.integers(0, 11), st.integers(1, 300)
+            ),
+            min_size=1,
+            max_size=12,
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_a_walk_names_every_record_of_every_tenant(
+    batches: list[list[tuple[int, int, int, int]]],
+) -> None:
+    """Store format v5's batches name a record by a slot in the batch's tenant table and
+    the record's own header: walking them gives back every (storage key, offset, length)
+    that was appended, tenants of a group commit mixed in one batch."""
+    tenants = [tenant_id(f"t{n}") for n in range(4)]
+    with tempfile.TemporaryDirectory() as d:
+        files = SegmentFiles(Path(d), segment_bytes=SEG, sync_each_write=False)
+        try:
+            files.load({})
+            written = []
+            for batch in batches:
+                keys, records = [], []
+                for t, k, i, body in batch:
+                    keys.append(tenants[t] + key(k) + i.to_bytes(2, "big"))
+                    records.append(fake_shard(key(k), i, bytes(body)))
+                seg, first, _before = files.append(keys, records)
+                at = first
+                for skey, record in zip(keys, records, strict=True):
+                    written.append((seg, skey, at, len(record)))
+                    at += len(record)
+            walked = [
+                (seg, skey, at, length)
+                for seg in sorted(files.state)
+                for _, skey, at, length in files.walk(seg)
+            ]
+            assert walked == written
+        finally:
+            files.close()

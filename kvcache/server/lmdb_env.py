@@ -130,8 +130,10 @@ class LmdbEnvironment:
             raise StorageError(
                 f"cannot open LMDB environment in {self.path}: {exc}", kind="storage"
             ) from exc
-        self.shards = self.env.open_db(b"shards")
-        self.retention = self.env.open_db(b"retention")
+        # Store format v5: one key per (tenant, block key), a fixed-size row per shard held
+        # as its sorted duplicates (kvcache.server.records). A v4 directory's `shards` and
+        # `retention` databases are never opened: the store's format check refuses it.
+        self.index = self.env.open_db(b"index", dupsort=True, dupfixed=True)
         # One key per (partition, expiry), the shards as fixed-size duplicates
         # (kvcache.server.records, store format v3). An older directory opens (LMDB keeps a
         # database's stored flags) and is refused by the store's format check.

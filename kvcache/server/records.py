@@ -1,12 +1,20 @@
 """What a daemon stores and under which keys, and the batch checks of PUT records.
 
-Storage layout (store format ``kvcache-store-v4``, LMDB named databases)::
+Storage layout (store format ``kvcache-store-v5``, LMDB named databases)::
 
-    shards     tenant 8 | key 16 | index u16 BE                → segment u32 | offset u32 | length u32 | header_check u32
-    retention  tenant 8 | key 16 | index u16 BE                → expiry_ms | size | stripe | written_ms | class
+    index      tenant 8 | key 16 (DUPSORT, DUPFIXED)  → one 36-byte row per shard held of the key:
+               index u16 | class id u16 | size u32 | expiry_ms u64 | stripe u64 | written_s u32
+               | segment u32 | offset u32                          (all big-endian, :data:`ROW`)
     expiry     tenant 8 | class 16 | expiry_ms u64 BE          → key 16 | index u16 BE  (DUPSORT, DUPFIXED)
     meta       b"format"; b"usage:" + tenant 8 + class 16 → bytes u64 | shards u64; b"policy";
-               b"seg:" + segment u32 BE → end u64 | live bytes u64 | live records u64
+               b"seg:" + segment u32 BE → end u64 | live bytes u64 | live records u64;
+               b"classes" → the stored class names, in id order, one per line (:class:`ClassTable`)
+
+One block key's shards on a node are the sorted duplicates of ONE index key, so
+a HAS of many keys is one C-level ``getmulti`` (every row of every key in one
+buffer), and a GET of one node's shards is the same lookup: no cursor walk per
+key, no second database per shard (v4 kept the location and the retention row
+under two 26-byte keys in two databases).
 
 The records themselves (``header || body``, as PUT carried them) are in
 append-only segment files beside the index (:mod:`kvcache.server.segments`).
@@ -54,20 +62,25 @@ from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, header_verdicts
 from kvcache.wire import NO_RETAIN, Retain, Status, data_offsets
 
 __all__ = [
+    "BLOCK_LEN",
+    "CLASSES_KEY",
     "FORMAT",
     "KEY_LEN",
     "PARTITION_LEN",
-    "RETENTION_HEAD",
+    "ROW",
+    "ROW_DTYPE",
+    "ROW_LEN",
     "SEGMENT_PREFIX",
     "CheckedPut",
-    "Retention",
+    "ClassTable",
+    "Row",
     "check_put",
     "class_field",
     "expiry_entry",
     "fresh_rows",
     "partition",
-    "record_class",
-    "record_expiry",
+    "row_location",
+    "written_s",
     "split_expiry_entry",
     "split_partition",
     "split_store_key",
@@ -75,64 +88,136 @@ __all__ = [
     "usage_key",
 ]
 
-FORMAT = b"kvcache-store-v4"
+FORMAT = b"kvcache-store-v5"
 TENANT_LEN = 8
 #: Storage key: tenant (8) + block key (16) + shard index (u16 big-endian).
 KEY_LEN = TENANT_LEN + 18
+#: Key of the ``index`` database: tenant (8) + block key (16); the shard index leads the row.
+BLOCK_LEN = TENANT_LEN + 16
 CLASS_LEN = 16
 #: Expiry-index partition: tenant (8) + traffic class name, NUL-padded (16).
 PARTITION_LEN = TENANT_LEN + CLASS_LEN
 USAGE_PREFIX = b"usage:"
 #: Meta rows of the segment files' end and live bytes (kvcache.server.segments).
 SEGMENT_PREFIX = b"seg:"
+#: Meta row of the class table (:class:`ClassTable`).
+CLASSES_KEY = b"classes"
 
 _FIELDS: Mapping[str, Any] = HEADER_DTYPE.fields or {}
 _KEY_AT: int = _FIELDS["block_key"][1]
 _NAME_AT: int = _FIELDS["traffic_class"][1]
 _CHECKED_LEN = HEADER_BYTES - 4
 
-_RETENTION = struct.Struct(">QIQQ")
+#: One shard's row in the ``index`` database: shard index (the duplicates' sort key), class
+#: id, record size, expiry_ms, stripe, written (seconds, rounded up), segment, offset.
+ROW = struct.Struct(">HHIQQIII")
+ROW_LEN = ROW.size
+ROW_DTYPE = np.dtype(
+    [("index", ">u2"), ("cls", ">u2"), ("size", ">u4"), ("expiry", ">u8"), ("stripe", ">u8"),
+     ("written", ">u4"), ("seg", ">u4"), ("off", ">u4")]
+)  # fmt: skip
+assert ROW_DTYPE.itemsize == ROW_LEN
+_LOC = struct.Struct(">IIII")
 _U64 = struct.Struct(">Q")
-#: The fixed head of a packed Retention record (expiry_ms, size, stripe, written_ms).
-RETENTION_HEAD = _RETENTION
+#: Class ids are u16; a table never holds more.
+MAX_CLASSES = 1 << 16
+
+
+class ClassTable:
+    """Stored class names by id: a row names its class with 2 bytes, not the name.
+
+    Ids are handed out in memory (:meth:`id_of`) and persisted by :meth:`persist`, which
+    every write transaction that may have packed a new id calls before it commits: a
+    committed row never names an id its transaction did not commit. Names are never
+    removed (a node sees a handful: the policy's classes, their pinned ``+`` twins, and
+    those of older policies).
+    """
+
+    __slots__ = ("_ids", "_persisted", "names")
+
+    def __init__(self, names: list[str] | None = None) -> None:
+        self.names: list[str] = list(names or [])
+        self._ids = {name: i for i, name in enumerate(self.names)}
+        self._persisted = len(self.names)
+
+    @classmethod
+    def unpack(cls, raw: bytes | None) -> ClassTable:
+        """The table of a ``classes`` meta row (None: an empty table)."""
+        return cls(bytes(raw).decode("ascii").split("\n") if raw else [])
+
+    def pack(self) -> bytes:
+        """The meta row's value."""
+        return "\n".join(self.names).encode("ascii")
+
+    def id_of(self, name: str) -> int:
+        """The id of ``name``, a new one if it has none yet."""
+        found = self._ids.get(name)
+        if found is not None:
+            return found
+        if len(self.names) >= MAX_CLASSES:  # pragma: no cover - 65,536 class names
+            raise ValueError("too many stored class names")
+        self._ids[name] = len(self.names)
+        self.names.append(name)
+        return len(self.names) - 1
+
+    @property
+    def dirty(self) -> bool:
+        """Whether ids were handed out since the table was last persisted."""
+        return len(self.names) > self._persisted
+
+    def persisted(self) -> None:
+        """The transaction that wrote :meth:`pack` committed."""
+        self._persisted = len(self.names)
 
 
 @dataclass(frozen=True, slots=True)
-class Retention:
-    """The small side record kept per stored shard, so a hit never rewrites shard bytes.
+class Row:
+    """One shard's index row: where its record is, and its retention.
 
-    Stored as ``expiry_ms u64 BE | size u32 BE | stripe u64 BE | written_ms u64 BE |
-    class ASCII``; ``written_ms`` is when this daemon stored the shard (its own clock),
-    which decides whether another writer may replace it (see docs/spec/wire.md, PUT).
+    ``written_ms`` is when this daemon stored the shard (its own clock), which decides
+    whether another writer may replace it (docs/spec/wire.md, PUT); it is kept in whole
+    seconds, rounded up, so a shard never looks older than it is. ``size`` is the
+    record's length (header + body), what capacity and quotas count.
     """
 
+    index: int
     expiry_ms: int
     size: int
     stripe: int
     written_ms: int
     traffic_class: str
+    seg: int
+    off: int
 
-    def pack(self) -> bytes:
-        """The record's bytes."""
-        head = _RETENTION.pack(self.expiry_ms, self.size, self.stripe, self.written_ms)
-        return head + self.traffic_class.encode()
+    def pack(self, classes: ClassTable) -> bytes:
+        """The row's bytes (a new class name gets an id in ``classes``)."""
+        return ROW.pack(
+            self.index, classes.id_of(self.traffic_class), self.size, self.expiry_ms,
+            self.stripe, written_s(self.written_ms), self.seg, self.off,
+        )  # fmt: skip
 
     @classmethod
-    def unpack(cls, raw: bytes | memoryview) -> Retention:
-        """Parse a record written by :meth:`pack` (our own disk: trusted layout)."""
-        expiry_ms, size, stripe, written_ms = _RETENTION.unpack_from(raw)
-        name = bytes(raw[_RETENTION.size :]).decode("ascii")
-        return cls(expiry_ms, size, stripe, written_ms, name)
+    def unpack(cls, raw: bytes | memoryview, classes: ClassTable) -> Row:
+        """Parse a row written by :meth:`pack` (our own disk: trusted layout)."""
+        index, cid, size, expiry, stripe, written, seg, off = ROW.unpack_from(raw)
+        return cls(index, expiry, size, stripe, written * 1000, classes.names[cid], seg, off)
+
+    @property
+    def location(self) -> bytes:
+        """The record's location as :data:`kvcache.server.segments.LOCATION` bytes."""
+        return _LOC.pack(self.seg, self.off, self.size, 0)
 
 
-def record_expiry(raw: bytes | memoryview) -> int:
-    """Just the expiry of a packed :class:`Retention` (the hot read path needs nothing else)."""
-    return int(_U64.unpack_from(raw)[0])
+def written_s(written_ms: int) -> int:
+    """A row's written time: milliseconds rounded UP to whole seconds (a shard may look
+    younger than it is, never older: the racing-writer rule's wait is never cut short)."""
+    return -(-written_ms // 1000)
 
 
-def record_class(raw: bytes | memoryview) -> str:
-    """Just the traffic class of a packed :class:`Retention`."""
-    return bytes(raw[_RETENTION.size :]).decode("ascii")
+def row_location(raw: bytes | memoryview) -> bytes:
+    """The LOCATION bytes of a packed row (segment, offset, length; no header check)."""
+    _i, _c, size, _e, _s, _w, seg, off = ROW.unpack_from(raw)
+    return _LOC.pack(seg, off, size, 0)
 
 
 def class_field(name: str) -> bytes:
@@ -158,35 +243,33 @@ def expiry_entry(skey: bytes, traffic_class: str, expiry_ms: int) -> tuple[bytes
 
 def fresh_rows(
     skeys: list[bytes],
-    sizes: npt.NDArray[np.int64],
-    stripes: npt.NDArray[np.uint64],
     *,
-    traffic_class: str,
-    expiry_ms: int,
+    class_ids: npt.NDArray[np.integer],
+    sizes: npt.NDArray[np.integer],
+    expiry_ms: npt.NDArray[np.integer],
+    stripes: npt.NDArray[np.uint64],
     written_ms: int,
-) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
-    """(retention records, expiry-index entries) of shards of one tenant and class, built as
-    columns: the batch twin of :meth:`Retention.pack` and :func:`expiry_entry` (a property
-    test holds them byte-identical)."""
+    seg: int,
+    offsets: npt.NDArray[np.integer],
+) -> list[bytes]:
+    """Index rows of shards written at once (of any tenants and classes), built as columns:
+    the batch twin of :meth:`Row.pack` (a property test holds them byte-identical). Every
+    record is in segment ``seg``, at ``offsets``."""
     n = len(skeys)
-    name = traffic_class.encode("ascii")
-    rec = np.empty(
-        n,
-        [("expiry", ">u8"), ("size", ">u4"), ("stripe", ">u8"), ("written", ">u8"),
-         ("name", f"V{len(name)}")],
-    )  # fmt: skip
-    rec["expiry"] = expiry_ms
-    rec["size"] = sizes
-    rec["stripe"] = stripes
-    rec["written"] = written_ms
-    rec["name"] = np.frombuffer(name, f"V{len(name)}")[0] if name else b""
     if not n:
-        return [], []
-    ekey = skeys[0][:TENANT_LEN] + class_field(traffic_class) + _U64.pack(expiry_ms)
-    return (
-        rec.view(f"V{rec.dtype.itemsize}").tolist(),
-        [(ekey, skey[TENANT_LEN:]) for skey in skeys],
-    )
+        return []
+    keys = np.frombuffer(b"".join(skeys), np.uint8).reshape(n, KEY_LEN)
+    rows = np.empty(n, ROW_DTYPE)
+    rows["index"] = (keys[:, -2].astype(np.uint16) << 8) | keys[:, -1]
+    rows["cls"] = class_ids
+    rows["size"] = sizes
+    rows["expiry"] = expiry_ms
+    rows["stripe"] = stripes
+    rows["written"] = written_s(written_ms)
+    rows["seg"] = seg
+    rows["off"] = offsets
+    out: list[bytes] = rows.view(f"V{ROW_LEN}").tolist()
+    return out
 
 
 def split_expiry_entry(key: bytes | memoryview, dup: bytes | memoryview) -> tuple[int, bytes]:

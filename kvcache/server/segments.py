@@ -1,8 +1,8 @@
-"""Append-only segment files: where a daemon's shard records live (store format v4).
+"""Append-only segment files: where a daemon's shard records live (store format v4, v5).
 
-The LMDB index (:mod:`kvcache.server.store`) keeps, per shard, only where its
-record is: ``segment u32 | offset u32 | length u32 | header_check u32``
-(:data:`LOCATION`). The record bytes are appended here, a PUT batch (or a
+The LMDB index (:mod:`kvcache.server.store`) keeps, per shard, one row with
+its retention and where its record is (segment, offset, length: handed here
+as a :data:`LOCATION`). The record bytes are appended here, a PUT batch (or a
 group commit of several) with ONE ``pwritev``, and read back as memoryviews
 of a read-only ``mmap`` of the segment, which the socket loop sends as they
 are. A stored byte is then copied once on its way in (the kernel's copy into
@@ -10,16 +10,20 @@ the page cache) instead of twice (LMDB's dirty page, then its write-back), and
 an evicted or expired shard costs an index delete, not the freeing of three
 overflow pages.
 
-File layout (``segments/NNNNNNNN.seg``, id in hex, never reused)::
+File layout (``segments/NNNNNNNN.seg``, id in hex, never reused; store format v5)::
 
-    batch:  magic u32 | count u32 | records u64      (16 bytes, little-endian)
-            count x (length u32 | storage key 26 | pad 2)   (32 bytes each)
+    batch:  magic u32 | count u32 | records u64 | tenants u32 | 0 u32   (24 bytes, little-endian)
+            tenants x tenant id (8 bytes each): the batch's tenant table
+            count x (length u32 | tenant slot u16)                       (6 bytes each)
             the count records, back to back
 
 Each batch names its records' storage keys, so a segment can be walked
 without the index (:meth:`SegmentFiles.walk`): that is how compaction finds a
-sparse segment's live records. One batch's records are contiguous, so a GET
-of the shards one PUT wrote is sent as one buffer.
+sparse segment's live records. A record's block key and shard index are in its
+own header (checked when it was stored), so an entry holds only the record's
+length and which of the batch's tenants wrote it (v4 spent 32 bytes a record on
+the whole storage key). One batch's records are contiguous, so a GET of the
+shards one PUT wrote is sent as one buffer.
 
 Space is reclaimed per segment, never per record: the store counts each
 segment's live bytes (in LMDB ``meta``, written with the index rows that
@@ -48,8 +52,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcache.shard import HEADER_BYTES, HEADER_DTYPE
+
 __all__ = [
     "BATCH_HEAD",
+    "ENTRY",
     "ENTRY_LEN",
     "LOCATION",
     "SEGMENT_DIR",
@@ -61,11 +68,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SEGMENT_DIR = "segments"
-_MAGIC = 0x4B565347  # "GSVK" little-endian: a batch head
-BATCH_HEAD = struct.Struct("<IIQ")
-#: A batch's entry per record: record length, storage key (26), 2 pad bytes.
-ENTRY_LEN = 32
-_KEY_LEN = 26
+_MAGIC = 0x3553564B  # "KVS5" little-endian: a batch head of store format v5
+BATCH_HEAD = struct.Struct("<IIQII")
+#: A batch's entry per record: record length, slot in the batch's tenant table.
+ENTRY = struct.Struct("<IH")
+ENTRY_LEN = ENTRY.size
+_ENTRY_DTYPE = np.dtype([("len", "<u4"), ("tenant", "<u2")])
+_TENANT_LEN = 8
+_KEY_AT: int = HEADER_DTYPE.fields["block_key"][1]  # type: ignore[index]
+_INDEX_AT: int = HEADER_DTYPE.fields["shard_index"][1]  # type: ignore[index]
 #: The index's value per shard: segment, offset, length, the record's header check.
 LOCATION = np.dtype([("seg", ">u4"), ("off", ">u4"), ("len", ">u4"), ("check", ">u4")])
 _LOC = struct.Struct(">IIII")
@@ -229,7 +240,9 @@ class SegmentFiles:
         n = len(records)
         lengths = np.fromiter(map(len, records), np.int64, n)
         total = int(lengths.sum())
-        head_len = BATCH_HEAD.size + ENTRY_LEN * n
+        tenant_ids = np.frombuffer(b"".join(k[:_TENANT_LEN] for k in keys), "<u8")
+        tenants, slots = np.unique(tenant_ids, return_inverse=True)
+        head_len = BATCH_HEAD.size + _TENANT_LEN * len(tenants) + ENTRY_LEN * n
         need = head_len + total
         state = self.state.get(self.active)
         if state is None or (state.end and state.end + need > self.segment_bytes):
@@ -238,11 +251,12 @@ class SegmentFiles:
         if state.end + need > _MAX_SEGMENT:
             raise OSError(f"a batch of {need} bytes does not fit a segment")
         seg = self._segment(self.active)
-        entries = np.zeros(n, [("len", "<u4"), ("key", "V26"), ("pad", "V2")])
+        entries = np.empty(n, _ENTRY_DTYPE)
         entries["len"] = lengths
-        entries["key"] = np.frombuffer(b"".join(keys), "V26")
+        entries["tenant"] = slots
         buffers: list[bytes | memoryview] = [
-            BATCH_HEAD.pack(_MAGIC, n, total),
+            BATCH_HEAD.pack(_MAGIC, n, total, len(tenants), 0),
+            tenants.tobytes(),
             entries.tobytes(),
             *records,
         ]
@@ -333,17 +347,30 @@ class SegmentFiles:
         view = self.view(seg)
         at = start
         while at + BATCH_HEAD.size <= state.end:
-            magic, count, total = BATCH_HEAD.unpack_from(view, at)
-            body = at + BATCH_HEAD.size + ENTRY_LEN * count
+            magic, count, total, ntenants, _zero = BATCH_HEAD.unpack_from(view, at)
+            table = at + BATCH_HEAD.size
+            body = table + _TENANT_LEN * ntenants + ENTRY_LEN * count
             if magic != _MAGIC or body + total > state.end:
                 log.warning("segment %s: no batch head at offset %d; not walked further",
                             self.path_of(seg), at)  # fmt: skip
                 return
-            entries = np.frombuffer(
-                view[at + BATCH_HEAD.size : body], [("len", "<u4"), ("key", "V26"), ("pad", "V2")]
-            )
+            tenants = [
+                bytes(view[t : t + _TENANT_LEN])
+                for t in range(table, table + _TENANT_LEN * ntenants, _TENANT_LEN)
+            ]
+            entries = np.frombuffer(view[table + _TENANT_LEN * ntenants : body], _ENTRY_DTYPE)
             pos = body
-            for length, key in zip(entries["len"].tolist(), entries["key"].tolist(), strict=True):
+            for length, slot in zip(entries["len"].tolist(), entries["tenant"].tolist(),
+                                    strict=True):  # fmt: skip
+                if length < HEADER_BYTES or slot >= ntenants:
+                    log.warning("segment %s: a bad entry in the batch at offset %d; not walked "
+                                "further", self.path_of(seg), at)  # fmt: skip
+                    return
+                key = (
+                    tenants[slot]
+                    + bytes(view[pos + _KEY_AT : pos + _KEY_AT + 16])
+                    + view[pos + _INDEX_AT].to_bytes(2, "big")
+                )
                 yield at, key, pos, length
                 pos += length
             at = body + total

@@ -47,7 +47,7 @@ import logging
 import operator
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -66,21 +66,26 @@ from kvcache.server.config import DamagedFile, SyncMode, default_map_size
 from kvcache.server.eviction import Quota, capacity_tiers, quota_needs
 from kvcache.server.lmdb_env import LmdbEnvironment, storage_error
 from kvcache.server.records import (
+    BLOCK_LEN,
+    CLASSES_KEY,
     FORMAT,
     KEY_LEN,
     PARTITION_LEN,
-    RETENTION_HEAD,
+    ROW,
+    ROW_DTYPE,
+    ROW_LEN,
     SEGMENT_PREFIX,
     TENANT_LEN,
     USAGE_PREFIX,
     CheckedPut,
-    Retention,
+    ClassTable,
+    Row,
     check_put,
+    class_field,
     expiry_entry,
     fresh_rows,
     partition,
-    record_class,
-    record_expiry,
+    row_location,
     split_expiry_entry,
     store_keys,
 )
@@ -97,12 +102,16 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 _U64 = struct.Struct(">Q")
+#: A row's size field (kvcache.server.records.ROW: after the index and the class id).
+_SIZE = struct.Struct(">I")
 #: The payload length field of a stored shard's header (see kvcache.shard.HEADER_DTYPE).
 _PAYLOAD_LEN = struct.Struct("<I")
 _PAYLOAD_LEN_AT: int = HEADER_DTYPE.fields["payload_len"][1]  # type: ignore[index]
 _second = operator.itemgetter(1)
 _LOC = struct.Struct(">IIII")
-_LOC_LEN = _LOC.size
+#: One element of a ``getmulti(..., keyfixed=True)`` answer of the index: key and row.
+_HIT = np.dtype([("key", f"V{BLOCK_LEN}"), ("row", ROW_DTYPE)])
+_HIT_LEN = BLOCK_LEN + ROW_LEN
 #: Where a record's header check sits (the last 4 bytes of the 104-byte header).
 _CHECK_AT: int = HEADER_DTYPE.fields["header_check"][1]  # type: ignore[index]
 #: A sealed segment whose live bytes fall below this fraction of it may be compacted.
@@ -283,8 +292,9 @@ class ShardStore:
             raise StorageError(f"cannot use the segment files of {path}: {exc}") from exc
         self._lmdb.sync_hook = self._sync_durably
         self._env = self._lmdb.env
-        self._shards = self._lmdb.shards
-        self._retention = self._lmdb.retention
+        self._index = self._lmdb.index
+        #: Stored class names by the ids the index rows carry.
+        self.classes = ClassTable()
         self._expiry = self._lmdb.expiry
         self._meta = self._lmdb.meta
         #: (expiry_ms, class) a hit asked for, per storage key, not yet written.
@@ -486,41 +496,48 @@ class ShardStore:
         deltas = Deltas()
         status_updates: list[tuple[CheckedPut, list[int]]] = []
         appended: tuple[int, SegmentState] | None = None
+        classes = self.classes
+        cols = _Columns()
         try:
             with self.segments.writing, self._env.begin(write=True) as txn:
-                get_old = txn.cursor(db=self._retention).getmulti
-                shard_rows: list[tuple[bytes, memoryview]] = []
-                checks: list[int] = []
-                rewritten = False
-                retention_rows: dict[bytes, bytes] = {}
+                # Shards written earlier in this transaction: (expiry, size, stripe, class).
+                staged: dict[bytes, tuple[int, int, int, str]] = {}
                 expiry_rows: list[tuple[bytes, bytes]] = []
+                rewritten = False
                 earliest = 2**63
                 for c in passed:
-                    old = dict(get_old(list(dict.fromkeys(c.keys))))
-                    if not old and self._fresh_batch(c, retention_rows):
+                    old = self._rows_of(txn, c.keys)
+                    if not old and self._fresh_batch(c, staged):
                         # The common PUT: every shard new. Rows built as columns.
                         earliest = min(
                             earliest,
-                            self._write_fresh(c, now, resolved, pins, shard_rows, retention_rows,
-                                              expiry_rows, deltas),
+                            self._write_fresh(c, now, resolved, pins, cols, staged, expiry_rows,
+                                              deltas),
                         )  # fmt: skip
-                        checks.extend(c.checks)
                         continue
                     conflicts: list[int] = []
+                    tenant = c.keys[0][:TENANT_LEN]
                     for j, (skey, record, cls, stripe, expect) in enumerate(
                         zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
                     ):
                         if (cls, c.retain) not in resolved:
                             resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
                         name, expiry = resolved[cls, c.retain]
-                        before = retention_rows.get(skey) or old.get(skey)
-                        if before is not None:
-                            rec = Retention.unpack(before)
-                            current = self._current(skey, before)
+                        prior = staged.get(skey)
+                        raw = None if prior is not None else old.get(skey)
+                        if raw is not None:
+                            rec = Row.unpack(raw, classes)
+                            prior = (rec.expiry_ms, rec.size, rec.stripe, rec.traffic_class)
+                            written = rec.written_ms
+                        else:
+                            written = now
+                        if prior is not None:
+                            p_expiry, p_size, p_stripe, p_cls = prior
+                            current = self._current(skey, p_expiry, p_cls)
                             action = decide.write_action(
                                 stored_expiry_ms=current[0],
-                                stored_stripe=rec.stripe,
-                                stored_written_ms=rec.written_ms,
+                                stored_stripe=p_stripe,
+                                stored_written_ms=written,
                                 stripe=stripe,
                                 expect=expect,
                                 now_ms=now,
@@ -529,47 +546,45 @@ class ShardStore:
                             if action is WriteAction.CONFLICT:
                                 conflicts.append(j)
                                 continue
-                            old_part = partition(skey[:TENANT_LEN], rec.traffic_class)
-                            deltas.add(old_part, -rec.size, -1)
-                            if skey in retention_rows:  # written earlier in this batch
-                                expiry_rows.remove(
-                                    expiry_entry(skey, rec.traffic_class, rec.expiry_ms)
-                                )
+                            deltas.add(partition(tenant, p_cls), -p_size, -1)
+                            if raw is None:  # written earlier in this transaction
+                                expiry_rows.remove(expiry_entry(skey, p_cls, p_expiry))
                                 rewritten = True
                             else:
-                                self._record_dead(txn.get(skey, db=self._shards), deltas)
-                                txn.delete(
-                                    *expiry_entry(skey, rec.traffic_class, rec.expiry_ms),
-                                    db=self._expiry,
-                                )
+                                deltas.add_segment(rec.seg, -rec.size, -1)
+                                txn.delete(skey[:BLOCK_LEN], raw, db=self._index)
+                                txn.delete(*expiry_entry(skey, p_cls, p_expiry), db=self._expiry)
+                                del old[skey]
                             if action is WriteAction.REPEAT:
                                 # A repeat of the same write keeps the later expiry and its class.
                                 expiry, name = decide.merge(current, (expiry, name))
                             self._pending.pop(skey, None)
                         size = len(record)
-                        shard_rows.append((skey, record))
-                        checks.append(c.checks[j])
-                        retention_rows[skey] = (
-                            RETENTION_HEAD.pack(expiry, size, stripe, now) + name.encode()
-                        )
+                        cols.add(skey, record, classes.id_of(name), expiry, stripe)
+                        staged[skey] = (expiry, size, stripe, name)
                         expiry_rows.append(expiry_entry(skey, name, expiry))
-                        deltas.add(partition(skey[:TENANT_LEN], name), size, 1)
+                        deltas.add(partition(tenant, name), size, 1)
                         earliest = min(earliest, expiry)
                     if conflicts:
                         status_updates.append((c, conflicts))
-                if shard_rows:
+                if cols.keys:
                     if rewritten:  # a key twice in this transaction: only its last record
-                        last = {k: i for i, (k, _) in enumerate(shard_rows)}
-                        keep = sorted(last.values())
-                        shard_rows = [shard_rows[i] for i in keep]
-                        checks = [checks[i] for i in keep]
-                    keys = [k for k, _ in shard_rows]
-                    seg, first, prior = self.segments.append(keys, [r for _, r in shard_rows])
-                    appended = (seg, prior)
-                    txn.cursor(db=self._shards).putmulti(
-                        zip(keys, _locations(seg, first, shard_rows, checks), strict=True)
+                        cols.keep_last()
+                    seg, first, prior_state = self.segments.append(cols.keys, cols.records)
+                    appended = (seg, prior_state)
+                    lengths = np.fromiter(map(len, cols.records), np.int64, len(cols.records))
+                    rows = fresh_rows(
+                        cols.keys,
+                        class_ids=np.array(cols.class_ids, np.uint16),
+                        sizes=lengths,
+                        expiry_ms=np.array(cols.expiry, np.uint64),
+                        stripes=np.array(cols.stripes, np.uint64),
+                        written_ms=now,
+                        seg=seg,
+                        offsets=first + np.cumsum(lengths) - lengths,
                     )
-                    txn.cursor(db=self._retention).putmulti(list(retention_rows.items()))
+                    blocks = [k[:BLOCK_LEN] for k in cols.keys]
+                    txn.cursor(db=self._index).putmulti(zip(blocks, rows, strict=True))
                     txn.cursor(db=self._expiry).putmulti(expiry_rows)
                     self._write_usage(txn, deltas, appended=seg)
         except (lmdb.Error, OSError) as exc:
@@ -587,10 +602,10 @@ class ShardStore:
             self.counters["put_conflicts"] += len(conflicts)
 
     @staticmethod
-    def _fresh_batch(c: CheckedPut, retention_rows: dict[bytes, bytes]) -> bool:
+    def _fresh_batch(c: CheckedPut, staged: dict[bytes, tuple[int, int, int, str]]) -> bool:
         """No key of ``c`` repeats, in it or in what this transaction wrote already."""
         keys = set(c.keys)
-        return len(keys) == len(c.keys) and keys.isdisjoint(retention_rows)
+        return len(keys) == len(c.keys) and keys.isdisjoint(staged)
 
     def _write_fresh(
         self,
@@ -598,39 +613,41 @@ class ShardStore:
         now: int,
         resolved: dict[tuple[str, Retain], tuple[str, int]],
         pins: dict[int, bool],
-        shard_rows: list[tuple[bytes, memoryview]],
-        retention_rows: dict[bytes, bytes],
+        cols: _Columns,
+        staged: dict[bytes, tuple[int, int, int, str]],
         expiry_rows: list[tuple[bytes, bytes]],
         deltas: Deltas,
     ) -> int:
-        """Rows of a batch of new shards (no previous record of any); returns the earliest
+        """Columns of a batch of new shards (no previous record of any); returns the earliest
         expiry written."""
         earliest = 2**63
         groups: dict[str, list[int]] = {}
         for j, cls in enumerate(c.classes):
             groups.setdefault(cls, []).append(j)
-        sizes = np.fromiter(map(len, c.records), np.int64, len(c.records))
-        stripes = np.array(c.stripes, np.uint64)
+        sizes = list(map(len, c.records))
         tenant = c.keys[0][:TENANT_LEN]
+        whole = len(groups) == 1
         for cls, idx in groups.items():
             if (cls, c.retain) not in resolved:
                 resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
             name, expiry = resolved[cls, c.retain]
-            keys = c.keys if len(idx) == len(c.keys) else [c.keys[j] for j in idx]
-            records = c.records if len(idx) == len(c.keys) else [c.records[j] for j in idx]
-            sel = np.asarray(idx, np.int64)
-            ret, exp = fresh_rows(
-                keys,
-                sizes[sel],
-                stripes[sel],
-                traffic_class=name,
-                expiry_ms=expiry,
-                written_ms=now,
-            )
-            shard_rows.extend(zip(keys, records, strict=True))
-            retention_rows.update(zip(keys, ret, strict=True))
-            expiry_rows.extend(exp)
-            deltas.add(partition(tenant, name), int(sizes[sel].sum()), len(idx))
+            keys = c.keys if whole else [c.keys[j] for j in idx]
+            part_sizes = sizes if whole else [sizes[j] for j in idx]
+            stripes = c.stripes if whole else [c.stripes[j] for j in idx]
+            n = len(idx)
+            cols.keys.extend(keys)
+            cols.records.extend(c.records if whole else [c.records[j] for j in idx])
+            cols.class_ids.extend(itertools.repeat(self.classes.id_of(name), n))
+            cols.expiry.extend(itertools.repeat(expiry, n))
+            cols.stripes.extend(stripes)
+            staged.update(
+                zip(keys, zip(itertools.repeat(expiry), part_sizes, stripes,
+                              itertools.repeat(name), strict=False), strict=True)
+            )  # fmt: skip
+            ekey = tenant + class_field(name) + _U64.pack(expiry)
+            expiry_rows.extend(zip(itertools.repeat(ekey), [k[TENANT_LEN:] for k in keys],
+                                   strict=False))  # fmt: skip
+            deltas.add(partition(tenant, name), sum(part_sizes), n)
             earliest = min(earliest, expiry)
         return earliest
 
@@ -718,9 +735,9 @@ class ShardStore:
             reach_s=hit.ttl_s if hit is not None else policy.max_ttl_s,
         )
         ttl_hint = retain.ttl_s
-        # Index values are small (16-byte locations, ~36-byte retention rows): copied out,
-        # they cost less than py-lmdb's buffer objects, which it must invalidate one by one
-        # (bufviewlist_release was a fifth of a GET's store time, py-spy).
+        # Index rows are small (36 bytes): copied out, they cost less than py-lmdb's buffer
+        # objects, which it must invalidate one by one (bufviewlist_release was a fifth of a
+        # GET's store time, py-spy).
         with self._env.begin() as txn:
             found = self._get_quiet(txn, keys, wanted, quiet_above)
             if found is not None:  # every item a live hit of the wanted stripe, no slide due
@@ -731,22 +748,20 @@ class ShardStore:
                 return GetResult(reply, self.segments.views(found), None)
             locations: list[bytes] = []
             hits: list[int] = []
-            lookup = txn.get
-            rdb, sdb = self._retention, self._shards
-            unpack = RETENTION_HEAD.unpack_from
+            rows = self._rows_of(txn, keys)
+            unpack = ROW.unpack
             for i, key in enumerate(keys):
-                raw = lookup(key, None, rdb)
+                raw = rows.get(key)
                 if raw is None:
                     continue
-                expiry, _size, stripe, _written = unpack(raw)
+                _index, cid, size, expiry, stripe, _written, seg, off = unpack(raw)
                 if wanted[i] and stripe != wanted[i]:
                     continue
-                if expiry <= quiet_above and not self._alive(key, raw, now, hit, ttl_hint):
+                if expiry <= quiet_above and not self._alive(
+                    key, expiry, cid, size, now, hit, ttl_hint
+                ):
                     continue
-                location = lookup(key, None, sdb)
-                if location is None:  # pragma: no cover - retention without shard: never so
-                    continue
-                locations.append(bytes(location))
+                locations.append(_LOC.pack(seg, off, size, 0))
                 hits.append(i)
         found = np.frombuffer(b"".join(locations), LOCATION)
         sizes = found["len"]
@@ -777,62 +792,122 @@ class ShardStore:
         of the wanted stripes that need no expiry slide, else None (the caller then takes
         the per-item path).
 
-        The common GET, done without a Python step per item: two ``getmulti``
-        lookups, the checks over C iterators, the locations as one array.
+        The common GET, done without a Python step per item: one ``getmulti`` of the blocks'
+        index rows, the checks and the locations as numpy columns.
         """
         if not keys or (self._pending and not self._pending.keys().isdisjoint(keys)):
             return None
-        found = txn.cursor(db=self._retention).getmulti(keys)
-        if len(found) != len(keys):
+        n = len(keys)
+        found = self._block_rows(txn, list(dict.fromkeys(k[:BLOCK_LEN] for k in keys)))
+        if len(found) != n * _HIT_LEN:
             return None
-        heads = list(map(RETENTION_HEAD.unpack_from, map(_second, found)))
-        if min(heads)[0] <= quiet_above:
+        raw = np.frombuffer(found, np.uint8).reshape(n, _HIT_LEN)
+        if not np.array_equal(
+            raw[:, :KEY_LEN], np.frombuffer(b"".join(keys), np.uint8).reshape(n, KEY_LEN)
+        ):
+            return None  # not the asked shards, one each, in order: the per-item path
+        rows = raw.view(_HIT).reshape(n)["row"]
+        if int(rows["expiry"].min()) <= quiet_above:
             return None
-        if any(wanted) and any(w and w != h[2] for w, h in zip(wanted, heads, strict=True)):
-            return None
-        records = txn.cursor(db=self._shards).getmulti(keys)
-        if len(records) != len(keys):  # pragma: no cover - retention without shard: never so
-            return None
-        return np.frombuffer(b"".join(map(_second, records)), LOCATION)
+        if any(wanted):
+            want = np.array(wanted, np.uint64)
+            if ((want != 0) & (want != rows["stripe"])).any():
+                return None
+        loc = np.empty(n, LOCATION)
+        loc["seg"] = rows["seg"]
+        loc["off"] = rows["off"]
+        loc["len"] = rows["size"]
+        loc["check"] = 0
+        return loc
 
     @_watch_damage
     def has(self, tenant: TenantId, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
         """One record (ordinal, shard index, stripe id) per live shard of each asked key."""
-        # The match path of every request: one cursor walk, no objects per shard.
-        found: list[tuple[int, int, int]] = []
-        append = found.append
+        # The match path of every request: the keys sorted (neighbours share B-tree pages),
+        # one C-level getmulti answers them all (every row of each, in one buffer), and the
+        # answer is mapped back to the asked order and checked as numpy columns.
+        n = len(items)
+        if not n:
+            return make_items(Op.HAS, 0, reply=True)
+        keys16 = np.ascontiguousarray(items["key"]).view(np.uint8).reshape(n, 16)
+        hi = np.ascontiguousarray(keys16[:, :8]).view(">u8").ravel()
+        lo = np.ascontiguousarray(keys16[:, 8:]).view(">u8").ravel()
+        order = np.lexsort((lo, hi))
+        hs = hi[order]
+        blocks = np.empty((n, BLOCK_LEN), np.uint8)
+        blocks[:, :TENANT_LEN] = np.frombuffer(tenant, np.uint8)
+        blocks[:, TENANT_LEN:] = keys16[order]
+        asked: list[bytes] = blocks.view(f"V{BLOCK_LEN}").ravel().tolist()
         now = self.now_ms()
+        with self._env.begin() as txn:
+            found = self._block_rows(txn, asked if n < 2 or (hs[1:] != hs[:-1]).all()
+                                     else list(dict.fromkeys(asked)))  # fmt: skip
+        m = len(found) // _HIT_LEN
+        if not m:
+            return make_items(Op.HAS, 0, reply=True)
+        raw = np.frombuffer(found, np.uint8).reshape(m, _HIT_LEN)
+        rows = raw.view(_HIT).reshape(m)["row"]
+        rh = np.ascontiguousarray(raw[:, TENANT_LEN : TENANT_LEN + 8]).view(">u8").ravel()
+        rl = np.ascontiguousarray(raw[:, TENANT_LEN + 8 : BLOCK_LEN]).view(">u8").ravel()
+        pos = np.searchsorted(hs, rh)
+        if (n > 1 and not (hs[1:] != hs[:-1]).all()) or not (
+            (hs[pos] == rh).all() and (lo[order][pos] == rl).all()
+        ):
+            # A key asked twice, or two keys sharing their first 8 bytes: by dictionary.
+            return self._has_general(_prefixes(tenant, items), raw, rows, now)
+        ordinals = order[pos].astype(np.uint64)
+        live = self._live_rows(raw, rows, now)
+        keep = np.flatnonzero(live)
+        keep = keep[np.argsort(ordinals[keep], kind="stable")]  # in the asked order
+        reply = make_items(Op.HAS, len(keep), reply=True)
+        if len(keep):
+            reply["ordinal"] = ordinals[keep]
+            reply["index"] = rows["index"][keep]
+            reply["stripe"] = rows["stripe"][keep]
+        return reply
+
+    def _live_rows(
+        self, raw: npt.NDArray[np.uint8], rows: npt.NDArray[np.void], now: int
+    ) -> npt.NDArray[np.bool_]:
+        """Which rows of a getmulti answer are live (a pending hit may have moved them on)."""
+        live: npt.NDArray[np.bool_] = rows["expiry"] > now
         pending = self._pending
-        unpack = RETENTION_HEAD.unpack_from
-        prefix_len = TENANT_LEN + 16
-        with self._env.begin(buffers=True) as txn:
-            cursor = txn.cursor(db=self._retention)
-            set_range, key_of, value_of, step = (
-                cursor.set_range,
-                cursor.key,
-                cursor.value,
-                cursor.next,
-            )
-            for ordinal, key in enumerate(_prefixes(tenant, items)):
-                if not set_range(key):
-                    continue
-                while True:
-                    skey = key_of()
-                    if skey[:prefix_len] != key:
-                        break
-                    expiry, _size, stripe, _written = unpack(value_of())
-                    if pending:
-                        expiry = max(expiry, pending.get(bytes(skey), (0,))[0])
-                    if expiry > now:
-                        append((ordinal, (skey[-2] << 8) | skey[-1], stripe))
-                    if not step():
-                        break
-        reply = make_items(Op.HAS, len(found), reply=True)
-        if found:
-            arr = np.array(found, dtype=np.uint64)
-            reply["ordinal"] = arr[:, 0]
-            reply["index"] = arr[:, 1]
-            reply["stripe"] = arr[:, 2]
+        if pending and not live.all():
+            for j in np.flatnonzero(~live).tolist():
+                late = pending.get(raw[j, :KEY_LEN].tobytes())
+                if late is not None and late[0] > now:
+                    live[j] = True
+        return live
+
+    def _has_general(
+        self,
+        prefixes: list[bytes],
+        raw: npt.NDArray[np.uint8],
+        rows: npt.NDArray[np.void],
+        now: int,
+    ) -> npt.NDArray[np.void]:
+        """HAS records for any request (keys repeated included), from the getmulti answer
+        ``raw`` (grouped by key, each key once)."""
+        live = self._live_rows(raw, rows, now)
+        flat = raw.tobytes()
+        asked: dict[bytes, list[int]] = {}
+        for i, k in enumerate(prefixes):
+            asked.setdefault(k, []).append(i)
+        pick: list[int] = []
+        ords: list[int] = []
+        for j in range(len(raw)):
+            if live[j]:
+                at = j * _HIT_LEN
+                for o in asked.get(flat[at : at + BLOCK_LEN], ()):
+                    pick.append(j)
+                    ords.append(o)
+        order = np.argsort(np.array(ords, np.int64), kind="stable")
+        sel = np.array(pick, np.int64)[order]
+        reply = make_items(Op.HAS, len(sel), reply=True)
+        if len(sel):
+            reply["ordinal"] = np.array(ords, np.uint64)[order]
+            reply["index"] = rows["index"][sel]
+            reply["stripe"] = rows["stripe"][sel]
         return reply
 
     # ------------------------------------------------------------------ LIST / scrub
@@ -843,35 +918,35 @@ class ShardStore:
     ) -> npt.NDArray[np.void]:
         """Up to ``limit`` live shards of ``tenant`` from (``start`` key, ``index``) on, in
         storage-key order (key, then index), as LIST reply records. One read transaction
-        over the retention records; each shard's header is read for its payload length."""
+        over the index rows; each shard's header is read for its payload length."""
         if limit <= 0:
             return make_items(Op.LIST, 0, reply=True)
         now = self.now_ms()
         pending = self._pending
-        unpack = RETENTION_HEAD.unpack_from
         payload_len = _PAYLOAD_LEN.unpack_from
         first = tenant + start + index.to_bytes(2, "big")
         skeys: list[bytes] = []
         heads: list[tuple[int, int, int]] = []
         payloads: list[int] = []
         classes: list[bytes] = []
+        names = self.classes.names
         with self._env.begin(buffers=True) as txn:
-            cursor = txn.cursor(db=self._retention)
-            lookup, sdb = txn.get, self._shards
-            found = cursor.set_range(first)
-            if found and not inclusive and bytes(cursor.key()) == first:
-                found = cursor.next()
+            cursor = txn.cursor(db=self._index)
+            found = cursor.set_range(first[:BLOCK_LEN])
             while found:
-                skey = bytes(cursor.key())
-                if skey[:TENANT_LEN] != tenant:
+                block = bytes(cursor.key())
+                if block[:TENANT_LEN] != tenant:
                     break
-                raw = cursor.value()
-                expiry, size, stripe, _written = unpack(raw)
+                raw = bytes(cursor.value())
+                skey = block + raw[:2]
+                if skey < first or (skey == first and not inclusive):
+                    found = cursor.next()
+                    continue
+                _index, cid, size, expiry, stripe, _written, seg, off = ROW.unpack(raw)
                 if pending:
                     expiry = max(expiry, pending.get(skey, (0,))[0])
-                location = lookup(skey, None, sdb) if expiry > now else None
-                if location is not None:
-                    record = self.segments.read(location)
+                if expiry > now:
+                    record = self.segments.read(_LOC.pack(seg, off, size, 0))
                     skeys.append(skey)
                     heads.append((size, stripe, expiry))
                     payloads.append(
@@ -879,7 +954,7 @@ class ShardStore:
                         if len(record) >= _PAYLOAD_LEN_AT + 4
                         else 0
                     )
-                    classes.append(bytes(raw[RETENTION_HEAD.size :]))
+                    classes.append(names[cid].encode())
                     if len(skeys) == limit:
                         break
                 found = cursor.next()
@@ -905,18 +980,19 @@ class ShardStore:
         out: list[tuple[bytes, bytes]] = []
         total = 0
         with self._env.begin(buffers=True) as txn:
-            cursor = txn.cursor(db=self._shards)
-            if not cursor.set_range(after):
-                return out
-            if bytes(cursor.key()) == after and not cursor.next():
-                return out
+            cursor = txn.cursor(db=self._index)
+            found = cursor.set_range(after[:BLOCK_LEN]) if after else cursor.first()
             read = self.segments.read
-            for skey, location in cursor:
-                record = bytes(read(location))
-                out.append((bytes(skey), record))
-                total += len(record)
-                if total >= max_bytes:
-                    break
+            while found:
+                raw = bytes(cursor.value())
+                skey = bytes(cursor.key()) + raw[:2]
+                if skey > after:
+                    record = bytes(read(row_location(raw)))
+                    out.append((skey, record))
+                    total += len(record)
+                    if total >= max_bytes:
+                        break
+                found = cursor.next()
         return out
 
     @_watch_damage
@@ -926,16 +1002,12 @@ class ShardStore:
         deltas = Deltas()
         try:
             with self._env.begin(write=True) as txn:
+                rows = self._rows_of(txn, [skey for skey, _ in found])
                 for skey, record in found:
-                    location = txn.get(skey, db=self._shards)
-                    raw = txn.get(skey, db=self._retention)
-                    if (
-                        location is None
-                        or raw is None
-                        or bytes(self.segments.read(location)) != record
-                    ):
+                    raw = rows.pop(skey, None)
+                    if raw is None or bytes(self.segments.read(row_location(raw))) != record:
                         continue
-                    self._remove(txn, skey, Retention.unpack(raw), deltas)
+                    self._remove(txn, skey, raw, deltas)
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting bad shards") from exc
@@ -966,12 +1038,15 @@ class ShardStore:
         if retain.pin:
             quota = self.quotas.get(tenant)
             budget = [(quota.pins if quota else 0) - self._pinned_bytes(tenant)]
-        with self._env.begin(buffers=True) as txn:
-            cursor = txn.cursor(db=self._retention)
-            for i, key in enumerate(_prefixes(tenant, items)):
-                for skey, raw in _walk(cursor, key):
-                    if self._alive(bytes(skey), raw, now, hit, retain.ttl_s, budget):
-                        status[i] = Status.OK
+        prefixes = _prefixes(tenant, items)
+        with self._env.begin() as txn:
+            groups = self._groups(txn, prefixes)
+        unpack = ROW.unpack
+        for i, key in enumerate(prefixes):
+            for raw in groups.get(key, ()):
+                _index, cid, size, expiry, *_rest = unpack(raw)
+                if self._alive(key + raw[:2], expiry, cid, size, now, hit, retain.ttl_s, budget):
+                    status[i] = Status.OK
         if budget is not None:
             self.flush_touches()  # a pin counts against the quota from now on
         reply = make_items(Op.TOUCH, len(items), reply=True)
@@ -986,25 +1061,21 @@ class ShardStore:
         deleted: dict[bytes, list[tuple[int, int, int]]] = {}
         try:
             with self._env.begin(write=True) as txn:
-                cursor = txn.cursor(db=self._retention)
+                prefixes = _prefixes(tenant, items)
+                groups = self._groups(txn, prefixes)
+                gone_keys: set[bytes] = set()
                 for i, (key, stripe, index) in enumerate(
-                    zip(
-                        _prefixes(tenant, items),
-                        items["stripe"].tolist(),
-                        items["index"].tolist(),
-                        strict=True,
-                    )
+                    zip(prefixes, items["stripe"].tolist(), items["index"].tolist(), strict=True)
                 ):
-                    if index == NO_INDEX:
-                        victims = [(bytes(k), Retention.unpack(v)) for k, v in _walk(cursor, key)]
-                    else:
-                        skey = key + index.to_bytes(2, "big")
-                        raw = txn.get(skey, db=self._retention)
-                        victims = [] if raw is None else [(skey, Retention.unpack(raw))]
-                    for skey, rec in victims:
-                        if stripe and rec.stripe != stripe:
+                    want = None if index == NO_INDEX else index.to_bytes(2, "big")
+                    for raw in groups.get(key, ()):
+                        skey = key + raw[:2]
+                        if (want is not None and raw[:2] != want) or skey in gone_keys:
                             continue
-                        self._remove(txn, skey, rec, deltas)
+                        if stripe and ROW.unpack(raw)[4] != stripe:
+                            continue
+                        rec = self._remove(txn, skey, raw, deltas)
+                        gone_keys.add(skey)
                         gone = deleted.setdefault(partition(tenant, rec.traffic_class), [])
                         gone.append((rec.expiry_ms, rec.size, rec.written_ms))
                         status[i] = Status.OK
@@ -1057,22 +1128,26 @@ class ShardStore:
         updated = 0
         try:
             with self._env.begin(write=True) as txn:
+                rows = self._rows_of(txn, list(pending))
+                classes = self.classes
                 for skey, (candidate, cls) in pending.items():
-                    raw = txn.get(skey, db=self._retention)
+                    raw = rows.get(skey)
                     if raw is None:
                         continue
-                    rec = Retention.unpack(raw)
+                    rec = Row.unpack(raw, classes)
                     candidate, cls = decide.merge(
                         (rec.expiry_ms, rec.traffic_class), (candidate, cls)
                     )
                     if candidate == rec.expiry_ms and cls == rec.traffic_class:
                         continue
-                    new = Retention(candidate, rec.size, rec.stripe, rec.written_ms, cls)
+                    new = replace(rec, expiry_ms=candidate, traffic_class=cls)
                     txn.delete(
                         *expiry_entry(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry
                     )
                     txn.put(*expiry_entry(skey, cls, candidate), db=self._expiry)
-                    txn.put(skey, new.pack(), db=self._retention)
+                    block = skey[:BLOCK_LEN]
+                    txn.delete(block, raw, db=self._index)
+                    txn.put(block, new.pack(classes), db=self._index)
                     if cls != rec.traffic_class:
                         moved.add(partition(skey[:TENANT_LEN], rec.traffic_class), -rec.size, -1)
                         moved.add(partition(skey[:TENANT_LEN], cls), rec.size, 1)
@@ -1081,6 +1156,7 @@ class ShardStore:
         except lmdb.Error as exc:
             raise self.failed(exc, "writing hits") from exc
         self.book.apply(moved)
+        self.classes.persisted()
         self.counters["touches_written"] += updated
         return updated
 
@@ -1175,7 +1251,6 @@ class ShardStore:
         book: safe from any thread, like :meth:`usage`."""
         now = self.now_ms()
         out: dict[tuple[TenantId, str], int] = {}
-        unpack = RETENTION_HEAD.unpack_from
         with self._env.begin(buffers=True) as txn:
             cursor = txn.cursor(db=self._expiry)
             for part in self.book.partitions():
@@ -1186,25 +1261,25 @@ class ShardStore:
                     if ekey[:PARTITION_LEN] != part:
                         break
                     expiry, skey = split_expiry_entry(ekey, bytes(cursor.value()))
-                    raw = txn.get(skey, db=self._retention) if decide.is_live(expiry, now) else None
+                    raw = self._row(txn, skey) if decide.is_live(expiry, now) else None
                     if raw is not None:
                         key = (
                             TenantId(part[:TENANT_LEN]),
                             decide.split_stored(_partition_class(part))[0],
                         )
-                        out[key] = max(out.get(key, 0), now - int(unpack(raw)[3]))
+                        out[key] = max(out.get(key, 0), now - int(ROW.unpack(raw)[5]) * 1000)
                         break
                     if not cursor.next():
                         break
         return out
 
     def recount(self) -> dict[str, Any]:
-        """Usage recomputed from the retention records (a consistency check for tests)."""
+        """Usage recomputed from the index rows (a consistency check for tests)."""
         book = UsageBook()
         deltas = Deltas()
         with self._env.begin() as txn:
-            for key, raw in txn.cursor(db=self._retention):
-                rec = Retention.unpack(raw)
+            for key, raw in txn.cursor(db=self._index):
+                rec = Row.unpack(raw, self.classes)
                 deltas.add(partition(key[:TENANT_LEN], rec.traffic_class), rec.size, 1)
         book.apply(deltas)
         return {**book.snapshot(), "capacity_bytes": self.capacity_bytes}
@@ -1213,10 +1288,10 @@ class ShardStore:
         """(expiry_ms, class) of one shard as stored plus pending hits, or None."""
         skey = tenant + key + index.to_bytes(2, "big")
         with self._env.begin() as txn:
-            raw = txn.get(skey, db=self._retention)
+            raw = self._row(txn, skey)
         if raw is None:
             return None
-        rec = Retention.unpack(raw)
+        rec = Row.unpack(raw, self.classes)
         pending = self._pending.get(skey)
         if pending and pending[0] > rec.expiry_ms:
             return pending
@@ -1294,26 +1369,28 @@ class ShardStore:
     def _alive(
         self,
         key: bytes,
-        raw: bytes | memoryview,
+        expiry: int,
+        class_id: int,
+        size: int,
         now: int,
         hit: Applied | None,
         ttl_hint: int = 0,
         pin_budget: list[int] | None = None,
     ) -> bool:
-        """Whether the shard is live; if so, record the hit's expiry slide (and pin, while
-        ``pin_budget[0]`` bytes of pin quota are left)."""
-        # The expiry first, the class only when a slide is due: most hits need no class.
-        expiry, pending_class = record_expiry(raw), ""
+        """Whether the shard (storage key, its row's expiry, class id and size) is live; if
+        so, record the hit's expiry slide (and pin, while ``pin_budget[0]`` bytes of pin
+        quota are left)."""
+        pending_class = ""
         if self._pending:
-            pending = self._pending.get(bytes(key))
+            pending = self._pending.get(key)
             if pending is not None and pending[0] > expiry:
                 expiry, pending_class = pending
         if expiry <= now:  # decide.is_live, inline: this runs for every hit of a walk
             return False
         policy = self.policy
+        stored = pending_class or self.classes.names[class_id]
         pin = False
-        if pin_budget is not None and decide.evictable(pending_class or record_class(raw)):
-            size = int(RETENTION_HEAD.unpack_from(raw)[1])
+        if pin_budget is not None and decide.evictable(stored):
             pin = size <= pin_budget[0]
             if pin:
                 pin_budget[0] -= size
@@ -1321,7 +1398,6 @@ class ShardStore:
                 self._clamped("pin dropped: the tenant's pin quota is full", pin_dropped=True)
         if not pin and now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
             return True  # no class could move the expiry enough to be worth a write
-        stored = pending_class or record_class(raw)
         if hit is None:
             hit = clamp(policy, decide.split_stored(stored)[0], ttl_s=ttl_hint or None)
         if pin:
@@ -1332,24 +1408,65 @@ class ShardStore:
         if move is not None:
             if not self._pending:
                 self._pending_since = self._monotonic()
-            self._pending[bytes(key)] = move
+            self._pending[key] = move
         return True
 
-    def _current(self, key: bytes | memoryview, raw: bytes | memoryview) -> tuple[int, str]:
-        """(expiry, stored class) of a shard: its record's, or a pending hit's when later."""
-        expiry = record_expiry(raw)
+    def _current(self, key: bytes, expiry: int, stored: str) -> tuple[int, str]:
+        """(expiry, stored class) of a shard: its row's, or a pending hit's when later."""
         if self._pending:
-            pending = self._pending.get(bytes(key))
+            pending = self._pending.get(key)
             if pending is not None and pending[0] > expiry:
                 return pending
-        return expiry, record_class(raw)
+        return expiry, stored
 
-    def _remove(self, txn: lmdb.Transaction, skey: bytes, rec: Retention, deltas: Deltas) -> None:
-        self._record_dead(txn.pop(skey, db=self._shards), deltas)
-        txn.delete(skey, db=self._retention)
+    def _remove(self, txn: lmdb.Transaction, skey: bytes, raw: bytes, deltas: Deltas) -> Row:
+        """Delete one shard's row (``raw``, as stored) and expiry entry; returns the row."""
+        rec = Row.unpack(raw, self.classes)
+        txn.delete(skey[:BLOCK_LEN], raw, db=self._index)
         txn.delete(*expiry_entry(skey, rec.traffic_class, rec.expiry_ms), db=self._expiry)
+        deltas.add_segment(rec.seg, -rec.size, -1)
         deltas.add(partition(skey[:TENANT_LEN], rec.traffic_class), -rec.size, -1)
         deltas.removed.append(skey)
+        return rec
+
+    def _block_rows(self, txn: lmdb.Transaction, blocks: list[bytes]) -> memoryview | bytes:
+        """Every row of each index key in ``blocks`` (tenant + block key), as one buffer of
+        (key, row) pairs (:data:`_HIT`), grouped by key in the order asked; missing keys
+        give nothing. One C-level call for all of them."""
+        if not blocks:
+            return b""
+        found: memoryview = txn.cursor(db=self._index).getmulti(
+            blocks, dupdata=True, dupfixed_bytes=ROW_LEN, keyfixed=True
+        )
+        return found
+
+    def _rows_of(self, txn: lmdb.Transaction, skeys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """The stored row of each storage key of ``skeys`` that has one."""
+        if not skeys:
+            return {}
+        raw = bytes(self._block_rows(txn, list(dict.fromkeys(k[:BLOCK_LEN] for k in skeys))))
+        if not raw:
+            return {}
+        return {
+            raw[at : at + KEY_LEN]: raw[at + BLOCK_LEN : at + _HIT_LEN]
+            for at in range(0, len(raw), _HIT_LEN)
+        }
+
+    def _groups(self, txn: lmdb.Transaction, blocks: Sequence[bytes]) -> dict[bytes, list[bytes]]:
+        """Rows of each index key of ``blocks`` that has any, in shard-index order."""
+        raw = bytes(self._block_rows(txn, list(dict.fromkeys(blocks))))
+        out: dict[bytes, list[bytes]] = {}
+        for at in range(0, len(raw), _HIT_LEN):
+            out.setdefault(raw[at : at + BLOCK_LEN], []).append(raw[at + BLOCK_LEN : at + _HIT_LEN])
+        return out
+
+    def _row(self, txn: lmdb.Transaction, skey: bytes) -> bytes | None:
+        """The stored row of one storage key, or None."""
+        cursor = txn.cursor(db=self._index)
+        if not cursor.set_range_dup(skey[:BLOCK_LEN], skey[BLOCK_LEN:]):
+            return None
+        raw = bytes(cursor.value())
+        return raw if raw[:2] == skey[BLOCK_LEN:] else None
 
     def _head_expiry(self, part: bytes) -> int | None:
         """The earliest expiry in partition ``part``, or None when it is empty."""
@@ -1375,11 +1492,11 @@ class ShardStore:
         transaction: while the expiry is at most ``until_expiry_ms`` and fewer than
         ``until_bytes`` were freed.
 
-        An expiry key's duplicates (the shards of one PUT batch, as a rule) are taken as a
-        group: their locations and retention rows in two ``getmulti`` calls, sizes and
-        segments as arrays, the deletes as C-level maps, the whole duplicate set in one
-        delete. A group whose rows do not all agree (never so, but checked) goes item by
-        item (:meth:`_delete_entries`).
+        An expiry key's duplicates (the shards of one PUT batch, as a rule) are taken in
+        order: each shard's row is found and deleted by one cursor step (one B-tree descent
+        a shard), the sizes and segments summed as arrays, and the taken duplicates
+        deleted together (the whole key when all go). An entry whose row is gone or names
+        another expiry (never so, but checked) is dropped from the expiry index alone.
         """
         deltas = Deltas()
         last_expiry = 2**64 if until_expiry_ms is None else until_expiry_ms
@@ -1388,61 +1505,66 @@ class ShardStore:
         nbytes = 0
         gone: list[tuple[int, int, int]] = []  # (expiry, size, written) of each removed
         tenant = part[:TENANT_LEN]
+        size_of = _SIZE.unpack_from
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._expiry)
-                locations = txn.cursor(db=self._shards).getmulti
-                retention = txn.cursor(db=self._retention).getmulti
-                drop_location = functools.partial(txn.delete, db=self._shards)
-                drop_retention = functools.partial(txn.delete, db=self._retention)
+                rows_at = txn.cursor(db=self._index)
+                find, value, drop = rows_at.set_range_dup, rows_at.value, rows_at.delete
                 while len(removed) < limit and nbytes < to_free and cursor.set_range(part):
                     ekey = cursor.key()
                     if ekey[:PARTITION_LEN] != part:
                         break
-                    expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
+                    at_expiry = ekey[PARTITION_LEN:]
+                    expiry = _U64.unpack(at_expiry)[0]
                     if expiry > last_expiry:
                         break
                     total = cursor.count()
-                    dups = cursor.iternext_dup(keys=False)
-                    want = limit - len(removed)
-                    skeys = [tenant + dup for dup in itertools.islice(dups, want)]
-                    found = locations(skeys)
-                    heads = retention(skeys)
-                    loc = np.frombuffer(b"".join(map(_second, found)), LOCATION)
-                    if (
-                        len(found) != len(skeys)
-                        or len(heads) != len(skeys)
-                        or any(_U64.unpack_from(v)[0] != expiry for _, v in heads)
-                    ):  # pragma: no cover - a stale or half-written entry: never so
-                        nbytes += self._delete_entries(txn, part, ekey, skeys, deltas)
-                        continue
-                    sizes = loc["len"].astype(np.int64)
-                    take = min(len(skeys), limit - len(removed))
-                    if nbytes + int(sizes[:take].sum()) > to_free:  # stop once enough is freed
-                        cut = int(np.searchsorted(np.cumsum(sizes), to_free - nbytes)) + 1
-                        take = min(take, cut)
-                    taken = skeys[:take] if take < len(skeys) else skeys
-                    if take == total:
+                    dups = list(itertools.islice(cursor.iternext_dup(keys=False),
+                                                 limit - len(removed)))  # fmt: skip
+                    raws: list[bytes] = []
+                    taken: list[bytes] = []
+                    seen = 0
+                    for dup in dups:
+                        seen += 1
+                        block, index = tenant + dup[:16], dup[16:]
+                        if find(block, index):
+                            raw = value()
+                            if raw[:2] == index and raw[8:16] == at_expiry:
+                                drop()
+                                raws.append(raw)
+                                taken.append(block + index)
+                                if until_bytes is not None:
+                                    nbytes += size_of(raw, 4)[0]
+                                    if nbytes >= to_free:
+                                        break
+                                continue
+                        log.warning("dropped a stale expiry entry for %s", (block + index).hex())
+                    if seen == total:
                         txn.delete(ekey, db=self._expiry)  # the key and all its duplicates
-                    else:  # the first ``take`` duplicates, from the head on
+                    else:  # the first ``seen`` duplicates, from the head on
                         cursor.set_range(part)
                         step = cursor.delete
-                        for _ in range(take):
+                        for _ in range(seen):
                             step()
-                    list(map(drop_location, taken))
-                    list(map(drop_retention, taken))
-                    freed = int(sizes[:take].sum())
-                    nbytes += freed
+                    if not raws:
+                        continue
+                    rows = np.frombuffer(b"".join(raws), ROW_DTYPE)
+                    sizes = rows["size"].astype(np.int64)
+                    freed = int(sizes.sum())
+                    if until_bytes is None:
+                        nbytes += freed
+                    take = len(raws)
                     deltas.add(part, -freed, -take)
-                    segs, inverse = np.unique(loc["seg"][:take], return_inverse=True)
-                    per_seg = np.bincount(inverse, weights=sizes[:take], minlength=len(segs))
+                    segs, inverse = np.unique(rows["seg"], return_inverse=True)
+                    per_seg = np.bincount(inverse, weights=sizes, minlength=len(segs))
                     counts = np.bincount(inverse, minlength=len(segs))
                     for seg, b, c in zip(segs.tolist(), per_seg.tolist(), counts.tolist(),
                                          strict=True):  # fmt: skip
                         deltas.add_segment(seg, -int(b), -c)
                     removed.extend(taken)
-                    written = [RETENTION_HEAD.unpack_from(v)[3] for _, v in heads[:take]]
-                    gone.extend(zip([expiry] * take, sizes[:take].tolist(), written, strict=True))
+                    written = (rows["written"].astype(np.int64) * 1000).tolist()
+                    gone.extend(zip([expiry] * take, sizes.tolist(), written, strict=True))
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting expired or evicted shards") from exc
@@ -1470,27 +1592,6 @@ class ShardStore:
             tenant, name, cause, sizes=[g[1] for g in gone], ages_ms=[now - g[2] for g in gone]
         )
 
-    def _delete_entries(
-        self, txn: lmdb.Transaction, part: bytes, ekey: bytes, skeys: list[bytes], deltas: Deltas
-    ) -> int:  # pragma: no cover - only for entries that disagree with their rows
-        """Delete one expiry key's shards item by item, dropping entries whose retention row
-        is gone or names another expiry; returns bytes freed."""
-        expiry = _U64.unpack_from(ekey, PARTITION_LEN)[0]
-        freed = 0
-        for skey in skeys:
-            txn.delete(ekey, skey[TENANT_LEN:], db=self._expiry)
-            raw = txn.get(skey, db=self._retention)
-            if raw is None or RETENTION_HEAD.unpack_from(raw)[0] != expiry:
-                log.warning("dropped a stale expiry entry for %s", skey.hex())
-                continue
-            self._record_dead(txn.pop(skey, db=self._shards), deltas)
-            txn.delete(skey, db=self._retention)
-            size = RETENTION_HEAD.unpack_from(raw)[1]
-            deltas.add(part, -size, -1)
-            deltas.removed.append(skey)
-            freed += size
-        return freed
-
     def _lost_segments(self, segments: Mapping[int, SegmentState]) -> set[int]:
         """Segments the index points into whose file is gone or shorter than what was
         committed (a damaged or restored directory, or power lost under ``sync =
@@ -1515,15 +1616,11 @@ class ShardStore:
         """Remove every index entry pointing into ``lost`` (one walk of the index)."""
         deltas = Deltas()
         victims = []
-        for skey, location in txn.cursor(db=self._shards):
-            if _LOC.unpack(location)[0] in lost:
-                victims.append(bytes(skey))
-        for skey in victims:
-            raw = txn.get(skey, db=self._retention)
-            if raw is None:  # pragma: no cover - a location without retention: never so
-                txn.delete(skey, db=self._shards)
-                continue
-            self._remove(txn, skey, Retention.unpack(raw), deltas)
+        for block, raw in txn.cursor(db=self._index):
+            if ROW.unpack(raw)[6] in lost:
+                victims.append((bytes(block) + bytes(raw[:2]), bytes(raw)))
+        for skey, raw in victims:
+            self._remove(txn, skey, raw, deltas)
         self._write_usage(txn, deltas)
         return deltas
 
@@ -1592,37 +1689,38 @@ class ShardStore:
         _COMPACT_STEP bytes, in one transaction; the next batch offset, or None at the end."""
         keys: list[bytes] = []
         records: list[memoryview] = []
-        checks: list[int] = []
+        olds: list[bytes] = []
         nxt: int | None = None
         copied = 0
         deltas = Deltas()
         appended: tuple[int, SegmentState] | None = None
         try:
             with self.segments.writing, self._env.begin(write=True) as txn:
-                lookup, sdb = txn.get, self._shards
                 for batch_at, skey, at, length in self.segments.walk(seg, start):
                     if batch_at != start and copied >= _COMPACT_STEP:
                         nxt = batch_at
                         break
                     start = batch_at
-                    location = lookup(skey, None, sdb)
-                    if location is None:
+                    raw = self._row(txn, skey)
+                    if raw is None:
                         continue
-                    where, off, _len, check = _LOC.unpack(location)
+                    where, off = ROW.unpack(raw)[6:8]
                     if where != seg or off != at:
                         continue  # replaced or removed since
                     keys.append(skey)
                     records.append(self.segments.view(seg)[at : at + length])
-                    checks.append(check)
+                    olds.append(raw)
                     deltas.add_segment(seg, -length, -1)
                     copied += length
                 if keys:
                     new, first, before = self.segments.append(keys, records)
                     appended = (new, before)
-                    rows = list(zip(keys, records, strict=True))
-                    txn.cursor(db=sdb).putmulti(
-                        zip(keys, _locations(new, first, rows, checks), strict=True)
-                    )
+                    offset = first
+                    for skey, raw, record in zip(keys, olds, records, strict=True):
+                        moved = replace(Row.unpack(raw, self.classes), seg=new, off=offset)
+                        offset += len(record)
+                        txn.delete(skey[:BLOCK_LEN], raw, db=self._index)
+                        txn.put(skey[:BLOCK_LEN], moved.pack(self.classes), db=self._index)
                     self._write_usage(txn, deltas, appended=new)
         except BaseException:
             if appended is not None:
@@ -1641,6 +1739,8 @@ class ShardStore:
     ) -> None:
         for key, value in self.book.meta_rows(deltas):
             txn.put(key, value, db=self._meta)
+        if self.classes.dirty:  # ids handed out since: persisted with the rows naming them
+            txn.put(CLASSES_KEY, self.classes.pack(), db=self._meta)
         touched = set(deltas.segments)
         if appended is not None:
             touched.add(appended)  # its end moved
@@ -1655,6 +1755,7 @@ class ShardStore:
     def _apply(self, deltas: Deltas) -> None:
         """Mirror a committed transaction's counters (usage and segments' live bytes)."""
         self.book.apply(deltas)
+        self.classes.persisted()
         state = self.segments.state
         for seg, (dbytes, dcount) in deltas.segments.items():
             found = state.get(seg)
@@ -1664,20 +1765,21 @@ class ShardStore:
                 if dcount < 0:
                     self._shrunk.add(seg)
 
-    @staticmethod
-    def _record_dead(location: bytes | memoryview | None, deltas: Deltas) -> None:
-        """Count the record at ``location`` (an index value, or None) as no longer live."""
-        if location is not None:
-            seg, _off, length, _check = _LOC.unpack(location)
-            deltas.add_segment(seg, -length, -1)
-
     def _load_meta(self) -> None:
         with self._env.begin(write=True) as txn:
             fmt = txn.get(b"format", db=self._meta)
             if fmt is None:
-                if txn.stat(self._shards)["entries"]:
+                if txn.stat(self._index)["entries"]:
                     raise StorageError(f"{self.path} holds shards but no format marker")
                 txn.put(b"format", FORMAT, db=self._meta)
+            elif fmt == b"kvcache-store-v4":
+                raise StorageError(
+                    f"{self.path} was written in store format 'kvcache-store-v4' (a location "
+                    f"and a retention row per shard, in two databases); this build reads "
+                    f"{FORMAT.decode()!r} (one index row per shard, a block's shards under one "
+                    "key): use a fresh data directory (the store is a cache; nothing in it "
+                    "needs to be kept)"
+                )
             elif fmt == b"kvcache-store-v3":
                 raise StorageError(
                     f"{self.path} was written in store format 'kvcache-store-v3' (shard records "
@@ -1691,6 +1793,7 @@ class ShardStore:
                     f"this build reads {FORMAT.decode()!r}: use a fresh data directory "
                     "(the store is a cache; nothing in it needs to be kept)"
                 )
+            self.classes = ClassTable.unpack(txn.get(CLASSES_KEY, db=self._meta))
             raw_policy = txn.get(b"policy", db=self._meta)
             cursor = txn.cursor(db=self._meta)
             rows = []
@@ -1734,35 +1837,36 @@ def _partition_class(part: bytes) -> str:
     return part[TENANT_LEN:].rstrip(b"\x00").decode("ascii")
 
 
-def _locations(
-    seg: int, first: int, rows: list[tuple[bytes, memoryview]], checks: list[int]
-) -> list[bytes]:
-    """Index values of records appended back to back from ``first`` in segment ``seg``."""
-    n = len(rows)
-    lengths = np.fromiter((len(r) for _, r in rows), np.int64, n)
-    loc = np.empty(n, LOCATION)
-    loc["seg"] = seg
-    loc["off"] = first + np.cumsum(lengths) - lengths
-    loc["len"] = lengths
-    loc["check"] = checks
-    return loc.view(f"V{LOCATION.itemsize}").tolist()
+class _Columns:
+    """The shards a PUT transaction writes, as columns (rows are built once the records'
+    places in the segment are known)."""
+
+    __slots__ = ("class_ids", "expiry", "keys", "records", "stripes")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.records: list[memoryview] = []
+        self.class_ids: list[int] = []
+        self.expiry: list[int] = []
+        self.stripes: list[int] = []
+
+    def add(self, key: bytes, record: memoryview, class_id: int, expiry: int, stripe: int) -> None:
+        self.keys.append(key)
+        self.records.append(record)
+        self.class_ids.append(class_id)
+        self.expiry.append(expiry)
+        self.stripes.append(stripe)
+
+    def keep_last(self) -> None:
+        """Keep only the last write of each key (a key written twice in one transaction)."""
+        last = {k: i for i, k in enumerate(self.keys)}
+        keep = sorted(last.values())
+        for name in self.__slots__:
+            column = getattr(self, name)
+            setattr(self, name, [column[i] for i in keep])
 
 
 def _prefixes(tenant: bytes, items: npt.NDArray[np.void]) -> list[bytes]:
     """tenant + block key of every item: the prefix of that key's storage keys."""
     raw = np.ascontiguousarray(items["key"]).tobytes()
     return [tenant + raw[i : i + 16] for i in range(0, len(raw), 16)]
-
-
-def _walk(cursor: lmdb.Cursor, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
-    """(storage key, value) of every record whose key starts with ``prefix``."""
-    if not cursor.set_range(prefix):
-        return
-    size = len(prefix)
-    while True:
-        skey = bytes(cursor.key())
-        if skey[:size] != prefix:
-            return
-        yield skey, cursor.value()
-        if not cursor.next():
-            return
