@@ -32,11 +32,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvcache.credentials import TenantCredentials
 from kvcache.errors import KVCacheError, ProtocolError
 from kvcache.session import AUTH_BYTES, ServerHandshake
+from kvcache.swa_local.protocol import get_reply, parse_get_request
 from kvcache.swa_local.state import StateKey
 from kvcache.swa_local.store import SwaStore
 from kvcache.wire import (
@@ -49,7 +48,6 @@ from kvcache.wire import (
     Op,
     Status,
     error_reply,
-    make_items,
     parse_endpoint,
 )
 
@@ -60,6 +58,8 @@ log = logging.getLogger(__name__)
 _IOV_MAX = 1024
 _SNDBUF = 4 << 20
 _HANDSHAKE, _AUTH, _READY, _CLOSING = range(4)
+_NOT_FOUND = (Status.NOT_FOUND, 0, bytes(16))
+_BAD_ITEM = (Status.BAD_ITEM, 0, bytes(16))
 
 
 @dataclass(eq=False)
@@ -291,7 +291,14 @@ class PeerServer:
             return error_reply(header, Status.BAD_REQUEST, "bad_request: a request has no status")
         if header.op is Op.STATS:
             body = json.dumps(self.stats()).encode()
-            return _reply(header, make_items(Op.STATS, 0, reply=True), [body])
+            reply = Header(
+                op=Op.STATS,
+                request_id=header.request_id,
+                count=0,
+                data_len=len(body),
+                flags=FLAG_REPLY,
+            )
+            return [reply.pack(), body]
         if header.op is not Op.SWA_GET:
             self.counters["bad_requests"] += 1
             return error_reply(
@@ -299,28 +306,26 @@ class PeerServer:
                 Status.BAD_REQUEST,
                 f"bad_request: an SWA peer does not answer {header.op.name}",
             )
-        items = message.items
-        reply = make_items(Op.SWA_GET, len(items), reply=True)
+        answers: list[tuple[Status, int, bytes]] = []
         parts: list[Frame] = []
         total = 0
-        for i in range(len(items)):
-            row = items[i]
-            if int(row["incarnation"]) != self.incarnation:
-                reply[i]["status"] = Status.NOT_FOUND
+        for item in parse_get_request(message.items.tobytes()):
+            if item.incarnation != self.incarnation:
+                answers.append(_NOT_FOUND)
                 self.counters["stale_incarnation"] += 1
                 continue
             try:
                 key = StateKey(
-                    namespace=bytes(row["state_ns"]),
-                    block=bytes(row["key"]),  # type: ignore[arg-type]
-                    position=int(row["position"]),
+                    namespace=item.namespace,
+                    block=item.block,  # type: ignore[arg-type]
+                    position=item.position,
                 )
             except KVCacheError:
-                reply[i]["status"] = Status.BAD_ITEM
+                answers.append(_BAD_ITEM)
                 continue
             state = self.store.get(key)
             if state is None:
-                reply[i]["status"] = Status.NOT_FOUND
+                answers.append(_NOT_FOUND)
                 self.counters["not_found"] += 1
                 continue
             total += state.nbytes
@@ -330,12 +335,11 @@ class PeerServer:
                     Status.TOO_LARGE,
                     f"too_large: the states asked for exceed {self.limits.max_data_bytes} bytes",
                 )
-            reply[i]["length"] = state.nbytes
-            reply[i]["digest"] = state.digest
+            answers.append((Status.OK, state.nbytes, state.digest))
             parts.append(state.data)
         self.counters["states_served"] += len(parts)
         self.counters["bytes_served"] += total
-        return _reply(header, reply, parts)
+        return [get_reply(header, answers), *parts]
 
     def stats(self) -> dict[str, object]:
         """Server counters and the store's."""
@@ -411,14 +415,3 @@ class PeerServer:
             elif conn.out and now - conn.last_progress > self.send_timeout_s:
                 log.warning("closing SWA peer %s: its reply made no progress", conn.addr)
                 self._close(conn)
-
-
-def _reply(request: Header, items: np.ndarray, parts: list[Frame]) -> list[Frame]:
-    header = Header(
-        op=request.op,
-        request_id=request.request_id,
-        count=len(items),
-        data_len=sum(memoryview(p).nbytes for p in parts),
-        flags=FLAG_REPLY,
-    )
-    return [header.pack(), np.ascontiguousarray(items).view(np.uint8).data, *parts]
