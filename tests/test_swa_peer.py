@@ -259,10 +259,20 @@ def test_a_state_taken_on_one_worker_is_found_and_fetched_by_another(
         got = b.fetch(state_key, holders[3])
         assert got is not None and bytes(got) == blob(3)
         assert b.counters["remote_hits"] == 1
+        # Into the engine's buffer: the holder's reply is received there.
+        mine = bytearray(len(blob(3)))
+        into = b.fetch(state_key, holders[3], out=memoryview(mine))
+        assert isinstance(into, memoryview) and into.obj is mine and bytes(mine) == blob(3)
+        assert b.fetch(state_key, holders[3], out=memoryview(bytearray(7))) is None
+        assert b.counters["remote_hits"] == 2 and b.counters["misses"] == 1
         # The holder itself serves it from its own RAM.
         local = a.fetch(state_key, holders[3])
         assert local is not None and bytes(local) == blob(3)
         assert a.counters["local_hits"] == 1
+        mine = bytearray(len(blob(3)))
+        into = a.fetch(state_key, holders[3], out=memoryview(mine))
+        assert into is not None and bytes(mine) == blob(3)
+        assert a.fetch(state_key, holders[3], out=memoryview(bytearray(7))) is None
         # A clean shutdown withdraws the records: nobody is sent to a gone worker.
         a.close()
         _, holders = b.lookup(MAIN_NS, tokens)
