@@ -10,11 +10,13 @@ holding the window, plus the ring block, 2,801,664 bytes.
 
 Two figures, each the median of ``repeat`` runs, synchronised:
 
-- ``dsv41_restore_ms``: the worker's restore once the state's bytes are in this process
-  (``vllm_worker._fetch_state``'s private host copy, then ``_scatter_state``: one
-  ``PagedKVAdapter.scatter`` per group into its 4 block ids and one for the ring);
-- ``dsv41_fetch_restore_ms``: the same preceded by the fetch from a peer tier over TCP
-  (a ``PeerServer`` in this process, loopback, digest checked), the whole restore path.
+- ``dsv41_restore_ms``: the worker's restore of a state this worker holds
+  (``vllm_worker._fetch_state`` copies it into a private host tensor, then
+  ``_scatter_state``: one ``PagedKVAdapter.scatter`` per group into its 4 block ids and
+  one for the ring);
+- ``dsv41_fetch_restore_ms``: the same for a state fetched from a peer tier over TCP (a
+  ``PeerServer`` in this process, loopback, digest checked), received straight into the
+  private host tensor (``fetch(..., out=)``, as the worker does), the whole restore path.
 
 Every restored byte is gathered back and compared.
 
@@ -71,8 +73,12 @@ def restore_figures(device: torch.device, repeat: int, *, tiny: bool) -> dict[st
         rows = [ids[g * WINDOW_BLOCKS : (g + 1) * WINDOW_BLOCKS] for g in range(SWA_GROUPS)]
         return [*(r.reshape(-1, 1) for r in rows), ids[-1:].reshape(1, 1)]
 
-    def restore(data: bytes | memoryview, ids: list[np.ndarray]) -> None:
-        host = torch.from_numpy(np.frombuffer(data, np.uint8).copy())  # the worker's copy
+    def held(data: bytes) -> torch.Tensor:
+        host = torch.empty(STATE_BYTES, dtype=torch.uint8)  # the worker's private copy
+        host.numpy()[:] = np.frombuffer(data, np.uint8)
+        return host
+
+    def restore(host: torch.Tensor, ids: list[np.ndarray]) -> None:
         handles, offset = [], 0
         for g, pages in enumerate(ids):
             size = SWA_BLOCK if g < SWA_GROUPS else RING_BLOCK
@@ -109,14 +115,17 @@ def restore_figures(device: torch.device, repeat: int, *, tiny: bool) -> dict[st
         for i in range(repeat + 2):  # the first two warm up
             ids = place()
             start = time.perf_counter()
-            restore(state, ids)
+            restore(held(state), ids)
             took = time.perf_counter() - start
             ok = ok and equal(ids)
             ids = place()
             start = time.perf_counter()
-            (got,) = transport.fetch(endpoint, want, deadline=time.monotonic() + 10)
+            host = torch.empty(STATE_BYTES, dtype=torch.uint8)
+            (got,) = transport.fetch(
+                endpoint, want, deadline=time.monotonic() + 10, out=[host.numpy().data]
+            )
             assert got is not None
-            restore(got, ids)
+            restore(host, ids)
             took_fetch = time.perf_counter() - start
             ok = ok and equal(ids)
             if i >= 2:

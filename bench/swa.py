@@ -14,9 +14,13 @@ run:
   times (zmq / fetch: >= 1 means the fetch is faster). Target >= 0.8.
 * ``swa_fetch_dsv41_vs_raw``: the same for DeepSeek V4.1 Flash's state (the 4 window
   blocks of its 40 sliding-window layers, 2,703,360 B, plus the compressor ring, 98,304 B)
-  against a raw TCP socket transfer of the same bytes from the same peer process (one
-  request byte, ``sendall`` of the state, ``recv_into`` one buffer): raw / fetch of the
-  median times. Target >= 0.8.
+  fetched into the caller's buffer (``out=``, as the vLLM worker restores a state) against
+  a raw TCP socket transfer of the same bytes from the same peer process (one request
+  byte, ``sendall`` of the state, ``recv_into`` one buffer): raw / fetch of the median
+  times. Target >= 0.8. Also the fetch into a buffer of its own
+  (``swa_fetch_dsv41_own_vs_raw``), and each path's CPU time per fetch in this process
+  and the peer's (``dsv41_*_cpu_us_client`` / ``_peer``), steadier than times on a
+  shared machine.
 * ``swa_local_p50_us`` / ``swa_local_p99_us``: a hit in this worker's own
   ``SwaStore`` (what ``SwaTier.fetch`` does first). Target p99 <= 100 us.
 * ``fetch_p50_ms_64`` / ``fetch_p99_ms_64``: per-fetch latency with 64 fetches
@@ -32,6 +36,7 @@ Usage: python bench/swa.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import secrets
 import socket
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +126,7 @@ def peer_main() -> None:
 # ---------------------------------------------------------------------- measurements
 
 
-def pct(values: list[float], p: float) -> float:
+def pct(values: Sequence[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
@@ -174,8 +180,25 @@ def compare_fetch(
     }
 
 
-def compare_dsv41(raw_port: int, swa_endpoint: str, secret: bytes, rounds: int) -> dict[str, Any]:
-    """V4.1's state: the SWA fetch against a raw socket transfer of the same bytes."""
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of process ``pid`` so far (ns; /proc/PID/task/*/schedstat)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as fh:
+            total += int(fh.read().split()[0])
+    return total
+
+
+def compare_dsv41(
+    raw_port: int, swa_endpoint: str, secret: bytes, rounds: int, peer_pid: int
+) -> dict[str, Any]:
+    """V4.1's state: the SWA fetch against a raw socket transfer of the same bytes.
+
+    Three paths in alternating chunks of 20: the raw transfer; the fetch into the caller's
+    buffer (``out=``, as the worker restores a state); the fetch into a buffer of its own.
+    Besides the median times, the CPU time each path costs per fetch in this process and
+    in the peer's (all threads), which load from other processes moves far less.
+    """
     raw = socket.create_connection(("127.0.0.1", raw_port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(DSV41_STATE_BYTES)
@@ -192,37 +215,55 @@ def compare_dsv41(raw_port: int, swa_endpoint: str, secret: bytes, rounds: int) 
 
     transport = TcpPeerTransport(tenant="default", secret=secret, connections_per_peer=1)
     want = [Wanted(key(DSV41), INCARNATION, state_digest(blob(DSV41)))]
-    raw_s: list[float] = []
-    swa_s: list[float] = []
+    dest = [memoryview(bytearray(DSV41_STATE_BYTES))]
+
+    def fetch_into() -> None:
+        got = transport.fetch(swa_endpoint, want, deadline=time.monotonic() + 10, out=dest)
+        assert got[0] is not None
+
+    def fetch_own() -> None:
+        got = transport.fetch(swa_endpoint, want, deadline=time.monotonic() + 10)
+        assert got[0] is not None
+
+    paths = {"raw": raw_get, "into": fetch_into, "own": fetch_own}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    cpu = {name: [0, 0] for name in paths}
+    me = os.getpid()
     try:
         for _ in range(5):
-            raw_get()
-            got = transport.fetch(swa_endpoint, want, deadline=time.monotonic() + 10)
-            assert got[0] is not None and got[0].nbytes == DSV41_STATE_BYTES
-        assert bytes(buf) == blob(DSV41)
+            for run in paths.values():
+                run()
+        assert bytes(buf) == blob(DSV41) and bytes(dest[0]) == blob(DSV41)
         for _ in range(rounds):
-            for _ in range(20):
-                start = time.perf_counter()
-                raw_get()
-                raw_s.append(time.perf_counter() - start)
-            for _ in range(20):
-                start = time.perf_counter()
-                got = transport.fetch(swa_endpoint, want, deadline=time.monotonic() + 10)
-                swa_s.append(time.perf_counter() - start)
-                assert got[0] is not None
+            for name, run in paths.items():
+                mine, peers = _cpu_ns(me), _cpu_ns(peer_pid)
+                for _ in range(20):
+                    start = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - start)
+                cpu[name][0] += _cpu_ns(me) - mine
+                cpu[name][1] += _cpu_ns(peer_pid) - peers
     finally:
         raw.sendall(b"q")
         raw.close()
         transport.close()
-    raw_med, swa_med = statistics.median(raw_s), statistics.median(swa_s)
-    return {
+    med = {name: statistics.median(t) for name, t in times.items()}
+    out: dict[str, Any] = {
         "dsv41_state_bytes": DSV41_STATE_BYTES,
-        "dsv41_raw_socket_ms": raw_med * 1e3,
-        "dsv41_swa_fetch_ms": swa_med * 1e3,
-        "dsv41_raw_socket_gbps": DSV41_STATE_BYTES / raw_med / 1e9,
-        "dsv41_swa_fetch_gbps": DSV41_STATE_BYTES / swa_med / 1e9,
-        "swa_fetch_dsv41_vs_raw": raw_med / swa_med,
+        "dsv41_raw_socket_ms": med["raw"] * 1e3,
+        "dsv41_swa_fetch_ms": med["into"] * 1e3,
+        "dsv41_swa_fetch_own_ms": med["own"] * 1e3,
+        "dsv41_raw_socket_gbps": DSV41_STATE_BYTES / med["raw"] / 1e9,
+        "dsv41_swa_fetch_gbps": DSV41_STATE_BYTES / med["into"] / 1e9,
+        "swa_fetch_dsv41_vs_raw": med["raw"] / med["into"],
+        "swa_fetch_dsv41_own_vs_raw": med["raw"] / med["own"],
+        "dsv41_samples": len(times["raw"]),
     }
+    for name, label in (("raw", "raw_socket"), ("into", "swa_fetch"), ("own", "swa_fetch_own")):
+        n = len(times[name])
+        out[f"dsv41_{label}_cpu_us_client"] = cpu[name][0] / n / 1e3
+        out[f"dsv41_{label}_cpu_us_peer"] = cpu[name][1] / n / 1e3
+    return out
 
 
 def in_flight(endpoint: str, secret: bytes, rounds: int, connections: int) -> dict[str, Any]:
@@ -325,7 +366,9 @@ def main() -> None:
     try:
         assert proc.stdout is not None
         swa_endpoint, zmq_endpoint, raw_port = proc.stdout.readline().split()
-        figures |= compare_dsv41(int(raw_port), swa_endpoint, secret, 3 if args.quick else 15)
+        figures |= compare_dsv41(
+            int(raw_port), swa_endpoint, secret, 3 if args.quick else 15, proc.pid
+        )
         figures |= in_flight(swa_endpoint, secret, 2 if args.quick else 10, 4)
         figures |= in_flight(swa_endpoint, secret, 2 if args.quick else 10, 16)
         figures |= compare_fetch(zmq_endpoint, swa_endpoint, secret, 5 if args.quick else 25)
@@ -350,11 +393,12 @@ def main() -> None:
     )  # fmt: skip
     print_table(
         "DeepSeek V4.1 Flash's state (2,703,360 + 98,304 bytes) from a peer process",
-        ["path", "median ms", "GB/s"],
+        ["path", "median ms", "GB/s", "CPU us per fetch, this + peer"],
         [
-            ["raw TCP socket transfer", f"{figures['dsv41_raw_socket_ms']:.3f}", f"{figures['dsv41_raw_socket_gbps']:.2f}"],
-            ["SWA fetch (TCP, digest checked)", f"{figures['dsv41_swa_fetch_ms']:.3f}", f"{figures['dsv41_swa_fetch_gbps']:.2f}"],
-            ["swa_fetch_dsv41_vs_raw (target >= 0.8)", f"{figures['swa_fetch_dsv41_vs_raw']:.2f}", "ok" if ok_dsv41 else "MISSED"],
+            ["raw TCP socket transfer", f"{figures['dsv41_raw_socket_ms']:.3f}", f"{figures['dsv41_raw_socket_gbps']:.2f}", f"{figures['dsv41_raw_socket_cpu_us_client']:.0f} + {figures['dsv41_raw_socket_cpu_us_peer']:.0f}"],
+            ["SWA fetch into the caller's buffer (digest checked)", f"{figures['dsv41_swa_fetch_ms']:.3f}", f"{figures['dsv41_swa_fetch_gbps']:.2f}", f"{figures['dsv41_swa_fetch_cpu_us_client']:.0f} + {figures['dsv41_swa_fetch_cpu_us_peer']:.0f}"],
+            ["SWA fetch into a buffer of its own", f"{figures['dsv41_swa_fetch_own_ms']:.3f}", f"{figures['swa_fetch_dsv41_own_vs_raw']:.2f} of raw", f"{figures['dsv41_swa_fetch_own_cpu_us_client']:.0f} + {figures['dsv41_swa_fetch_own_cpu_us_peer']:.0f}"],
+            ["swa_fetch_dsv41_vs_raw (target >= 0.8)", f"{figures['swa_fetch_dsv41_vs_raw']:.2f}", "ok" if ok_dsv41 else "MISSED", ""],
         ],
     )  # fmt: skip
     print_table(

@@ -13,6 +13,7 @@ import pytest
 from kvcache import DType, KVLayout, Namespace, block_keys
 from kvcache.client import Client
 from kvcache.credentials import TenantCredentials
+from kvcache.errors import ArgumentError
 from kvcache.keys import BlockKey
 from kvcache.net import open_session
 from kvcache.swa_local import (
@@ -89,6 +90,51 @@ def test_a_state_that_fails_its_recorded_digest_is_never_returned(
     )
     assert got is None
     assert transport.counters["corrupt"] == 1
+
+
+def test_states_larger_than_a_piece_land_in_the_callers_buffers(
+    peer: PeerServer, transport: TcpPeerTransport
+) -> None:
+    big = blob(7, 1_000_003)  # four receive-and-hash pieces, the last one short
+    peer.store.put(skey(7), big)
+    peer.store.put(skey(8), blob(8))
+    mine = bytearray(len(big))
+    wrong = bytearray(5)  # not the state's size: drained, a miss, counted
+    got = transport.fetch(
+        peer.endpoint,
+        [Wanted(skey(7), 42, state_digest(big)), Wanted(skey(8), 42), Wanted(skey(9), 42)],
+        deadline=soon(),
+        out=[memoryview(mine), memoryview(wrong), None],
+    )
+    assert got[0] is not None and got[0].obj is mine and bytes(mine) == big
+    assert got[1:] == [None, None]
+    assert transport.counters["wrong_size"] == 1 and transport.counters["not_found"] == 1
+    # The connection is still in step: the next fetch on it gets the right bytes.
+    (again,) = transport.fetch(peer.endpoint, [Wanted(skey(8), 42)], deadline=soon())
+    assert again is not None and bytes(again) == blob(8)
+    with pytest.raises(ArgumentError, match="2 buffers for 1 states"):
+        transport.fetch(peer.endpoint, [Wanted(skey(8), 42)], deadline=soon(), out=[None, None])
+    with pytest.raises(ArgumentError, match="writable"):
+        transport.fetch(
+            peer.endpoint, [Wanted(skey(8), 42)], deadline=soon(), out=[memoryview(b"x")]
+        )
+
+
+def test_a_refusal_comes_back_as_misses_with_its_reason_counted() -> None:
+    store = SwaStore(max_bytes=1 << 20)
+    store.put(skey(1), blob(1))
+    limits = Limits(max_data_bytes=50_000)  # the state asked for is larger
+    with (
+        PeerServer(store, tenant=TENANT, incarnation=42, limits=limits) as server,
+        TcpPeerTransport(tenant="default", secret=SECRET) as t,
+    ):
+        server.start()
+        assert t.fetch(server.endpoint, [Wanted(skey(1), 42)], deadline=soon()) == [None]
+        assert t.counters["errors"] == 1
+        # A new connection replaces the one closed after the refusal.
+        store.put(skey(2), blob(2, 1000))
+        (got,) = t.fetch(server.endpoint, [Wanted(skey(2), 42)], deadline=soon())
+        assert got is not None and bytes(got) == blob(2, 1000)
 
 
 def test_another_incarnation_is_not_found(peer: PeerServer, transport: TcpPeerTransport) -> None:
@@ -213,10 +259,20 @@ def test_a_state_taken_on_one_worker_is_found_and_fetched_by_another(
         got = b.fetch(state_key, holders[3])
         assert got is not None and bytes(got) == blob(3)
         assert b.counters["remote_hits"] == 1
+        # Into the engine's buffer: the holder's reply is received there.
+        mine = bytearray(len(blob(3)))
+        into = b.fetch(state_key, holders[3], out=memoryview(mine))
+        assert isinstance(into, memoryview) and into.obj is mine and bytes(mine) == blob(3)
+        assert b.fetch(state_key, holders[3], out=memoryview(bytearray(7))) is None
+        assert b.counters["remote_hits"] == 2 and b.counters["misses"] == 1
         # The holder itself serves it from its own RAM.
         local = a.fetch(state_key, holders[3])
         assert local is not None and bytes(local) == blob(3)
         assert a.counters["local_hits"] == 1
+        mine = bytearray(len(blob(3)))
+        into = a.fetch(state_key, holders[3], out=memoryview(mine))
+        assert into is not None and bytes(mine) == blob(3)
+        assert a.fetch(state_key, holders[3], out=memoryview(bytearray(7))) is None
         # A clean shutdown withdraws the records: nobody is sent to a gone worker.
         a.close()
         _, holders = b.lookup(MAIN_NS, tokens)

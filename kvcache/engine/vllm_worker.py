@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvcache.engine.block_span import GroupSpan, layer_places
@@ -275,20 +274,17 @@ class WorkerSide:
             self._count_swa("swa_misses")
             return None
         local = tier.store.get(swa.key) is not None
-        data = tier.fetch(swa.key, swa.holders)
         expected = hybrid.state_bytes(swa.key.position)
-        if data is None or memoryview(data).nbytes != expected:
-            if data is not None:
-                log.warning(
-                    "kvcache: state of %d bytes where %d were expected: not used",
-                    memoryview(data).nbytes,
-                    expected,
-                )
+        # A private buffer (the tier's bytes are shared and read-only) that a holder's
+        # reply is received into; a state of another size is a miss.
+        state = torch.empty(expected, dtype=torch.uint8)
+        if tier.fetch(swa.key, swa.holders, out=state.numpy().data) is None:
+            if local:
+                log.warning("kvcache: the state held is not %d bytes: not used", expected)
             self._count_swa("swa_misses")
             return None
         self._count_swa("swa_local_hits" if local else "swa_remote_hits")
-        # A private copy: the tier's bytes are shared and read-only.
-        return torch.from_numpy(np.frombuffer(data, np.uint8).copy())
+        return state
 
     def _scatter_state(self, swa: SwaLoadSpec, state: torch.Tensor) -> list[TransferHandle]:
         """Write the state's rows into the sliding-window groups' blocks (not those before

@@ -23,11 +23,9 @@ store, which only this thread may touch).
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import logging
-import os
 import queue
 import selectors
 import socket
@@ -37,13 +35,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvcache import native
 from kvcache.credentials import Credentials
-from kvcache.errors import KVCacheError, ProtocolError, StorageError
+from kvcache.errors import ProtocolError, StorageError
+from kvcache.net_loop import SendQueue, WakePipe, accept_ready, bind_listener, watch
 from kvcache.server.admission import Admission, AdmissionLimits
 from kvcache.server.handler import Reply, Request, RequestHandler
 from kvcache.session import AUTH_BYTES, ServerHandshake
-from kvcache.wire import Limits, MessageReader, Op, Status, parse_endpoint
+from kvcache.wire import Limits, MessageReader, Op, Status
 
 __all__ = ["DataServer"]
 
@@ -58,8 +56,6 @@ _GROUP_BYTES = 64 << 20
 #: Retention work runs at least this often, even under a steady request load.
 _MAINTAIN_EVERY_S = 0.05
 _IDLE_POLL_S = 0.2
-#: Most buffers per sendmsg call (Linux IOV_MAX is 1024).
-_IOV_MAX = 1024
 
 _HANDSHAKE, _AUTH, _READY, _CLOSING = range(4)
 
@@ -97,7 +93,7 @@ class _Conn:
         self.auth_buf = bytearray()
         self.tenant: Any = None
         self.reader = MessageReader(limits=limits, replies=False)
-        self.out: collections.deque[memoryview | native.Segments] = collections.deque()
+        self.out = SendQueue()
         self.reply: Reply | None = None
         #: Selector events registered (0: not registered).
         self.events = 0
@@ -156,9 +152,7 @@ class DataServer:
         self._ready: list[tuple[_Conn, Request]] = []
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._calls = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()
         self.endpoint = ""
         self.serving = threading.Event()
 
@@ -166,26 +160,10 @@ class DataServer:
 
     def bind(self) -> str:
         """Create and bind the listening socket; returns ``tcp://host:port`` (port 0 resolved)."""
-        try:
-            host, port = parse_endpoint(self.listen)
-        except ValueError as exc:
-            raise KVCacheError(str(exc)) from None
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-            sock.listen(512)
-        except OSError as exc:
-            sock.close()
-            raise KVCacheError(f"cannot bind data endpoint {self.listen}: {exc.strerror}") from None
-        sock.setblocking(False)
+        sock, self.endpoint = bind_listener(self.listen, backlog=512, what="data endpoint")
         self._listener = sock
         self._selector.register(sock, selectors.EVENT_READ, None)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        bound_host, bound_port = sock.getsockname()[:2]
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        self.endpoint = f"tcp://{shown}:{bound_port}"
+        self._selector.register(self._wake, selectors.EVENT_READ, None)
         return self.endpoint
 
     def serve(self, stop: threading.Event) -> None:
@@ -201,8 +179,8 @@ class DataServer:
                 for key, mask in self._selector.select(timeout):
                     if key.fileobj is self._listener:
                         self._accept()
-                    elif key.fileobj == self._wake_r:
-                        self._drain_wake()
+                    elif key.fileobj is self._wake:
+                        self._wake.drain()
                     else:
                         self._event(key.data, mask)
                 self._pump()
@@ -226,8 +204,7 @@ class DataServer:
 
     def wake(self) -> None:
         """Interrupt the idle poll (thread- and signal-safe)."""
-        with contextlib.suppress(OSError):  # full pipe: already woken; closed: shutting down
-            os.write(self._wake_w, b"\0")
+        self._wake.wake()
 
     def close(self) -> None:
         """Close every connection and the listening socket (idempotent)."""
@@ -238,45 +215,40 @@ class DataServer:
                 self._selector.unregister(self._listener)
             self._listener.close()
             self._listener = None
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self._wake.close()
         self._selector.close()
 
     # ------------------------------------------------------------------ connections
 
     def _accept(self) -> None:
         assert self._listener is not None
-        for _ in range(64):
-            try:
-                sock, addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
-                log.warning("accept failed: %s", exc)
-                self.metrics.error("accept")
-                return
-            sock.setblocking(False)
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            now = time.monotonic()
-            conn = _Conn(sock, addr, self._limits, now)
-            fd = sock.fileno()
-            for displaced in self._admission.preauth_open(fd, conn.peer, now):
-                other = self._conns.get(displaced)
-                if other is not None:
-                    self.metrics.error("preauth_evicted")
-                    self._close(other, "displaced by a newer unauthenticated connection")
-            self._conns[fd] = conn
-            self.metrics.connections += 1
-            self._watch(conn, selectors.EVENT_READ)
-            if conn.tls_done:
-                self._start_session(conn)
-            else:
-                self._tls_step(conn)
+        ready: list[tuple[socket.socket, Any]] = []
+        try:
+            ready.extend(accept_ready(self._listener))
+        except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
+            log.warning("accept failed: %s", exc)
+            self.metrics.error("accept")
+        for sock, addr in ready:
+            self._open(sock, addr)
+
+    def _open(self, sock: socket.socket, addr: Any) -> None:
+        if self._ssl is not None:
+            sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        now = time.monotonic()
+        conn = _Conn(sock, addr, self._limits, now)
+        fd = sock.fileno()
+        for displaced in self._admission.preauth_open(fd, conn.peer, now):
+            other = self._conns.get(displaced)
+            if other is not None:
+                self.metrics.error("preauth_evicted")
+                self._close(other, "displaced by a newer unauthenticated connection")
+        self._conns[fd] = conn
+        self.metrics.connections += 1
+        self._watch(conn, selectors.EVENT_READ)
+        if conn.tls_done:
+            self._start_session(conn)
+        else:
+            self._tls_step(conn)
 
     def _start_session(self, conn: _Conn) -> None:
         conn.handshake = ServerHandshake(self._credentials.tenant)
@@ -458,53 +430,23 @@ class DataServer:
     def _send(self, conn: _Conn, reply: Reply) -> None:
         """Start sending ``reply`` on ``conn``; the connection is read again once it is out."""
         conn.reply = reply
-        out = conn.out
-        for frame in reply.frames:
-            if isinstance(frame, native.Segments):
-                if frame.count:
-                    out.append(frame)
-                continue
-            view = memoryview(frame)
-            if view.nbytes:
-                out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+        conn.out.extend(reply.frames)
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
         sock = conn.sock
         out = conn.out
-        tls = isinstance(sock, ssl.SSLSocket)
-        gather = native.AVAILABLE and not tls
-        while out:
+        if out:
             try:
-                first = out[0]
-                if isinstance(first, native.Segments):
-                    if not gather:
-                        out.popleft()
-                        out.extendleft(reversed(first.views()))
-                        continue
-                    native.send_gather(sock.fileno(), first)
-                    conn.last_progress = time.monotonic()
-                    if not first.done:
-                        raise BlockingIOError  # the socket's buffer is full
-                    out.popleft()
-                    continue
-                sent = sock.send(first) if tls else sock.sendmsg(_head(out))
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
-                self._watch(conn, selectors.EVENT_WRITE)
-                return
+                sent = out.flush(sock)
             except (ssl.SSLError, OSError) as exc:
                 self._close(conn, f"send failed: {exc}")
                 return
-            conn.last_progress = time.monotonic()
-            while sent:
-                head = out[0]
-                assert isinstance(head, memoryview)
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    out.popleft()
-                else:
-                    out[0] = head[sent:]
-                    sent = 0
+            if sent:
+                conn.last_progress = time.monotonic()
+            if out:
+                self._watch(conn, selectors.EVENT_WRITE)
+                return
         if conn.reply is not None:
             conn.reply.done()
             conn.reply = None
@@ -521,15 +463,7 @@ class DataServer:
 
     def _watch(self, conn: _Conn, events: int) -> None:
         """Wait for ``events`` on ``conn`` (0: none, while its request is being answered)."""
-        if conn.sock.fileno() < 0 or events == conn.events:
-            return
-        if not events:
-            self._selector.unregister(conn.sock)
-        elif not conn.events:
-            self._selector.register(conn.sock, events, conn)
-        else:
-            self._selector.modify(conn.sock, events, conn)
-        conn.events = events
+        conn.events = watch(self._selector, conn.sock, conn.events, events, conn)
 
     def _close(self, conn: _Conn, why: str) -> None:
         if conn.reply is not None:
@@ -614,11 +548,6 @@ class DataServer:
                 self.metrics.error("scrub")
         return more
 
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._wake_r, 4096):
-                pass
-
     def _run_calls(self) -> None:
         while True:
             try:
@@ -631,16 +560,3 @@ class DataServer:
                 future.set_result(fn())
             except BaseException as exc:
                 future.set_exception(exc)
-
-
-def _head(out: collections.deque[memoryview | native.Segments]) -> list[memoryview]:
-    """The views at the head of ``out``, up to IOV_MAX or the first segments."""
-    if len(out) <= _IOV_MAX and type(out[-1]) is memoryview and type(out[0]) is memoryview:
-        # A reply is header and items, then its data: segments, if any, are at the end.
-        return list(out)  # type: ignore[arg-type]
-    views: list[memoryview] = []
-    for item in out:
-        if type(item) is not memoryview or len(views) == _IOV_MAX:
-            break
-        views.append(item)
-    return views

@@ -15,6 +15,7 @@ Everything read from a peer is validated here and raises only
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,19 +27,25 @@ from kvcache.keys import BlockKey
 from kvcache.swa_local.state import DIGEST_BYTES, StateKey
 from kvcache.wire import (
     DIR_ANSWER_DTYPE,
+    FLAG_REPLY,
+    Header,
     Op,
     Status,
-    data_offsets,
     make_items,
     parse_endpoint,
 )
 
 __all__ = [
+    "GET_ITEM",
+    "GET_REPLY_ITEM",
     "FetchAnswer",
+    "GetItem",
     "HolderRecord",
-    "get_items",
+    "get_reply",
+    "get_request",
     "parse_answers",
     "parse_get_reply",
+    "parse_get_request",
     "record_items",
 ]
 
@@ -127,16 +134,40 @@ def parse_answers(
     return out
 
 
-def get_items(wanted: Sequence[tuple[StateKey, int]]) -> npt.NDArray[np.void]:
-    """SWA_GET request items for (state key, expected holder incarnation) pairs."""
-    items = make_items(Op.SWA_GET, len(wanted), reply=False)
-    for i, (key, incarnation) in enumerate(wanted):
-        row = items[i]
-        row["key"] = key.block
-        row["position"] = key.position
-        row["state_ns"] = key.namespace
-        row["incarnation"] = incarnation
-    return items
+#: One SWA_GET request item, as ``wire.ITEM_DTYPES[(Op.SWA_GET, False)]`` lays it out:
+#: key, position, pad, state namespace, incarnation. ``struct`` rather than numpy records:
+#: a fetch asks for one state or a few, where a numpy field access costs microseconds.
+GET_ITEM = struct.Struct("<16sI4x8sQ")
+#: One SWA_GET reply item (``wire.ITEM_DTYPES[(Op.SWA_GET, True)]``): status, pad, length,
+#: digest.
+GET_REPLY_ITEM = struct.Struct("<B3xI16s")
+_OK = int(Status.OK)
+_STATUSES = {int(s): s for s in Status}
+
+
+def get_request(request_id: int, wanted: Sequence[tuple[StateKey, int]]) -> bytes:
+    """An SWA_GET request (header and items) for (state key, expected holder incarnation)
+    pairs."""
+    header = Header(op=Op.SWA_GET, request_id=request_id, count=len(wanted))
+    pack = GET_ITEM.pack
+    return header.pack() + b"".join(
+        pack(key.block, key.position, key.namespace, incarnation) for key, incarnation in wanted
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GetItem:
+    """One state an SWA_GET request asks for, as read off the wire (unvalidated)."""
+
+    block: bytes
+    position: int
+    namespace: bytes
+    incarnation: int
+
+
+def parse_get_request(items: bytes | memoryview) -> list[GetItem]:
+    """The items of an SWA_GET request (whole items: the reader checked the size)."""
+    return [GetItem(*fields) for fields in GET_ITEM.iter_unpack(items)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,19 +180,37 @@ class FetchAnswer:
     digest: bytes
 
 
-def parse_get_reply(items: npt.NDArray[np.void], asked: int) -> list[FetchAnswer]:
-    """The answers of an SWA_GET reply to ``asked`` items (ProtocolError if malformed)."""
-    if len(items) != asked:
-        raise ProtocolError(f"SWA_GET reply has {len(items)} items for {asked} asked")
-    offsets = data_offsets(items).tolist()
+def get_reply(request: Header, answers: Sequence[tuple[Status, int, bytes]]) -> bytes:
+    """An SWA_GET reply's header and items for (status, length, digest) answers; the states'
+    bytes follow it, back to back in item order."""
+    header = Header(
+        op=Op.SWA_GET,
+        request_id=request.request_id,
+        count=len(answers),
+        data_len=sum(length for _, length, _ in answers),
+        flags=FLAG_REPLY,
+    )
+    pack = GET_REPLY_ITEM.pack
+    return header.pack() + b"".join(pack(int(st), n, d) for st, n, d in answers)
+
+
+def parse_get_reply(items: bytes | memoryview, asked: int, data_len: int) -> list[FetchAnswer]:
+    """The answers of an SWA_GET reply to ``asked`` items, from its items section, checked
+    against its data section's length (ProtocolError if malformed)."""
+    if len(items) != asked * GET_REPLY_ITEM.size:
+        raise ProtocolError(
+            f"SWA_GET reply has {len(items) / GET_REPLY_ITEM.size:g} items for {asked} asked"
+        )
     out = []
-    for row, offset in zip(items, offsets, strict=True):
-        try:
-            status = Status(int(row["status"]))
-        except ValueError:
-            raise ProtocolError(f"unknown item status {int(row['status'])}") from None
-        length = int(row["length"])
-        if status is not Status.OK and length:
-            raise ProtocolError("a state that is not OK carries bytes")
-        out.append(FetchAnswer(status, offset, length, bytes(row["digest"])))
+    offset = 0
+    for status, length, digest in GET_REPLY_ITEM.iter_unpack(items):
+        if status != _OK:
+            if status not in _STATUSES:
+                raise ProtocolError(f"unknown item status {status}")
+            if length:
+                raise ProtocolError("a state that is not OK carries bytes")
+        out.append(FetchAnswer(_STATUSES[status], offset, length, digest))
+        offset += length
+    if offset != data_len:
+        raise ProtocolError(f"item lengths add up to {offset}, data section is {data_len}")
     return out

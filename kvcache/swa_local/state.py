@@ -38,6 +38,7 @@ __all__ = [
     "STATE_NS_TAG",
     "StateKey",
     "state_digest",
+    "state_hasher",
     "state_namespace_id",
     "window_blocks",
 ]
@@ -56,9 +57,15 @@ def state_namespace_id(namespace: Namespace) -> bytes:
     return xxhash.xxh3_64_digest(STATE_NS_TAG + namespace.seed)
 
 
+def state_hasher() -> xxhash.xxh3_128:
+    """A hasher that gives :func:`state_digest` of the bytes it is fed, piece by piece
+    (a fetch hashes each piece of a state while it is still in cache)."""
+    return xxhash.xxh3_128(STATE_DIGEST_TAG)
+
+
 def state_digest(data: bytes | bytearray | memoryview) -> bytes:
     """The 16-byte xxh3-128 digest of a state's bytes (no copy of ``data``)."""
-    hasher = xxhash.xxh3_128(STATE_DIGEST_TAG)
+    hasher = state_hasher()
     hasher.update(data)
     return hasher.digest()
 

@@ -167,13 +167,26 @@ class SwaTier:
         holders: Sequence[HolderRecord] = (),
         *,
         timeout_s: float | None = None,
+        out: memoryview | None = None,
     ) -> bytes | memoryview | None:
         """State ``key``: from this worker's store, else from the first holder that has it,
-        verified against its record's digest; None when nobody could serve it in time."""
+        verified against its record's digest; None when nobody could serve it in time.
+
+        With ``out`` (a writable buffer of the state's size), the state is written there
+        (a holder's reply is received into it) and ``out`` comes back; a state of another
+        size is a miss, and after a miss ``out`` holds undefined bytes.
+        """
         local = self.store.get(key)
         if local is not None:
             self._count("local_hits")
-            return local.data
+            if out is None:
+                return local.data
+            view = memoryview(out).cast("B")
+            if view.nbytes != local.nbytes:
+                self._count("misses")
+                return None
+            view[:] = local.data
+            return view
         deadline = self._clock() + (
             timeout_s if timeout_s is not None else self.config.fetch_timeout_s
         )
@@ -185,7 +198,12 @@ class SwaTier:
             if self._clock() >= deadline:
                 break
             want = Wanted(key, record.incarnation, record.digest)
-            (got,) = self.transport.fetch(record.endpoint, [want], deadline=deadline)
+            if out is None:
+                (got,) = self.transport.fetch(record.endpoint, [want], deadline=deadline)
+            else:
+                (got,) = self.transport.fetch(
+                    record.endpoint, [want], deadline=deadline, out=[memoryview(out)]
+                )
             if got is not None:
                 self._count("remote_hits")
                 return got
