@@ -983,7 +983,7 @@ class ShardStore:
         """Remove matching shards (stripe 0: any; index NO_INDEX: all of the key) in one txn."""
         status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
         deltas = Deltas()
-        deleted: dict[bytes, list[tuple[int, int, int]]] = {}
+        deleted: dict[bytes, list[tuple[int, int, int, bytes]]] = {}
         try:
             with self._env.begin(write=True) as txn:
                 cursor = txn.cursor(db=self._retention)
@@ -1006,7 +1006,7 @@ class ShardStore:
                             continue
                         self._remove(txn, skey, rec, deltas)
                         gone = deleted.setdefault(partition(tenant, rec.traffic_class), [])
-                        gone.append((rec.expiry_ms, rec.size, rec.written_ms))
+                        gone.append((rec.expiry_ms, rec.size, rec.written_ms, skey))
                         status[i] = Status.OK
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
@@ -1386,7 +1386,7 @@ class ShardStore:
         to_free = 2**63 if until_bytes is None else until_bytes
         removed = deltas.removed
         nbytes = 0
-        gone: list[tuple[int, int, int]] = []  # (expiry, size, written) of each removed
+        gone: list[tuple[int, int, int, bytes]] = []  # (expiry, size, written, key) of each
         tenant = part[:TENANT_LEN]
         try:
             with self._env.begin(write=True) as txn:
@@ -1442,7 +1442,8 @@ class ShardStore:
                         deltas.add_segment(seg, -int(b), -c)
                     removed.extend(taken)
                     written = [RETENTION_HEAD.unpack_from(v)[3] for _, v in heads[:take]]
-                    gone.extend(zip([expiry] * take, sizes[:take].tolist(), written, strict=True))
+                    gone.extend(zip([expiry] * take, sizes[:take].tolist(), written, taken,
+                                    strict=True))  # fmt: skip
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting expired or evicted shards") from exc
@@ -1453,7 +1454,9 @@ class ShardStore:
         self._count_removed(part, cause, gone)
         return deltas
 
-    def _count_removed(self, part: bytes, cause: str, gone: list[tuple[int, int, int]]) -> None:
+    def _count_removed(
+        self, part: bytes, cause: str, gone: list[tuple[int, int, int, bytes]]
+    ) -> None:
         """Count removals of partition ``part``: an already expired shard that pressure
         reached counts as ``expired``, a live one under its ``cause``."""
         if not gone:
@@ -1465,10 +1468,10 @@ class ShardStore:
             if dead:
                 gone = [g for g in gone if decide.is_live(g[0], now)]
                 self.removals.record(tenant, name, "expired", sizes=[g[1] for g in dead],
-                                     ages_ms=[now - g[2] for g in dead])  # fmt: skip
-        self.removals.record(
-            tenant, name, cause, sizes=[g[1] for g in gone], ages_ms=[now - g[2] for g in gone]
-        )
+                                     ages_ms=[now - g[2] for g in dead],
+                                     keys=[g[3] for g in dead])  # fmt: skip
+        self.removals.record(tenant, name, cause, sizes=[g[1] for g in gone],
+                             ages_ms=[now - g[2] for g in gone], keys=[g[3] for g in gone])  # fmt: skip
 
     def _delete_entries(
         self, txn: lmdb.Transaction, part: bytes, ekey: bytes, skeys: list[bytes], deltas: Deltas
