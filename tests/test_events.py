@@ -369,3 +369,30 @@ def last_seq(path: Path) -> int:
 def removed_count(path: Path) -> int:
     return sum(len(e[3]) for r in read_lines(path) if "seq" in r for e in r["events"]
                if e[0] == "BlockRemoved")  # fmt: skip
+
+
+def test_cli_prints_one_line_per_event(tmp_path: Path) -> None:
+    with DaemonProcess(tmp_path, server=EVENTS) as daemon:
+        info = json.loads(daemon.ready_path.read_text())
+        with daemon.probe(tenant="alice") as probe:
+            probe.put(block_records(b"c" * 16, indices=[0, 1]))
+            wait_until(lambda: daemon.stats()["events"]["batches"] == 1, what="a batch")
+            probe.delete([(b"c" * 16, 0, 0)])
+        wait_until(lambda: daemon.stats()["events"]["batches"] == 2, what="two batches")
+        base = [sys.executable, "-m", "kvcache.cli", "events", "--endpoint", info["events"],
+                "--replay-endpoint", info["events_replay"], "--tenant", "alice",
+                "--credentials", str(daemon.credentials_path)]  # fmt: skip
+        text = subprocess.run(base, capture_output=True, text=True, timeout=60, check=True).stdout
+        lines = text.splitlines()
+        assert len(lines) == 2, text
+        assert " alice #0 BlockStored STORAGE n=2 " + (b"c" * 16).hex() in lines[0]
+        assert " alice #1 BlockRemoved STORAGE deleted class=chat n=1 " in lines[1]
+        doc = subprocess.run([*base, "--json", "--count", "1"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout  # fmt: skip
+        assert json.loads(doc) | {"node": None} == {
+            "node": None, "tenant": "alice", "seq": 0, "event": "BlockStored",
+            "medium": "STORAGE", "keys": [(b"c" * 16).hex()] * 2, "shards": [0, 1]}  # fmt: skip
+        # The wrong tenant's secret: the daemon answers nothing, the command prints nothing.
+        wrong = subprocess.run([*base[:-4], "--tenant", "alice", "--token", "0" * 64],
+                               capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        assert wrong.stdout == ""
