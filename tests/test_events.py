@@ -392,7 +392,61 @@ def test_cli_prints_one_line_per_event(tmp_path: Path) -> None:
         assert json.loads(doc) | {"node": None} == {
             "node": None, "tenant": "alice", "seq": 0, "event": "BlockStored",
             "medium": "STORAGE", "keys": [(b"c" * 16).hex()] * 2, "shards": [0, 1]}  # fmt: skip
-        # The wrong tenant's secret: the daemon answers nothing, the command prints nothing.
+        # A wrong token: the daemon answers nothing; no event, and the replay it asked for
+        # times out (said on a RESYNC line).
         wrong = subprocess.run([*base[:-4], "--tenant", "alice", "--token", "0" * 64],
                                capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
-        assert wrong.stdout == ""
+        assert "Block" not in wrong.stdout and "replay timed out" in wrong.stdout
+
+
+def test_swa_holder_records_coming_and_going_are_events() -> None:
+    """The daemon's SWA directory tells the publisher of each record registered, withdrawn,
+    evicted and expired (wired as kvcache.server.daemon wires it; expiry by the clock)."""
+    from server_fixtures import FakeClock
+    from test_swa_directory import record
+
+    from kvcache.server.swa_directory import SwaDirectory
+    from kvcache.swa_local.protocol import record_items
+
+    tenant = b"\x02" * 8
+    clock = FakeClock(100.0)
+    directory = SwaDirectory(max_per_key=1, clock=clock)
+    publisher = EventPublisher(
+        PublisherSettings(listen="tcp://127.0.0.1:0", auth=False), tenants={tenant: ("t", b"")}
+    )
+
+    def listener(t: bytes, raw: bytes, cause: str | None) -> None:
+        if cause is None:
+            publisher.swa_stored(t, raw)
+        else:
+            publisher.swa_removed(t, raw, cause)
+
+    directory.listener = listener
+    try:
+        with Subscriber(publisher.endpoint, publisher.replay_endpoint, tenant="t") as sub:
+            wait_until(lambda: publisher.counters["subscriptions"] >= 1, what="subscription")
+            put = lambda rec: directory.put(tenant, record_items([rec]))  # noqa: E731
+            put(record(1, ttl_s=5.0))
+            put(record(1, ttl_s=0.0))  # withdrawn by its worker
+            put(record(2, ttl_s=5.0, endpoint="tcp://10.0.0.1:7000"))
+            put(record(2, ttl_s=5.0, endpoint="tcp://10.0.0.2:7000"))  # one per key: evicts
+            clock.step(10.0)
+            directory.expire()
+            publisher.flush()
+            events: list[Any] = []
+            wait_until(lambda: events.extend(e for i in sub.poll(0.2) if isinstance(i, Delivery)
+                                             for e in i.batch.events) or len(events) >= 6,
+                       what="six events")  # fmt: skip
+        got = [(type(e).__name__, e.medium, getattr(e, "kvcache_cause", None),
+                e.block_hashes[0][-1], e.kvcache_holders) for e in events]  # fmt: skip
+        assert got == [
+            ("BlockStored", "SWA", None, 1, ["tcp://10.0.0.1:7000"]),
+            ("BlockRemoved", "SWA", "withdrawn", 1, ["tcp://10.0.0.1:7000"]),
+            ("BlockStored", "SWA", None, 2, ["tcp://10.0.0.1:7000"]),
+            ("BlockRemoved", "SWA", "evicted", 2, ["tcp://10.0.0.1:7000"]),
+            ("BlockStored", "SWA", None, 2, ["tcp://10.0.0.2:7000"]),
+            ("BlockRemoved", "SWA", "expired", 2, ["tcp://10.0.0.2:7000"]),
+        ]
+        assert events[0].kvcache_ttl_ms == [5000] and events[0].kvcache_positions == [64]
+    finally:
+        publisher.close()
