@@ -6,7 +6,8 @@ process (on this machine, so it competes for the same cores: a conservative figu
 every event of every daemon. One client stores the same prompt (``--blocks`` 112 KiB blocks)
 under a fresh namespace and deletes it again (removal events too), alternating A and B
 round by round, so both see the same machine. Prints each side's best and median store
-throughput and B / A; the target is >= 0.95 (issue 20: the event path costs <= 5 %).
+throughput and B / A (the target is >= 0.95: issue 20, the event path costs <= 5 %), and
+the 12 daemons' CPU seconds per GB on each side (the steadier figure on a loaded machine).
 
 Usage: python bench/events.py [--quick] [--json PATH] [--rounds N] [--blocks N]
 """
@@ -14,6 +15,7 @@ Usage: python bench/events.py [--quick] [--json PATH] [--rounds N] [--blocks N]
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -60,13 +63,21 @@ def main() -> int:
         )  # fmt: skip
         lines = _Counter(follower)
         try:
-            time.sleep(1.0)  # the follower's subscriptions reach every daemon
+            deadline = time.monotonic() + 60
+            while any(_stats(n.admin)["events"]["subscriptions"] < 1 for n in on.nodes):
+                if time.monotonic() > deadline or follower.poll() is not None:
+                    raise RuntimeError("the follower did not subscribe to every daemon")
+                time.sleep(0.2)  # waiting for another process's subscriptions
             clients = {"off": Client(off.client_config()), "on": Client(on.client_config())}
+            pids = {"off": [off.pid(i) for i in range(12)], "on": [on.pid(i) for i in range(12)]}
             times: dict[str, list[float]] = {"off": [], "on": []}
+            cpu: dict[str, float] = {"off": 0.0, "on": 0.0}
+            follower_cpu = _cpu([follower.pid])
             for r in range(rounds + 1):
                 for side in ("off", "on") if r % 2 else ("on", "off"):
                     client = clients[side]
                     ns = Namespace(model=f"ev-{side}-{r}", revision="1", layout=layout)
+                    used = _cpu(pids[side])
                     start = time.perf_counter()
                     res = client.store(ns, tokens, src)
                     elapsed = time.perf_counter() - start
@@ -74,8 +85,10 @@ def main() -> int:
                     client.delete(ns, tokens)
                     if r:  # round 0 warms both up
                         times[side].append(elapsed)
+                        cpu[side] += _cpu(pids[side]) - used
             for client in clients.values():
                 client.close()
+            follower_cpu = _cpu([follower.pid]) - follower_cpu
             dropped = sum(_stats(n.admin)["events"]["dropped"] for n in on.nodes)
             published = sum(_stats(n.admin)["events"]["events"] for n in on.nodes)
         finally:
@@ -94,6 +107,12 @@ def main() -> int:
         "events_on_put_gbps_median": round(median["on"], 3),
         "events_put_ratio_best": round(best["on"] / best["off"], 3),
         "events_put_ratio_median": round(median["on"] / median["off"], 3),
+        # CPU seconds of the 12 daemons per GB stored (and deleted), over the timed rounds:
+        # what the event path costs the daemons, less sensitive to a loaded machine.
+        "events_off_daemon_cpu_s_per_gb": round(cpu["off"] / (gb * rounds), 3),
+        "events_on_daemon_cpu_s_per_gb": round(cpu["on"] / (gb * rounds), 3),
+        "events_daemon_cpu_ratio": round(cpu["on"] / cpu["off"], 3),
+        "follower_cpu_s_per_gb": round(follower_cpu / (gb * rounds), 3),
         "events_published": published,
         "events_dropped": dropped,
         "events_lines_followed": lines.count,
@@ -128,9 +147,19 @@ class _Counter:
         self._thread.join(10)
 
 
-def _stats(admin: str) -> dict[str, object]:
+def _cpu(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def _stats(admin: str) -> dict[str, Any]:
     with urllib.request.urlopen(admin + "/stats", timeout=10) as resp:
-        doc: dict[str, object] = json.loads(resp.read())
+        doc: dict[str, Any] = json.loads(resp.read())
         return doc
 
 

@@ -27,9 +27,11 @@ a subscriber sees the gap, asks for replay and is told to resync.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -62,8 +64,9 @@ log = logging.getLogger(__name__)
 #: The PLAIN user name that sees every tenant's stream (password: the admin token).
 ADMIN_USER = "admin"
 _TOKEN_TAG = b"kvcache:events:v1"
-#: How often the publisher thread wakes when idle (seconds); bounds event latency.
-_IDLE_POLL_S = 0.005
+#: The publisher thread sleeps in poll at most this long when nothing is queued (the
+#: serving thread wakes it through a pipe when it queues the first entry).
+_IDLE_POLL_S = 1.0
 
 
 def events_token(secret: bytes) -> str:
@@ -176,6 +179,10 @@ class EventPublisher:
             self._close_sockets()
             raise ConfigError(f"events: cannot bind {settings.listen}: {exc}") from None
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sleeping = False
         self._thread = threading.Thread(target=self._run, name="kvcache-events", daemon=True)
         self._thread.start()
         log.info("events: publishing on %s, replay on %s (%s)", self.endpoint,
@@ -190,6 +197,10 @@ class EventPublisher:
             return
         self._queue.append(entry)
         self.counters["queued"] += 1
+        if self._sleeping:  # one byte wakes the publisher thread; none while it is awake
+            self._sleeping = False
+            with contextlib.suppress(OSError):  # full pipe: awake already; closed: stopping
+                os.write(self._wake_w, b"\0")
 
     def stored(self, tenant: bytes, items: np.ndarray[Any, Any]) -> None:
         """PUT items (records with ``key`` and ``index``) stored for ``tenant``."""
@@ -226,7 +237,12 @@ class EventPublisher:
         """Publish what is queued, stop the thread, close the sockets (idempotent)."""
         if not self._stop.is_set():
             self._stop.set()
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"\0")
             self._thread.join(timeout_s)
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self._close_sockets()
 
     def flush(self, timeout_s: float = 10.0) -> None:
@@ -256,16 +272,28 @@ class EventPublisher:
         poller = zmq.Poller()
         poller.register(self._pub, zmq.POLLIN)
         poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic() + self._tick_s
         while True:
             stopping = self._stop.is_set()
-            timeout = 0 if (self._queue or stopping) else int(_IDLE_POLL_S * 1000)
+            timeout = 0
+            if not (self._queue or stopping):
+                self._sleeping = True
+                if self._queue:  # queued between the check and the flag: no sleep
+                    self._sleeping = False
+                else:
+                    left = next_tick - time.monotonic() if self._tick is not None else _IDLE_POLL_S
+                    timeout = max(0, int(min(_IDLE_POLL_S, left) * 1000))
             try:
                 for sock, _ in poller.poll(timeout):
                     if sock is self._pub:
                         self._subscription()
-                    else:
+                    elif sock is self._router:
                         self._replay()
+                    else:
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 4096)
+                self._sleeping = False
                 self._busy = True
                 self._publish_queued()
             except zmq.ZMQError as exc:
