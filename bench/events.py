@@ -42,6 +42,8 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=0, help="rounds per side (default 12, quick 6)")
     p.add_argument("--blocks", type=int, default=0, help="blocks per store (default 512)")
+    p.add_argument("--aa", action="store_true",
+                   help="A/A: cluster B without events and no follower (the noise floor)")  # fmt: skip
     args = p.parse_args()
     rounds = args.rounds or (6 if args.quick else 12)
     blocks = args.blocks or (256 if args.quick else 512)
@@ -53,18 +55,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         off = LocalCluster(root / "off").start(nodes=12, capacity="4GiB")
-        on = LocalCluster(root / "on").start(
-            nodes=12, capacity="4GiB", extra_args=("--events-listen", "tcp://127.0.0.1:0")
-        )
+        events = () if args.aa else ("--events-listen", "tcp://127.0.0.1:0")
+        on = LocalCluster(root / "on").start(nodes=12, capacity="4GiB", extra_args=events)
+        follow = [
+            sys.executable,
+            "-m",
+            "kvcache.cli",
+            "events",
+            "--follow",
+            "--admin",
+            "--cluster-file",
+            str(on.cluster_file),
+            "--credentials",
+            str(on.credentials_file),
+        ]
         follower = subprocess.Popen(
-            [sys.executable, "-m", "kvcache.cli", "events", "--follow", "--admin",
-             "--cluster-file", str(on.cluster_file), "--credentials", str(on.credentials_file)],
+            follow if not args.aa else [sys.executable, "-c", "import time; time.sleep(3600)"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         lines = _Counter(follower)
         try:
             deadline = time.monotonic() + 60
-            while any(_stats(n.admin)["events"]["subscriptions"] < 1 for n in on.nodes):
+            while not args.aa and any(
+                _stats(n.admin)["events"]["subscriptions"] < 1 for n in on.nodes
+            ):
                 if time.monotonic() > deadline or follower.poll() is not None:
                     raise RuntimeError("the follower did not subscribe to every daemon")
                 time.sleep(0.2)  # waiting for another process's subscriptions
@@ -89,8 +103,9 @@ def main() -> int:
             for client in clients.values():
                 client.close()
             follower_cpu = _cpu([follower.pid]) - follower_cpu
-            dropped = sum(_stats(n.admin)["events"]["dropped"] for n in on.nodes)
-            published = sum(_stats(n.admin)["events"]["events"] for n in on.nodes)
+            side_b = [_stats(n.admin).get("events", {}) for n in on.nodes]
+            dropped = sum(e.get("dropped", 0) for e in side_b)
+            published = sum(e.get("events", 0) for e in side_b)
         finally:
             follower.terminate()
             follower.wait(10)
@@ -118,6 +133,7 @@ def main() -> int:
         "events_lines_followed": lines.count,
         "rounds": rounds,
         "blocks": blocks,
+        "aa": args.aa,
         "commit": commit(),
         "machine": machine(),
     }
