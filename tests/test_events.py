@@ -162,9 +162,9 @@ def test_a_subscriber_too_far_behind_is_told_to_resync(tmp_path: Path) -> None:
         alice = daemon.credentials.tenant("alice")
         assert alice is not None
         with daemon.probe(tenant="alice") as probe:
-            for n in range(6):  # six PUT replies: six batches, three kept
+            for n in range(6):  # six PUT replies, each its own batch: six batches, three kept
                 probe.put(block_records(n.to_bytes(16, "big"), indices=[0]))
-        wait_until(lambda: daemon.stats()["events"]["batches"] == 6, what="six batches")
+                wait_until(lambda n=n: daemon.stats()["events"]["batches"] == n + 1, what="batch")
         with Subscriber(info["events"], info["events_replay"], tenant="alice",
                         secret=alice.secret, start_seq=3) as sub:  # fmt: skip
             caught = sub.poll(0.1)
@@ -450,3 +450,35 @@ def test_swa_holder_records_coming_and_going_are_events() -> None:
         assert events[0].kvcache_ttl_ms == [5000] and events[0].kvcache_positions == [64]
     finally:
         publisher.close()
+
+
+def test_a_daemon_restart_is_a_resync(tmp_path: Path) -> None:
+    """A restarted daemon starts its topics at 0 again: a subscriber restarted with the
+    sequence it had reached asks past the new stream's end and is told to resync."""
+    from kvcache.testing.localcluster import free_ports
+
+    pub, replay = free_ports(2)
+    server = {**EVENTS, "events_listen": f"tcp://127.0.0.1:{pub}",
+              "events_replay_listen": f"tcp://127.0.0.1:{replay}"}  # fmt: skip
+    daemon = DaemonProcess(tmp_path, server=server).start()
+    alice = daemon.credentials.tenant("alice")
+    assert alice is not None
+    endpoints = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with daemon.probe(tenant="alice") as probe:
+            for n in range(3):
+                probe.put(block_records(n.to_bytes(16, "big"), indices=[0]))
+                wait_until(lambda n=n: daemon.stats()["events"]["batches"] == n + 1, what="batch")
+        with Subscriber(*endpoints, tenant="alice", secret=alice.secret, start_seq=0) as sub:
+            assert [i.seq for i in sub.poll(0.1) if isinstance(i, Delivery)] == [0, 1, 2]
+        daemon.stop()
+        daemon.start()
+        with daemon.probe(tenant="alice") as probe:
+            probe.put(block_records(b"r" * 16, indices=[0]))
+        wait_until(lambda: daemon.stats()["events"]["batches"] == 1, what="the new stream")
+        with Subscriber(*endpoints, tenant="alice", secret=alice.secret, start_seq=3) as late:
+            told = late.poll(0.1)
+        assert [type(i) for i in told] == [Resync]
+        assert isinstance(told[0], Resync) and "restarted" in told[0].reason
+    finally:
+        daemon.__exit__()

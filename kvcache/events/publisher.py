@@ -450,7 +450,10 @@ class EventPublisher:
                 self._router.send_multipart((ident, b"", stream.topic, pack_seq(seq), payload),
                                             copy=False)  # fmt: skip
                 self.counters["replayed_batches"] += 1
-        self._router.send_multipart((ident, b"", b"", END_SEQ, b""))
+        # The end marker's first frame (empty in vLLM's, ignored by its subscribers) carries
+        # the stream's next sequence number: a subscriber asking past it learns that this
+        # stream restarted (a daemon restart starts every topic at 0 again).
+        self._router.send_multipart((ident, b"", pack_seq(stream.next_seq), END_SEQ, b""))
 
 
 def _event(entry: tuple[Any, ...]) -> BlockStored | BlockRemoved:

@@ -120,6 +120,8 @@ class Subscriber:
         self.next_seq: dict[bytes, int] = {}
         self._start_seq = start_seq
         self._pending: list[Delivery | Resync] = []
+        #: The last sequence received live, per topic (a smaller one later: a restart).
+        self._last_live: dict[bytes, int] = {}
         self.counters = dict.fromkeys(("delivered", "replayed", "gaps", "resyncs"), 0)
         if start_seq is not None and admin_token is None and tenant is not None:
             self._catch_up(self.topic, start_seq, None)
@@ -184,13 +186,18 @@ class Subscriber:
             start = self._start_seq if self._start_seq is not None else seq
             expected = self.next_seq[topic] = start
         if seq < expected:
-            return  # replayed already
+            if seq <= self._last_live.get(topic, -1):  # a live stream never goes back:
+                self._resync(topic, expected, seq, "the daemon's stream restarted")
+                self._deliver(Delivery(topic, seq, batch, replayed=False))
+                self._last_live[topic] = seq
+            return  # otherwise: replayed already
         if seq > expected:
             self.counters["gaps"] += 1
             self._catch_up(topic, expected, seq)
             if seq < self.next_seq[topic]:
                 return
         self._deliver(Delivery(topic, seq, batch, replayed=False))
+        self._last_live[topic] = seq
 
     def _deliver(self, item: Delivery) -> None:
         self.next_seq[item.topic] = item.seq + 1
@@ -222,7 +229,10 @@ class Subscriber:
             except FormatError:
                 continue
             if seq == -1:
-                if upto is not None and self.next_seq[topic] < upto:
+                if len(got_topic) == 8 and start > unpack_seq(got_topic):
+                    # Asked past the daemon's last batch: its stream started again at 0.
+                    self._resync(topic, start, upto, "the daemon's stream restarted")
+                elif upto is not None and self.next_seq[topic] < upto:
                     self._resync(topic, self.next_seq[topic], upto, "replay ended short")
                 return
             if seq == -2:
