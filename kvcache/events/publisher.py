@@ -177,7 +177,9 @@ class EventPublisher:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
-            self._router.setsockopt(zmq.SNDHWM, 0)  # what is replayed is bounded by the buffer
+            # One full replay per subscriber at most; past it ROUTER drops (the subscriber then
+            # misses the end marker, times out and resyncs) rather than queue without bound.
+            self._router.setsockopt(zmq.SNDHWM, settings.replay_batches + 2)
             for sock in (self._pub, self._router):
                 sock.plain_server = settings.auth
             self.endpoint = _bind(self._pub, settings.listen)
