@@ -42,8 +42,18 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=0, help="rounds per side (default 12, quick 6)")
     p.add_argument("--blocks", type=int, default=0, help="blocks per store (default 512)")
-    p.add_argument("--aa", action="store_true",
-                   help="A/A: cluster B without events and no follower (the noise floor)")  # fmt: skip
+    p.add_argument(
+        "--aa",
+        action="store_true",
+        help="A/A: cluster B without events and no follower (the noise floor)",
+    )
+    p.add_argument(
+        "--swap",
+        action="store_true",
+        help="start the events cluster first (checks the order of start-up)",
+    )
+    p.add_argument("--no-follower", action="store_true",
+                   help="events on, but no subscriber (what publishing alone costs)")  # fmt: skip
     args = p.parse_args()
     rounds = args.rounds or (6 if args.quick else 12)
     blocks = args.blocks or (256 if args.quick else 512)
@@ -54,9 +64,12 @@ def main() -> int:
                     for i in range(blocks)])  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        off = LocalCluster(root / "off").start(nodes=12, capacity="4GiB")
         events = () if args.aa else ("--events-listen", "tcp://127.0.0.1:0")
-        on = LocalCluster(root / "on").start(nodes=12, capacity="4GiB", extra_args=events)
+        if args.swap:
+            on = LocalCluster(root / "on").start(nodes=12, capacity="4GiB", extra_args=events)
+        off = LocalCluster(root / "off").start(nodes=12, capacity="4GiB")
+        if not args.swap:
+            on = LocalCluster(root / "on").start(nodes=12, capacity="4GiB", extra_args=events)
         follow = [
             sys.executable,
             "-m",
@@ -70,13 +83,15 @@ def main() -> int:
             str(on.credentials_file),
         ]
         follower = subprocess.Popen(
-            follow if not args.aa else [sys.executable, "-c", "import time; time.sleep(3600)"],
+            follow
+            if not (args.aa or args.no_follower)
+            else [sys.executable, "-c", "import time; time.sleep(3600)"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         lines = _Counter(follower)
         try:
             deadline = time.monotonic() + 60
-            while not args.aa and any(
+            while not (args.aa or args.no_follower) and any(
                 _stats(n.admin)["events"]["subscriptions"] < 1 for n in on.nodes
             ):
                 if time.monotonic() > deadline or follower.poll() is not None:
@@ -134,6 +149,8 @@ def main() -> int:
         "rounds": rounds,
         "blocks": blocks,
         "aa": args.aa,
+        "no_follower": args.no_follower,
+        "swap": args.swap,
         "commit": commit(),
         "machine": machine(),
     }
