@@ -27,6 +27,7 @@ _AREAS = (
     "kvcache.membership.cli",
     "kvcache.repair.cli",
     "kvcache.sim.cli",
+    "kvcache.events.cli",
 )
 
 

@@ -26,13 +26,17 @@ and one full-attention group. Four engine processes, greedy:
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from vllm_e2e.harness import E2E, EngineRun, HeldEngine, build_vllm_python, run, run_engine
 
+from kvcache.engine.vllm_meta import namespace_from_dict
+from kvcache.keys import block_keys
 from kvcache.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -54,6 +58,8 @@ class Runs:
     a: EngineRun
     b: EngineRun
     c: EngineRun
+    #: vLLM's KV events of engine b (kv_events_config on), as run_engine.py decoded them.
+    b_events: list[dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +99,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             # Long enough to outlive the test on a slow machine: C must still find the record.
             swa_ttl_s=3600,
         )
-        b = engine("b", {"c1": C1, "p2": P2}, swa_ttl_s=0.05)
+        b = engine("b", {"c1": C1, "p2": P2}, swa_ttl_s=0.05, kv_events=True)
         a = held.release()
         held = None
         c = engine("c", {"c1": C1, "c2": C2})
-        yield Runs(baseline, a, b, c)
+        yield Runs(baseline, a, b, c, json.loads((work / "b-out.json").read_text())["kv_events"])
     finally:
         if held is not None:
             held.kill()
@@ -152,3 +158,25 @@ def test_an_expired_state_offers_nothing_and_output_is_identical(runs: Runs) -> 
     assert scheduler["tokens_matched"] == 0 and scheduler["swa_hits"] == 0
     assert worker["blocks_loaded"] == 0
     assert c.phases["c2"]["num_cached_tokens"] == [0]
+
+
+def test_held_states_and_stored_blocks_reach_vllms_publisher(runs: Runs) -> None:
+    """Engine b ran with vLLM's KV events on: its stores and loads arrive as STORAGE events of
+    the full-attention group, each state it holds as one CPU event per sliding-window group,
+    with that group's index and window (docs/engine.md, "KV events")."""
+    ns = runs.b.final["worker"]["namespace"]
+    keys = {k.hex() for k in block_keys(namespace_from_dict(ns), C1)}
+    storage = [e for e in runs.b_events if e["medium"] == "STORAGE"]
+    held = [e for e in runs.b_events if e["medium"] == "CPU"]
+    assert storage and {e["kv_cache_spec_kind"] for e in storage} == {"full_attention"}
+    assert {e["locality"] for e in storage} == {"REMOTE"}
+    assert set(storage[0]["block_hashes"]) <= keys  # c1's blocks, loaded from the store
+    assert held, runs.b_events
+    assert {e["kv_cache_spec_kind"] for e in held} == {"sliding_window"}
+    assert {e["kv_cache_spec_sliding_window"] for e in held} == {64}
+    assert {e["locality"] for e in held} == {"LOCAL"}
+    full = storage[0]["group_idx"]
+    swa_groups = {e["group_idx"] for e in held}
+    assert len(swa_groups) == 2 and full not in swa_groups
+    for e in held:
+        assert len(e["block_hashes"]) == 1 and e["ownership"] == "kvcache"

@@ -38,6 +38,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import BlockStored, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -49,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcache.engine.stats import CounterDeltas
 from kvcache.engine.vllm_context import ConnectorContext
+from kvcache.engine.vllm_events import GroupSpec, Report
 from kvcache.engine.vllm_meta import StepPlan
 from kvcache.engine.vllm_metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.engine.vllm_scheduler import SchedulerSide
@@ -56,6 +58,8 @@ from kvcache.engine.vllm_worker import WorkerSide
 from kvcache.errors import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -94,6 +98,73 @@ class KVCacheWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]  #
         if not isinstance(other, KVCacheWorkerMetadata):
             return self
         return KVCacheWorkerMetadata(self.loads + other.loads, self.steps + other.steps)
+
+
+class KVCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]  # vLLM: untyped
+    """The connector's KV events on their way from the worker halves to the scheduler half
+    (``kvcache.engine.vllm_events``). Every worker's events are kept: under tensor
+    parallelism each rank stores its own slice under its own namespace, so no two ranks
+    report the same key."""
+
+    def __init__(self, events: list[Any] | None = None, workers: int = 1) -> None:
+        self._events = list(events or [])
+        self._workers = workers
+
+    def add_events(self, events: list[Any]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> KVCacheKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events.clear()
+
+    def __repr__(self) -> str:
+        return f"<KVCacheKVEvents {len(self._events)} events from {self._workers} worker(s)>"
+
+
+def vllm_event(report: Report) -> BlockStored:
+    """vLLM's BlockStored for one report of the worker half."""
+    return BlockStored(
+        block_hashes=list(report.block_hashes),
+        parent_block_hash=report.parent_block_hash,
+        token_ids=list(report.token_ids),
+        block_size=report.block_size,
+        lora_id=None,
+        medium=report.medium,
+        lora_name=None,
+        group_idx=report.group.group_idx,
+        kv_cache_spec_kind=report.group.kind,
+        kv_cache_spec_sliding_window=report.group.sliding_window,
+        locality=report.locality,
+        ownership="kvcache",
+        session_id=report.session_id,
+    )
+
+
+def group_spec(kv_cache_config: KVCacheConfig, group: int, block_size: int) -> GroupSpec:
+    """How events name group ``group``: vLLM's own spec kind and sliding window."""
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
+    return GroupSpec(
+        group_idx=group,
+        kind=str(get_kv_cache_spec_kind(spec).value),
+        sliding_window=get_kv_cache_spec_sliding_window(spec),
+        block_size=int(getattr(spec, "block_size", block_size) or block_size),
+    )
 
 
 class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM: untyped
@@ -138,6 +209,14 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
                 layers=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
                 tensors=list(kv_cache_config.kv_cache_tensors or ()),
             )
+            self._worker.main_group = group_spec(kv_cache_config, ctx.roles.main, ctx.block_size)
+            if ctx.hybrid is not None:
+                self._worker.swa_groups = [
+                    group_spec(kv_cache_config, g, ctx.hybrid.swa_block_size or ctx.block_size)
+                    for g in ctx.hybrid.swa_groups
+                ]
+        #: Events from the worker halves, waiting for vLLM's publisher (scheduler half).
+        self._kv_events: list[Any] = []
         log.info(
             "kvcache connector (%s) on %s: namespace %s%s",
             ctx.stats.role,
@@ -205,8 +284,18 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
         return KVCacheConnectorMetadata(self._sched().build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Learn load bandwidth and prefill rate from the worker halves' measurements."""
+        """Learn load bandwidth and prefill rate from the worker halves' measurements; keep
+        their KV events for :meth:`take_events`."""
         self._sched().update_connector_output(connector_output)
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, KVCacheKVEvents):
+            self._kv_events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[Any]:
+        """The worker halves' KV events since the last call, for vLLM's publisher: blocks
+        stored and loaded (medium STORAGE), SWA states held (medium CPU)."""
+        events, self._kv_events = self._kv_events, []
+        return events
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -275,6 +364,15 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call; vLLM recomputes them."""
         return set() if self._worker is None else self._worker.take_invalid_blocks()
+
+    def get_kv_connector_kv_cache_events(self) -> KVCacheKVEvents | None:
+        """This worker's stores, loads and held states since the last step, as vLLM events."""
+        if self._worker is None:
+            return None
+        reports = self._worker.events.take()
+        if not reports:
+            return None
+        return KVCacheKVEvents([vllm_event(r) for r in reports])
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's measurements for the scheduler's fetch-or-recompute decisions."""

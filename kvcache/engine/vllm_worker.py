@@ -33,6 +33,7 @@ from kvcache.engine.block_span import GroupSpan, layer_places
 from kvcache.engine.hybrid import SwaLoadSpec, SwaSaveSpec
 from kvcache.engine.paged import PagedKVAdapter, TransferHandle
 from kvcache.engine.vllm_context import ConnectorContext
+from kvcache.engine.vllm_events import EngineEvents, GroupSpec
 from kvcache.engine.vllm_meta import (
     MIN_PREFILL_STEP_TOKENS,
     LoadSpec,
@@ -88,6 +89,11 @@ class WorkerSide:
         self._step_samples: list[tuple[int, float]] = []
         self._timed_steps: list[_TimedStep] = []
         self._step_start: _TimedStep | None = None
+        #: What this worker stored, loaded and holds, for vLLM's KV events (vllm_events).
+        self.events = EngineEvents()
+        #: How events name the groups (the connector sets them from vLLM's specs).
+        self.main_group = GroupSpec(ctx.roles.main, "full_attention", None, ctx.block_size)
+        self.swa_groups: list[GroupSpec] = []
 
     # ------------------------------------------------------------------ caches
 
@@ -244,7 +250,8 @@ class WorkerSide:
                 if state is None:
                     return 0, []
             # Only the planned blocks are asked for: their keys name their whole prefix.
-            keys = block_keys(ctx.namespace, spec.tokens)[spec.first_block : spec.end_block]
+            all_keys = block_keys(ctx.namespace, spec.tokens)
+            keys = all_keys[spec.first_block : spec.end_block]
             match = self.client.match_keys(keys, tokens_per_block=ctx.block_size)
             if not match.hit_blocks or (state is not None and match.hit_blocks < len(keys)):
                 return 0, []
@@ -261,6 +268,9 @@ class WorkerSide:
             handles.append(adapter.scatter(host[: result.blocks], ids))
             if state is not None and spec.swa is not None:
                 handles += self._scatter_state(spec.swa, state)
+            self.events.blocks(all_keys, spec.tokens, first_block=spec.first_block,
+                               count=result.blocks, block_size=ctx.block_size,
+                               group=self.main_group, session_id=spec.req_id)  # fmt: skip
             return result.blocks, handles
         except Exception:  # a failed load means recompute, never a crashed engine
             log.warning("kvcache load for request %s failed", spec.req_id, exc_info=True)
@@ -454,15 +464,14 @@ class WorkerSide:
         """Hold a gathered state in the tier (on the writer thread)."""
         if self.tier is None:
             return
-        key = StateKey(
-            namespace=self.ctx.state_ns_id,
-            block=block_keys(self.ctx.namespace, job.tokens)[-1],
-            position=job.position,
-        )
+        keys = block_keys(self.ctx.namespace, job.tokens)
+        key = StateKey(namespace=self.ctx.state_ns_id, block=keys[-1], position=job.position)
         data = b"".join(h.host.numpy().tobytes() for h in job.gathers)
         if self.tier.put(key, data) is None:
             self._count_swa("swa_state_dropped")
             return
+        self.events.state(keys[-1], keys[-2] if len(keys) > 1 else None, self.swa_groups,
+                          session_id=job.req_id)  # fmt: skip
         with self.ctx.lock:
             self.ctx.stats.swa_states_saved += 1
             self.ctx.stats.swa_state_bytes_saved += len(data)
@@ -635,6 +644,11 @@ class _Saver:
             ctx.stats.blocks_saved += result.written
             ctx.stats.blocks_save_touched += result.touched
             ctx.stats.blocks_save_failed += result.failed
+        count = int(job.gathers[0].host.shape[0])
+        owner.events.blocks(block_keys(ctx.namespace, job.tokens), job.tokens,
+                            first_block=job.first_block, count=count, block_size=ctx.block_size,
+                            group=owner.main_group, skip=result.failed_blocks,
+                            session_id=job.req_id)  # fmt: skip
 
     def close(self, timeout_s: float) -> None:
         """Let queued saves finish (up to ``timeout_s``), then stop the thread."""

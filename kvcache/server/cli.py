@@ -79,9 +79,18 @@ def register(subparsers: Any) -> None:
         help="seconds from one scrub pass's start to the next (default 7 days)",
     )
     parser.add_argument(
+        "--events-listen",
+        help="publish the event stream for routers here, e.g. tcp://127.0.0.1:7490 "
+        "(default: off; docs/spec/events.md)",
+    )
+    parser.add_argument(
+        "--events-replay-listen", help="the stream's replay endpoint (default: PUB port + 1)"
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
-        help="write {node_id, data, admin} as JSON here once serving (for scripts and tests)",
+        help="write {node_id, data, admin[, events, events_replay]} as JSON here once serving "
+        "(for scripts and tests)",
     )
     parser.set_defaults(func=run)
 
@@ -105,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         "advertise": args.advertise,
         "scrub_rate_bytes": args.scrub_rate_bytes,
         "scrub_interval_s": args.scrub_interval_s,
+        "events_listen": args.events_listen,
+        "events_replay_listen": args.events_replay_listen,
     }
     if args.ready_file is not None and not args.ready_file.parent.is_dir():
         raise ConfigError(

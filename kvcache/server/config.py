@@ -39,6 +39,7 @@ _SIZE_FIELDS = (
     "max_inflight_bytes",
     "tenant_inflight_bytes",
     "scrub_rate_bytes",
+    "events_replay_bytes",
 )
 
 
@@ -176,6 +177,24 @@ class ServerConfig:
     scrub_rate_bytes: int = 32 << 20
     #: Seconds from the start of one scrub pass to the next (the first: after start-up).
     scrub_interval_s: float = 7 * 24 * 3600.0
+    #: The event stream for routers (kvcache.events, docs/spec/events.md): the PUB endpoint
+    #: to bind, e.g. tcp://127.0.0.1:7490 (port 0: any free one). Empty (the default): off.
+    events_listen: str = ""
+    #: Its replay (ROUTER) endpoint; empty: the PUB port + 1 (any free port when that is 0).
+    events_replay_listen: str = ""
+    #: Subscribers authenticate (ZMQ PLAIN: tenant name + a token derived from its secret) and
+    #: see their own tenant's events only. Off is allowed on loopback or ipc endpoints only.
+    events_auth: bool = True
+    #: Batches kept per tenant for replay, and their bytes at most ("64MiB" in TOML or flags).
+    events_replay_batches: int = 10_000
+    events_replay_bytes: int = 64 << 20
+    #: Entries waiting for the publisher thread; beyond it they are dropped and counted, so
+    #: the serving loop never waits (subscribers see a gap and resync).
+    events_queue: int = 1 << 16
+    #: Most events in one published batch.
+    events_batch_events: int = 1024
+    #: The PUB socket's send high-water mark (messages queued per slow subscriber).
+    events_hwm: int = 100_000
     #: Test only: allow ``POST /debug/clock`` to shift the daemon's clock (admin-token-guarded).
     allow_clock_override: bool = False
 
@@ -251,6 +270,25 @@ class ServerConfig:
                 parse_endpoint(self.advertise)
             except ValueError as exc:
                 raise ConfigError(f"advertise: {exc}") from None
+        self._check_events()
+
+    def _check_events(self) -> None:
+        for name in ("events_listen", "events_replay_listen"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{name} must be tcp://host:port or ipc://path, got {value!r}")
+        for name in ("events_replay_batches", "events_replay_bytes", "events_queue",
+                     "events_batch_events", "events_hwm"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.events_listen and not self.events_auth:
+            for value in (self.events_listen, self.events_replay_listen):
+                if value and not _local_endpoint(value):
+                    raise ConfigError(
+                        f"events_auth = false lets anyone who reaches {value} read every "
+                        "tenant's block keys: allowed on loopback (tcp://127.0.0.1, "
+                        "tcp://[::1], tcp://localhost) or ipc:// endpoints only"
+                    )
 
     @property
     def limits(self) -> Limits:
@@ -331,3 +369,11 @@ def _retention_env() -> dict[str, str]:
         if key in os.environ:
             out[name] = os.environ[key]
     return out
+
+
+def _local_endpoint(endpoint: str) -> bool:
+    """An ipc endpoint, or tcp on a loopback address."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")

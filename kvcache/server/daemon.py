@@ -37,6 +37,7 @@ from kvcache.server.store import Clock, ShardStore
 from kvcache.server.swa_directory import SwaDirectory
 
 if TYPE_CHECKING:
+    from kvcache.events.publisher import EventPublisher
     from kvcache.membership.agent import Registrar
 
 __all__ = ["DaemonInfo", "DaemonThread", "load_credentials", "run_daemon"]
@@ -52,12 +53,16 @@ class DaemonInfo:
     data_endpoint: str
     admin_url: str
     server: DataServer
+    #: The event stream's PUB and replay endpoints ("": off).
+    events_endpoint: str = ""
+    events_replay_endpoint: str = ""
 
     def to_json(self) -> str:
         """Addresses as JSON (what ``--ready-file`` holds)."""
-        return json.dumps(
-            {"node_id": self.node_id, "data": self.data_endpoint, "admin": self.admin_url}
-        )
+        doc = {"node_id": self.node_id, "data": self.data_endpoint, "admin": self.admin_url}
+        if self.events_endpoint:
+            doc |= {"events": self.events_endpoint, "events_replay": self.events_replay_endpoint}
+        return json.dumps(doc)
 
 
 def load_credentials(config: ServerConfig) -> Credentials:
@@ -144,6 +149,7 @@ def run_daemon(
     admin: AdminServer | None = None
     server: DataServer | None = None
     registrar: Registrar | None = None
+    events: EventPublisher | None = None
     try:
         creds = credentials if credentials is not None else load_credentials(config)
         if not creds.tenants:
@@ -190,6 +196,8 @@ def run_daemon(
             ),
         )
         endpoint = server.bind()
+        if config.events_listen:
+            events = _start_events(config, creds, handler, server)
         probe_tenant = creds.tenants[0]
         bound = server
         app = build_app(
@@ -230,6 +238,8 @@ def run_daemon(
                     data_endpoint=endpoint,
                     admin_url=admin_url,
                     server=server,
+                    events_endpoint=events.endpoint if events else "",
+                    events_replay_endpoint=events.replay_endpoint if events else "",
                 )
             )
         registrar = _register(config, endpoint, admin_url)
@@ -246,8 +256,53 @@ def run_daemon(
             admin.stop()
         if server is not None:
             server.close()
+        if events is not None:
+            events.close()
         store.close()
         log.info("kvcache server %s stopped; LMDB closed", config.node_id)
+
+
+def _start_events(
+    config: ServerConfig, creds: Credentials, handler: RequestHandler, server: DataServer
+) -> EventPublisher:
+    """The event publisher (kvcache.events), hooked where shards are stored (the handler's
+    PUT replies), removed (the store's removal counters) and SWA records come and go."""
+    from kvcache.events.publisher import EventPublisher, PublisherSettings
+
+    directory = handler.swa_directory
+
+    def expire_records() -> None:
+        if server.serving.is_set():
+            server.submit(directory.expire)
+
+    events = EventPublisher(
+        PublisherSettings(
+            listen=config.events_listen,
+            replay_listen=config.events_replay_listen,
+            auth=config.events_auth,
+            replay_batches=config.events_replay_batches,
+            replay_bytes=config.events_replay_bytes,
+            queue_entries=config.events_queue,
+            batch_events=config.events_batch_events,
+            hwm=config.events_hwm,
+        ),
+        tenants={t.id: (t.name, t.secret) for t in creds.tenants},
+        admin_token=creds.admin_token,
+        # SWA records expire in RAM with no request to notice: look once a second, on the
+        # loop thread that owns the directory.
+        tick=expire_records,
+    )
+    handler.events = events
+    handler.store.removals.listener = events.removed
+
+    def swa(tenant: bytes, record: bytes, cause: str | None) -> None:
+        if cause is None:
+            events.swa_stored(tenant, record)
+        else:
+            events.swa_removed(tenant, record, cause)
+
+    directory.listener = swa
+    return events
 
 
 def _register(config: ServerConfig, endpoint: str, admin_url: str) -> Registrar | None:

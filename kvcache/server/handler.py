@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,9 @@ from kvcache.wire import (
     error_reply,
     make_items,
 )
+
+if TYPE_CHECKING:
+    from kvcache.events.publisher import EventPublisher
 
 __all__ = ["MAX_SHARD_INDEX", "Reply", "RequestHandler"]
 
@@ -108,6 +111,8 @@ class RequestHandler:
         self.swa_directory = swa_directory if swa_directory is not None else SwaDirectory()
         #: Background re-verification of stored shards (set by the daemon; None: none).
         self.scrubber: Scrubber | None = None
+        #: The event stream (kvcache.events), told of every stored shard; None: off.
+        self.events: EventPublisher | None = None
 
     # ------------------------------------------------------------------ entry points
 
@@ -159,6 +164,10 @@ class RequestHandler:
                 continue
             reply = Reply(_frames(header, result, b""))
             self._observe(request, reply, result["status"])
+            if self.events is not None:
+                ok = result["status"] == Status.OK
+                if ok.any():
+                    self.events.stored(request.tenant, request.message.items[ok])
             replies.append(reply)
         return replies
 
@@ -284,6 +293,7 @@ class RequestHandler:
             "policy": self.store.policy.to_dict(),
             "swa_directory": self.swa_directory.stats(),
             **({"scrub": self.scrubber.stats()} if self.scrubber is not None else {}),
+            **({"events": self.events.stats()} if self.events is not None else {}),
             **snapshot,
         }
 

@@ -20,7 +20,7 @@ store fills it from its removal paths, the admin port renders it (``/metrics``,
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,9 @@ class RemovalBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cells: dict[tuple[bytes, str, str], _Cell] = {}
+        #: Told of every counted removal with its storage keys, on the store's thread:
+        #: (tenant, class, cause, keys). The daemon's event publisher (kvcache.events).
+        self.listener: Callable[[bytes, str, str, Sequence[bytes]], None] | None = None
 
     def record(
         self,
@@ -64,13 +67,17 @@ class RemovalBook:
         *,
         sizes: Iterable[int],
         ages_ms: Iterable[int],
+        keys: Sequence[bytes] = (),
     ) -> None:
-        """Count removed shards of one (tenant, class) for ``cause``, their sizes and ages."""
+        """Count removed shards of one (tenant, class) for ``cause``, their sizes and ages
+        (``keys``: their storage keys, for :attr:`listener`)."""
         if cause not in CAUSES:
             raise ValueError(f"unknown removal cause {cause!r}; known: {CAUSES}")
         size_list = list(sizes)
         if not size_list:
             return
+        if self.listener is not None and keys:
+            self.listener(tenant, traffic_class, cause, keys)
         ages: npt.NDArray[np.int64] = np.maximum(np.fromiter(ages_ms, np.int64), 0)
         hist = np.bincount(np.searchsorted(_EDGES_MS, ages, side="left"),
                            minlength=len(AGE_BUCKETS_S) + 1)  # fmt: skip

@@ -1058,7 +1058,7 @@ class ShardStore:
         """Remove matching shards (stripe 0: any; index NO_INDEX: all of the key) in one txn."""
         status = np.full(len(items), Status.NOT_FOUND, dtype=np.uint8)
         deltas = Deltas()
-        deleted: dict[bytes, list[tuple[int, int, int]]] = {}
+        deleted: dict[bytes, list[tuple[int, int, int, bytes]]] = {}
         try:
             with self._env.begin(write=True) as txn:
                 prefixes = _prefixes(tenant, items)
@@ -1077,7 +1077,7 @@ class ShardStore:
                         rec = self._remove(txn, skey, raw, deltas)
                         gone_keys.add(skey)
                         gone = deleted.setdefault(partition(tenant, rec.traffic_class), [])
-                        gone.append((rec.expiry_ms, rec.size, rec.written_ms))
+                        gone.append((rec.expiry_ms, rec.size, rec.written_ms, skey))
                         status[i] = Status.OK
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
@@ -1503,7 +1503,7 @@ class ShardStore:
         to_free = 2**63 if until_bytes is None else until_bytes
         removed = deltas.removed
         nbytes = 0
-        gone: list[tuple[int, int, int]] = []  # (expiry, size, written) of each removed
+        gone: list[tuple[int, int, int, bytes]] = []  # (expiry, size, written, key) of each
         tenant = part[:TENANT_LEN]
         size_of = _SIZE.unpack_from
         try:
@@ -1564,7 +1564,8 @@ class ShardStore:
                         deltas.add_segment(seg, -int(b), -c)
                     removed.extend(taken)
                     written = (rows["written"].astype(np.int64) * 1000).tolist()
-                    gone.extend(zip([expiry] * take, sizes.tolist(), written, strict=True))
+                    gone.extend(zip([expiry] * take, sizes.tolist(), written, taken,
+                                    strict=True))  # fmt: skip
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting expired or evicted shards") from exc
@@ -1575,7 +1576,9 @@ class ShardStore:
         self._count_removed(part, cause, gone)
         return deltas
 
-    def _count_removed(self, part: bytes, cause: str, gone: list[tuple[int, int, int]]) -> None:
+    def _count_removed(
+        self, part: bytes, cause: str, gone: list[tuple[int, int, int, bytes]]
+    ) -> None:
         """Count removals of partition ``part``: an already expired shard that pressure
         reached counts as ``expired``, a live one under its ``cause``."""
         if not gone:
@@ -1587,10 +1590,10 @@ class ShardStore:
             if dead:
                 gone = [g for g in gone if decide.is_live(g[0], now)]
                 self.removals.record(tenant, name, "expired", sizes=[g[1] for g in dead],
-                                     ages_ms=[now - g[2] for g in dead])  # fmt: skip
-        self.removals.record(
-            tenant, name, cause, sizes=[g[1] for g in gone], ages_ms=[now - g[2] for g in gone]
-        )
+                                     ages_ms=[now - g[2] for g in dead],
+                                     keys=[g[3] for g in dead])  # fmt: skip
+        self.removals.record(tenant, name, cause, sizes=[g[1] for g in gone],
+                             ages_ms=[now - g[2] for g in gone], keys=[g[3] for g in gone])  # fmt: skip
 
     def _lost_segments(self, segments: Mapping[int, SegmentState]) -> set[int]:
         """Segments the index points into whose file is gone or shorter than what was

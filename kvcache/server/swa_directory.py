@@ -81,6 +81,9 @@ class SwaDirectory:
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "withdrawn", "rejected", "lookups", "answered", "expired", "evicted"), 0
         )
+        #: Told of records registered (cause None) and dropped (cause: expired, withdrawn,
+        #: evicted), with the tenant and the record's bytes: the daemon's event stream.
+        self.listener: Callable[[bytes, bytes, str | None], None] | None = None
 
     def __len__(self) -> int:
         return len(self._order)
@@ -104,7 +107,7 @@ class SwaDirectory:
             slot = tenant + bytes(item["key"])
             holder = _holder(record)
             if ttl_ms == 0:
-                if self._drop(slot, holder) is None:
+                if self._drop(slot, holder, "withdrawn") is None:
                     status[i] = Status.NOT_FOUND
                 else:
                     self.counters["withdrawn"] += 1
@@ -114,7 +117,7 @@ class SwaDirectory:
             per_key = self._by_key.setdefault(slot, {})
             if len(per_key) >= self.max_per_key:
                 first = min(per_key, key=lambda h: per_key[h].expiry)
-                self._drop(slot, first)
+                self._drop(slot, first, "evicted")
                 self.counters["evicted"] += 1
                 per_key = self._by_key.setdefault(slot, {})
             per_key[holder] = entry
@@ -122,12 +125,14 @@ class SwaDirectory:
             own = self._tenants.setdefault(bytes(tenant), collections.OrderedDict())
             own[(slot, holder)] = entry
             self.counters["puts"] += 1
+            if self.listener is not None:
+                self.listener(bytes(tenant), record, None)
             if len(own) > self.max_per_tenant:
-                self._drop(*next(iter(own)))
+                self._drop(*next(iter(own)), "evicted")
                 self.counters["evicted"] += 1
         while len(self._order) > self.max_records:
             largest = max(self._tenants.values(), key=len)
-            self._drop(*next(iter(largest)))
+            self._drop(*next(iter(largest)), "evicted")
             self.counters["evicted"] += 1
         return status
 
@@ -162,6 +167,10 @@ class SwaDirectory:
         """Counters and the number of records held."""
         return {"records": len(self._order), **self.counters}
 
+    def expire(self) -> None:
+        """Drop the records whose TTL passed (lookups and writes do it too, as they go)."""
+        self._sweep(self._clock(), limit=max(256, len(self._order)))
+
     def held_by(self, tenant: TenantId) -> int:
         """Records ``tenant`` holds."""
         return len(self._tenants.get(bytes(tenant), ()))
@@ -176,12 +185,16 @@ class SwaDirectory:
             (slot, holder), record = next(iter(self._order.items()))
             if record.expiry > now:
                 return
-            self._drop(slot, holder)
+            self._drop(slot, holder, "expired")
             self.counters["expired"] += 1
 
-    def _drop(self, slot: bytes, holder: bytes) -> _Record | None:
+    def _drop(self, slot: bytes, holder: bytes, cause: str | None = None) -> _Record | None:
+        """Forget one record; ``cause`` (expired, withdrawn, evicted) tells the listener
+        (None: a record replaced by a new write of its holder, which tells it itself)."""
         record = self._order.pop((slot, holder), None)
         if record is not None:
+            if cause is not None and self.listener is not None:
+                self.listener(slot[:-16], record.raw, cause)
             self._unindex(slot, holder)
             tenant = slot[:-16]
             own = self._tenants.get(tenant)

@@ -119,10 +119,11 @@ def engine_spec(
     *,
     max_tokens: int,
     hold: bool = False,
+    kv_events: bool = False,
     **settings: Any,
 ) -> tuple[Path, Path]:
     """Write one engine run's spec; (spec path, output path). ``settings`` are added to the
-    connector's extra config."""
+    connector's extra config; ``kv_events`` turns vLLM's KV events on (run_engine.py)."""
     stats_dir = workdir / f"{name}-stats"
     connector = None
     if cluster is not None:
@@ -139,6 +140,7 @@ def engine_spec(
         "connector": connector,
         "stats_dir": str(stats_dir) if connector else None,
         "hold": hold,
+        "kv_events": kv_events,
         "phases": [
             {"name": key, "prompts": [prompt], "max_tokens": max_tokens}
             for key, prompt in prompts.items()

@@ -16,6 +16,10 @@ receives ``{"phases": [{"name", "tokens", "num_cached_tokens", "stats_delta"}],
 "final_stats"}``; ``num_cached_tokens`` is vLLM's own count of prompt tokens it
 did not compute.
 
+With ``"kv_events": true`` the engine publishes vLLM's KV events (``kv_events_config``,
+zmq) to a SUB socket this script binds on loopback; OUT's ``kv_events`` lists every event
+decoded with vLLM's own ``KVEventBatch`` (block hashes in hex), in the order received.
+
 With ``hold``, the engine prints ``KVCACHE-ENGINE-READY`` on its stdout once
 the phases are done and waits for a line on its stdin before shutting down:
 meanwhile its connector keeps serving its SWA states to other engines.
@@ -77,6 +81,54 @@ def delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -
     return out
 
 
+class EventCollector:
+    """A SUB socket on a loopback port and a thread decoding what vLLM publishes to it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.events: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            _topic, seq, payload = self._sock.recv_multipart()
+            for event in decoder.decode(payload).events:
+                row = {f: getattr(event, f) for f in event.__struct_fields__}
+                row["type"] = type(event).__name__
+                for name in ("block_hashes", "parent_block_hash"):
+                    value = row.get(name)
+                    if isinstance(value, bytes):
+                        row[name] = value.hex()
+                    elif isinstance(value, list):
+                        row[name] = [v.hex() if isinstance(v, bytes) else v for v in value]
+                row["seq"] = int.from_bytes(seq, "big")
+                self.events.append(row)
+
+    def stop(self) -> list[dict[str, Any]]:
+        time.sleep(1.0)  # the publisher thread sends what the last steps queued
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+        return self.events
+
+
 def main() -> None:
     for key, value in REQUIRED_ENV.items():
         if os.environ.get(key) != value:
@@ -93,6 +145,15 @@ def main() -> None:
         sys.exit("refusing to start vLLM: it would send usage statistics")
 
     kwargs: dict[str, Any] = {}
+    collector = None
+    if spec.get("kv_events"):
+        from vllm.config.kv_events import KVEventsConfig
+
+        collector = EventCollector()
+        # A tcp://host:port without "*" makes vLLM's PUB connect: to this loopback SUB.
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=collector.endpoint
+        )
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVCacheConnector",
@@ -141,7 +202,9 @@ def main() -> None:
         sys.stdin.readline()
     # A graceful shutdown lets the worker's connector drain its queued saves.
     llm.llm_engine.engine_core.shutdown()
-    result = {"phases": phases, "final_stats": read_stats(stats_dir)}
+    result: dict[str, Any] = {"phases": phases, "final_stats": read_stats(stats_dir)}
+    if collector is not None:
+        result["kv_events"] = collector.stop()
     out_path.write_text(json.dumps(result))
 
 
