@@ -298,7 +298,13 @@ def test_native_accept_equals_the_numpy_one(
     for asm in pair:
         asm.sealed[:] = sealed
         asm._header_rows[:, : received.shape[1]] = received
-    fast = pair[0].accept(blocks, indices, statuses, lengths.astype(np.int64))
+    # The native call gets its columns as a reply hands them over: fields of one structured
+    # array (strided, so converted on the way in; a converted copy must outlive the call).
+    reply = np.zeros(count, [("block", "<i4"), ("index", "<i2"), ("status", "u1"), ("len", "<u4")])
+    reply["block"], reply["index"], reply["status"], reply["len"] = (
+        blocks, indices, statuses, lengths
+    )  # fmt: skip
+    fast = pair[0].accept(reply["block"], reply["index"], reply["status"], reply["len"])
     slow = pair[1]._accept_numpy(blocks, indices, statuses, lengths.astype(np.int64))
     assert fast.tolist() == slow.tolist()
     for table in ("got", "rejected", "not_found"):

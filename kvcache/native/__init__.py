@@ -306,11 +306,17 @@ def accept_items(
     accepted = np.empty(count, bool)
     if not count:
         return accepted
+    # Bound to names: an address outlives nothing, and a converted copy (a field of a
+    # structured reply, say) would be freed, and its memory reused, before the call.
+    blocks = np.ascontiguousarray(blocks, np.int64)
+    indices = np.ascontiguousarray(indices, np.int64)
+    statuses = np.ascontiguousarray(statuses, np.uint8)
+    lengths = np.ascontiguousarray(lengths, np.int64)
     _LIB.kv_accept_items(
-        _at(np.ascontiguousarray(blocks, np.int64)),
-        _at(np.ascontiguousarray(indices, np.int64)),
-        _at(np.ascontiguousarray(statuses, np.uint8)),
-        _at(np.ascontiguousarray(lengths, np.int64)),
+        _at(blocks),
+        _at(indices),
+        _at(statuses),
+        _at(lengths),
         count,
         *tables_at,
         _address_of_writable(accepted),
