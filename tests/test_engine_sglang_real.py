@@ -89,3 +89,11 @@ def test_pages_round_trip_between_host_pools_through_the_cluster(result: Any) ->
     assert result["equal"]
     assert result["missing_get"] == [False, False]
     assert result["stats"]["pages_loaded"] == 6
+
+
+def test_deepseek_v4s_anchor_pool_is_refused_with_what_it_needs(result: Any) -> None:
+    """V4 / V4.1's HiCache stack registers a LogicalHostPool (no bytes; the KV is in side
+    pools moved through SGLang's batch v2 interface): refused by name, not an AttributeError."""
+    refused = result["v4_anchor_refused"]
+    assert refused.startswith("ConfigError: SGLang registered a LogicalHostPool")
+    assert "batch_get_v2" in refused

@@ -4,6 +4,7 @@ exactly the bytes of its segments, and the data path runs the same without the l
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import socket
@@ -395,3 +396,71 @@ def test_every_hash_kernel_equals_xxhash(chunks: list[bytes]) -> None:
         assert [bytes(d) for d in out128.tolist()] == [xxhash.xxh3_128_digest(c) for c in chunks], (
             kernel
         )
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    st.binary(min_size=0, max_size=300_000),
+    st.integers(1, 70_000),
+    st.integers(1, 50_000),
+    st.sampled_from([None, b"", b"kvcache:swa-state:v1\x00"]),
+)
+def test_a_hashed_receive_lands_the_bytes_and_their_digest(
+    data: bytes, piece: int, sent_at_once: int, prefix: bytes | None
+) -> None:
+    """Whatever the sender's write sizes and the receive's piece size: the bytes land, and
+    the digest is xxhash's XXH3-128 of the prefix, then the bytes."""
+    import threading
+    import time
+
+    a, b = socket.socketpair()
+    out = bytearray(len(data))
+
+    def send() -> None:
+        for at in range(0, len(data), sent_at_once):
+            a.sendall(data[at : at + sent_at_once])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        status, got, digest = native.recv_hashed(
+            b.fileno(), out, piece=piece, deadline=time.monotonic() + 30, prefix=prefix
+        )
+    finally:
+        sender.join()
+        a.close()
+        b.close()
+    assert (status, got, bytes(out)) == (native.RECV_DONE, len(data), data)
+    assert digest == (b"" if prefix is None else xxhash.xxh3_128(prefix + data).digest())
+
+
+@needs_native
+def test_a_hashed_receive_reports_a_close_a_stall_and_a_passed_deadline() -> None:
+    import struct
+    import time
+
+    a, b = socket.socketpair()
+    with a, b:
+        out = bytearray(1000)
+        a.sendall(b"x" * 300)
+        # The socket's receive timeout passes with 300 of 1,000 bytes in: -EAGAIN.
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
+        status, got, digest = native.recv_hashed(
+            b.fileno(), out, piece=1000, deadline=time.monotonic() + 30, prefix=b""
+        )
+        assert (status, got, digest) == (-errno.EAGAIN, 300, b"")
+        # The deadline passed before anything was asked: nothing is read.
+        a.sendall(b"y" * 100)
+        status, got, _ = native.recv_hashed(
+            b.fileno(), out, piece=10, deadline=time.monotonic() - 1, prefix=b""
+        )
+        assert (status, got) == (native.RECV_DEADLINE, 0)
+        # The sender closes after 100 bytes: they land, and the close is reported.
+        a.shutdown(socket.SHUT_WR)
+        status, got, digest = native.recv_hashed(
+            b.fileno(), out, piece=1000, deadline=time.monotonic() + 30, prefix=b""
+        )
+        assert (status, got, digest, bytes(out[:100])) == (
+            native.RECV_CLOSED, 100, b"", b"y" * 100
+        )  # fmt: skip

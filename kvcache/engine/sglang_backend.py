@@ -4,7 +4,8 @@ Load it with ``--hicache-storage-backend dynamic`` and an extra config such as::
 
     --hicache-storage-backend-extra-config '{"backend_name": "kvcache",
         "module_path": "kvcache.engine.sglang_backend", "class_name": "KVCacheStorage",
-        "cluster_file": "/etc/kvcache/cluster.toml", "traffic_class": "chat"}'
+        "cluster_file": "/etc/kvcache/cluster.toml", "traffic_class": "chat",
+        "interface_v1": 1}'
 
 SGLang names each host page by its own prefix hash (a hex string chained over
 the page's tokens and everything before it). We turn that name into a kvcache
@@ -184,9 +185,21 @@ class KVCacheStorage(_Base):  # type: ignore[misc]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Learn the page layout from SGLang's host pool (called once at start)."""
+        size_per_token = getattr(mem_pool_host, "get_size_per_token", None)
+        if size_per_token is None or not int(getattr(mem_pool_host, "size_per_token", 1) or 0):
+            # DeepSeek V4 / V4.1: SGLang's anchor pool (LogicalHostPool) holds no bytes; the
+            # KV is in named side pools that SGLang moves only through its batch v2 calls.
+            raise ConfigError(
+                f"SGLang registered a {type(mem_pool_host).__name__}, a host pool that holds "
+                "no KV bytes (DeepSeek V4 / V4.1's anchor pool): its KV lives in side pools "
+                "that SGLang reaches only through the HiCache batch v2 interface "
+                "(register_mem_host_pool_v2, batch_exists_v2, batch_get_v2, batch_set_v2), "
+                "which kvcache's backend does not implement; run this model without "
+                "--hicache-storage-backend, or see docs/engine.md"
+            )
         super().register_mem_pool_host(mem_pool_host)
         page_size = int(mem_pool_host.page_size)
-        per_token = int(mem_pool_host.get_size_per_token())
+        per_token = int(size_per_token())
         self._configure(page_size, page_size * per_token, mem_pool_host.dtype)
 
     def _configure(self, page_size: int, page_bytes: int, dtype: torch.dtype) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "addresses_of",
     "landing_segments",
     "put_segments",
+    "recv_hashed",
     "recv_scatter",
     "send_gather",
     "xxh3_64_many",
@@ -60,7 +61,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -94,6 +95,10 @@ def _load() -> Any:
     lib.kv_put_segments.restype = size
     lib.kv_accept_items.argtypes = [ptr, ptr, ptr, ptr, size, *[ptr] * 9]
     lib.kv_accept_items.restype = size
+    lib.kv_recv_hashed.argtypes = [
+        ctypes.c_int, ptr, u64, u64, ptr, u64, ctypes.c_double, ptr, ptr
+    ]  # fmt: skip
+    lib.kv_recv_hashed.restype = ctypes.c_int
     for name in ("kv_recv_scatter", "kv_send_gather"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_int, ptr, ptr, size, ptr]
@@ -122,6 +127,49 @@ def addresses_of(array: npt.NDArray[Any]) -> int:
 def buffer_address(buf: Any) -> int:
     """The address of a writable or read-only contiguous buffer's first byte."""
     return addresses_of(np.frombuffer(buf, np.uint8))
+
+
+#: What :func:`recv_hashed` reports besides an errno: every byte arrived, the peer closed the
+#: stream first, the deadline passed first.
+RECV_DONE, RECV_CLOSED, RECV_DEADLINE = 0, 1, 2
+
+
+def recv_hashed(
+    fd: int,
+    buf: Any,
+    *,
+    piece: int,
+    deadline: float,
+    prefix: bytes | None,
+) -> tuple[int, int, bytes]:
+    """Receive ``len(buf)`` bytes from the blocking socket ``fd`` into the writable buffer
+    ``buf``, ``piece`` bytes at a time, hashing each piece as it lands (``kv_recv_hashed``).
+
+    With ``prefix`` (None: no hash), the digest is the canonical XXH3-128 of ``prefix``
+    then the received bytes (``xxhash.xxh3_128(prefix)`` fed them). ``deadline`` is on
+    ``time.monotonic``'s clock. Returns (status, bytes received, digest): status is
+    :data:`RECV_DONE`, :data:`RECV_CLOSED`, :data:`RECV_DEADLINE` or -errno (-EAGAIN:
+    the socket's SO_RCVTIMEO passed); the digest is b"" unless every byte arrived.
+    The Python-level caller loops instead where the library is absent.
+    """
+    assert _LIB is not None
+    view = memoryview(buf).cast("B")
+    size = view.nbytes
+    got = ctypes.c_uint64(0)
+    digest = ctypes.create_string_buffer(16) if prefix is not None else None
+    status = _LIB.kv_recv_hashed(
+        fd,
+        buffer_address(view) if size else None,
+        size,
+        piece,
+        prefix,
+        len(prefix) if prefix is not None else 0,
+        deadline,
+        digest,
+        ctypes.byref(got),
+    )
+    done = status == RECV_DONE and digest is not None
+    return int(status), int(got.value), digest.raw if done and digest is not None else b""
 
 
 def xxh3_64_many(addrs: U64Array, lens: U64Array | np.uint64 | int) -> U64Array:

@@ -18,7 +18,7 @@
 
 #define KV_IOV_MAX 1024
 
-int kv_abi_version(void) { return 3; }
+int kv_abi_version(void) { return 4; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -27,6 +27,11 @@ void kv_xxh3_64_many_avx2(const uint64_t *, const uint64_t *, size_t, uint64_t *
 void kv_xxh3_128_many_avx2(const uint64_t *, const uint64_t *, size_t, uint8_t *);
 void kv_xxh3_64_many_avx512(const uint64_t *, const uint64_t *, size_t, uint64_t *);
 void kv_xxh3_128_many_avx512(const uint64_t *, const uint64_t *, size_t, uint8_t *);
+#define KV_RECV_HASHED_ARGS \
+    int, uint8_t *, uint64_t, uint64_t, const uint8_t *, uint64_t, double, uint8_t *, uint64_t *
+int kv_recv_hashed_sse2(KV_RECV_HASHED_ARGS);
+int kv_recv_hashed_avx2(KV_RECV_HASHED_ARGS);
+int kv_recv_hashed_avx512(KV_RECV_HASHED_ARGS);
 
 enum { KERNEL_SSE2, KERNEL_AVX2, KERNEL_AVX512 };
 
@@ -63,6 +68,22 @@ void kv_xxh3_128_many(const uint64_t *addrs, const uint64_t *lens, size_t n, uin
     case KERNEL_AVX512: kv_xxh3_128_many_avx512(addrs, lens, n, out); break;
     case KERNEL_AVX2: kv_xxh3_128_many_avx2(addrs, lens, n, out); break;
     default: kv_xxh3_128_many_sse2(addrs, lens, n, out);
+    }
+}
+
+/* A state received into buf and hashed as it lands (kvfast_hash.c, on this CPU's kernel). */
+int kv_recv_hashed(int fd, uint8_t *buf, uint64_t len, uint64_t piece, const uint8_t *prefix,
+                   uint64_t prefix_len, double deadline, uint8_t *digest, uint64_t *got) {
+    switch (kernel()) {
+    case KERNEL_AVX512:
+        return kv_recv_hashed_avx512(fd, buf, len, piece, prefix, prefix_len, deadline, digest,
+                                     got);
+    case KERNEL_AVX2:
+        return kv_recv_hashed_avx2(fd, buf, len, piece, prefix, prefix_len, deadline, digest,
+                                   got);
+    default:
+        return kv_recv_hashed_sse2(fd, buf, len, piece, prefix, prefix_len, deadline, digest,
+                                   got);
     }
 }
 

@@ -1,12 +1,16 @@
-/* Batched XXH3 hashing, compiled once per instruction set (see scripts/build-native.sh):
+/* Batched XXH3 hashing (and a receive hashed as it lands), compiled once per instruction set (see scripts/build-native.sh):
  * KV_SUFFIX names this build's functions (_sse2, _avx2), and the -m flags it is compiled
  * with decide xxHash's vector code. kvfast.c picks one at run time. */
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <time.h>
 
 #define KV_CAT2(a, b) a##b
 #define KV_CAT(a, b) KV_CAT2(a, b)
@@ -26,4 +30,56 @@ void KV_CAT(kv_xxh3_128_many, KV_SUFFIX)(const uint64_t *addrs, const uint64_t *
         XXH128_canonicalFromHash(&c, h);
         memcpy(out + 16 * i, c.digest, 16);
     }
+}
+
+/* Receive len bytes from the blocking socket fd into buf, at most piece bytes a recv
+ * (MSG_WAITALL), and with digest, hash each piece as soon as it is in (still in cache,
+ * while the sender sends the next): digest = canonical XXH3-128 of the prefix bytes, then
+ * buf. The socket's SO_RCVTIMEO bounds each recv; the CLOCK_MONOTONIC deadline (seconds)
+ * is checked between receives. *got is the bytes received. Returns 0 when all arrived,
+ * 1 when the peer closed first, 2 when the deadline passed, or -errno (-EAGAIN: the
+ * socket's receive timeout passed). */
+int KV_CAT(kv_recv_hashed, KV_SUFFIX)(int fd, uint8_t *buf, uint64_t len, uint64_t piece,
+                                      const uint8_t *prefix, uint64_t prefix_len,
+                                      double deadline, uint8_t *digest, uint64_t *got) {
+    XXH3_state_t state;
+    if (digest != NULL) {
+        XXH3_128bits_reset(&state);
+        if (prefix_len) XXH3_128bits_update(&state, prefix, (size_t)prefix_len);
+    }
+    uint64_t done = 0, hashed = 0;
+    int status = 0;
+    *got = 0;
+    if (piece == 0) piece = len;
+    while (done < len) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((double)now.tv_sec + (double)now.tv_nsec * 1e-9 >= deadline) {
+            status = 2;
+            break;
+        }
+        uint64_t want = len - done < piece ? len - done : piece;
+        ssize_t n = recv(fd, buf + done, (size_t)want, MSG_WAITALL);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            status = -errno;
+            break;
+        }
+        if (n == 0) {
+            status = 1;
+            break;
+        }
+        done += (uint64_t)n;
+        if (digest != NULL) {
+            XXH3_128bits_update(&state, buf + hashed, (size_t)(done - hashed));
+            hashed = done;
+        }
+    }
+    *got = done;
+    if (digest != NULL && status == 0) {
+        XXH128_canonical_t c;
+        XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&state));
+        memcpy(digest, c.digest, 16);
+    }
+    return status;
 }

@@ -77,6 +77,7 @@ def config(spec: dict[str, Any], *, is_mla: bool) -> HiCacheStorageConfig:
             "credentials_file": spec["credentials_file"],
             "traffic_class": "agent",
             "prefetch_threshold": 256,  # one of SGLang's own keys, read from the same JSON
+            "interface_v1": 1,  # SGLang calls batch_get_v1 / batch_set_v1 only with it
         },
     )
 
@@ -123,6 +124,17 @@ def main() -> None:
         result["refused_non_backend"] = False
     except Exception as exc:  # SGLang raises TypeError wrapped by its loader
         result["refused_non_backend"] = "HiCacheStorage" in str(exc)
+    # DeepSeek V4 / V4.1: SGLang registers its anchor pool, which holds no bytes; the
+    # backend refuses it by name instead of failing on a missing method.
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    v4 = StorageBackendFactory.create_backend("dynamic", config(spec, is_mla=True), None)
+    try:
+        v4.register_mem_pool_host(LogicalHostPool(size=16 * page, page_size=page))
+        result["v4_anchor_refused"] = ""
+    except Exception as exc:
+        result["v4_anchor_refused"] = f"{type(exc).__name__}: {exc}"
+    v4.close()
     result["stats"] = reader.get_stats()
     writer.close()
     reader.close()
