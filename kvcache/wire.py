@@ -63,6 +63,7 @@ __all__ = [
     "items_nbytes",
     "join",
     "make_items",
+    "pack_header",
     "parse_endpoint",
 ]
 
@@ -88,6 +89,14 @@ LIST_INCLUSIVE = 0x1
 # magic, version, op, flags, status, request id, count, ttl_s (was reserved), data length, class
 _HEADER = struct.Struct("<2sBBHHQIIQ16s")
 HEADER_BYTES = _HEADER.size  # 48
+#: The header's traffic-class field when the message names no class.
+_NO_CLASS = bytes(1 + MAX_CLASS_NAME)
+
+
+def _class_field(name: str) -> bytes:
+    raw = name.encode("ascii")
+    return bytes([len(raw)]) + raw.ljust(MAX_CLASS_NAME, b"\x00")
+
 
 Frame = bytes | bytearray | memoryview
 
@@ -129,6 +138,11 @@ class Status(enum.IntEnum):
     UNAUTHORIZED = 17
     TOO_LARGE = 18
     UNAVAILABLE = 19
+
+
+#: Op and Status by wire value (a dict lookup; calling the enum costs microseconds).
+_OPS: dict[int, Op] = {int(op): op for op in Op}
+_STATUSES: dict[int, Status] = {int(st): st for st in Status}
 
 
 _KEY = ("key", "V16")
@@ -262,6 +276,34 @@ class Retain:
 NO_RETAIN = Retain()
 
 
+def pack_header(
+    op: Op,
+    request_id: int,
+    count: int,
+    *,
+    data_len: int = 0,
+    status: Status = Status.OK,
+    flags: int = 0,
+    ttl_s: int = 0,
+    traffic_class: str = "",
+) -> bytes:
+    """The 48-byte header of these fields, as :meth:`Header.pack` gives it (``flags`` as they
+    go on the wire, FLAG_TTL and FLAG_PIN included), without building a Header: for the
+    per-message paths that send one small request or reply and wait on it."""
+    return _HEADER.pack(
+        MAGIC,
+        VERSION,
+        op,
+        flags,
+        status,
+        request_id,
+        count,
+        ttl_s,
+        data_len,
+        _class_field(traffic_class) if traffic_class else _NO_CLASS,
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Header:
     """The fixed first section of every message."""
@@ -288,18 +330,16 @@ class Header:
 
     def pack(self) -> bytes:
         """The 48-byte header."""
-        name = self.traffic_class.encode("ascii")
-        return _HEADER.pack(
-            MAGIC,
-            VERSION,
-            int(self.op),
-            self.flags | self.retain.flags,
-            int(self.status),
+        retain = self.retain
+        return pack_header(
+            self.op,
             self.request_id,
             self.count,
-            self.retain.ttl_s,
-            self.data_len,
-            bytes([len(name)]) + name.ljust(MAX_CLASS_NAME, b"\x00"),
+            data_len=self.data_len,
+            status=self.status,
+            flags=self.flags | retain.flags if retain is not NO_RETAIN else self.flags,
+            ttl_s=retain.ttl_s,
+            traffic_class=self.traffic_class,
         )
 
     @classmethod
@@ -325,14 +365,12 @@ class Header:
             raise ProtocolError(
                 f"unsupported protocol version {version}; this build speaks {VERSION}"
             )
-        try:
-            op_value = Op(op)
-        except ValueError:
-            raise ProtocolError(f"unknown op {op}") from None
-        try:
-            status_value = Status(status)
-        except ValueError:
-            raise ProtocolError(f"unknown status {status}") from None
+        op_value = _OPS.get(op)
+        if op_value is None:
+            raise ProtocolError(f"unknown op {op}")
+        status_value = _STATUSES.get(status)
+        if status_value is None:
+            raise ProtocolError(f"unknown status {status}")
         if flags & ~_KNOWN_FLAGS:
             raise ProtocolError(f"unknown flags 0x{flags:04x}")
         if flags & FLAG_TTL:
@@ -346,11 +384,11 @@ class Header:
             raise ProtocolError(f"ttl field is {reserved} without FLAG_TTL; it must be 0")
         if flags & FLAG_PIN and (flags & FLAG_REPLY or op not in _PIN_OPS):
             raise ProtocolError(f"a pin is only for PUT and TOUCH requests, not op {op}")
-        name_len = cls_field[0]
-        if name_len > MAX_CLASS_NAME or any(cls_field[1 + name_len :]):
-            raise ProtocolError("malformed traffic class field")
         name = ""
-        if name_len:
+        if cls_field != _NO_CLASS:
+            name_len = cls_field[0]
+            if name_len > MAX_CLASS_NAME or cls_field[1 + name_len :].strip(b"\x00"):
+                raise ProtocolError("malformed traffic class field")
             try:
                 name = check_class_name(cls_field[1 : 1 + name_len].decode("ascii"))
             except (UnicodeDecodeError, ShardFormatError) as exc:

@@ -4,6 +4,7 @@ authentication, deadlines, and the whole tier against a real cluster."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ from kvcache.credentials import TenantCredentials
 from kvcache.errors import ArgumentError
 from kvcache.keys import BlockKey
 from kvcache.net import open_session
+from kvcache.session import AUTH_BYTES, ServerHandshake
 from kvcache.swa_local import (
     StateKey,
     SwaConfig,
@@ -25,9 +27,10 @@ from kvcache.swa_local import (
     Wanted,
     state_digest,
 )
+from kvcache.swa_local.protocol import get_reply, get_request
 from kvcache.swa_local.server import PeerServer
 from kvcache.testing.localcluster import LocalCluster
-from kvcache.wire import Header, Limits, MessageReader, Op, Status
+from kvcache.wire import HEADER_BYTES, Header, Limits, MessageReader, Op, Status
 
 SECRET = b"s" * 32
 TENANT = TenantCredentials(name="default", secret=SECRET)
@@ -312,3 +315,83 @@ def test_dead_and_restarted_workers_resolve_to_clean_misses(cluster: LocalCluste
         b.close()
         client_a.close()
         client_b.close()
+
+
+def test_split_and_pipelined_requests_are_answered_in_order(peer: PeerServer) -> None:
+    """A request that arrives in pieces, two in one send, and one with a data section all
+    take the generic reader; a whole request takes the peer's short path; the replies are
+    the same."""
+    for n in (1, 2):
+        peer.store.put(skey(n), blob(n))
+    sock = open_session(peer.endpoint, tenant="default", secret=SECRET, timeout_s=5, node="p")
+    sock.settimeout(5)
+    reader = MessageReader(limits=Limits(), replies=True)
+
+    def reply() -> tuple[int, Status, bytes]:
+        while (message := reader.next_message()) is None:
+            got = sock.recv_into(reader.recv_buffer())
+            assert got, "peer closed before answering"
+            reader.commit(got)
+        return message.header.request_id, message.header.status, bytes(message.data)
+
+    one, two = get_request(7, [(skey(1), 42)]), get_request(8, [(skey(2), 42)])
+    sock.sendall(one)  # whole
+    assert reply() == (7, Status.OK, blob(1))
+    sock.sendall(one[:20])  # in two pieces
+    assert reader.next_message() is None
+    sock.sendall(one[20:])
+    assert reply() == (7, Status.OK, blob(1))
+    sock.sendall(one + two)  # two at once
+    assert [reply(), reply()] == [(7, Status.OK, blob(1)), (8, Status.OK, blob(2))]
+    header = Header.unpack(two[:HEADER_BYTES])  # with a 3-byte data section, ignored
+    padded = Header(op=Op.SWA_GET, request_id=9, count=header.count, data_len=3)
+    sock.sendall(padded.pack() + two[HEADER_BYTES:] + b"abc")
+    assert reply() == (9, Status.OK, blob(2))
+    sock.close()
+    assert peer.counters["requests"] == 5 and peer.counters["bad_requests"] == 0
+
+
+def test_a_kept_connection_keeps_a_shorter_deadline_too(transport: TcpPeerTransport) -> None:
+    """A connection armed for a long fetch, then used for a short one against a holder that
+    has stopped answering, still gives up at the short one's deadline."""
+    tenant_lookup = {TENANT.name: TENANT}.get
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    release = threading.Event()
+
+    def holder() -> None:  # answers the first request, then reads and keeps silent
+        conn, _ = listener.accept()
+        with conn:
+            handshake = ServerHandshake(tenant_lookup)
+            conn.sendall(handshake.hello())
+            auth = b""
+            while len(auth) < AUTH_BYTES:
+                auth += conn.recv(AUTH_BYTES - len(auth))
+            conn.sendall(handshake.answer(auth)[0])
+            reader = MessageReader(limits=Limits())
+            for answered in range(2):
+                while (message := reader.next_message()) is None:
+                    reader.commit(conn.recv_into(reader.recv_buffer()))
+                if not answered:
+                    state = blob(1)
+                    reply = get_reply(
+                        message.header, [(Status.OK, len(state), state_digest(state))]
+                    )
+                    conn.sendall(reply + state)
+            release.wait(30)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    try:
+        first = transport.fetch(endpoint, [Wanted(skey(1), 1)], deadline=soon(30))
+        assert first[0] is not None and bytes(first[0]) == blob(1)
+        started = time.monotonic()
+        second = transport.fetch(endpoint, [Wanted(skey(1), 1)], deadline=started + 0.3)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        thread.join(10)
+        listener.close()
+    assert second == [None]
+    assert 0.29 <= elapsed < 1.0  # the 30 s bound of the first fetch did not carry over
+    assert transport.counters["timeouts"] == 1

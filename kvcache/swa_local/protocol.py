@@ -32,6 +32,7 @@ from kvcache.wire import (
     Op,
     Status,
     make_items,
+    pack_header,
     parse_endpoint,
 )
 
@@ -183,15 +184,13 @@ class FetchAnswer:
 def get_reply(request: Header, answers: Sequence[tuple[Status, int, bytes]]) -> bytes:
     """An SWA_GET reply's header and items for (status, length, digest) answers; the states'
     bytes follow it, back to back in item order."""
-    header = Header(
-        op=Op.SWA_GET,
-        request_id=request.request_id,
-        count=len(answers),
-        data_len=sum(length for _, length, _ in answers),
-        flags=FLAG_REPLY,
-    )
     pack = GET_REPLY_ITEM.pack
-    return header.pack() + b"".join(pack(int(st), n, d) for st, n, d in answers)
+    items = b"".join([pack(st, n, d) for st, n, d in answers])
+    data_len = sum([n for _, n, _ in answers])
+    head = pack_header(
+        Op.SWA_GET, request.request_id, len(answers), data_len=data_len, flags=FLAG_REPLY
+    )
+    return head + items
 
 
 def parse_get_reply(items: bytes | memoryview, asked: int, data_len: int) -> list[FetchAnswer]:
