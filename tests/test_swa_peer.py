@@ -375,7 +375,7 @@ def test_a_kept_connection_keeps_a_shorter_deadline_too(transport: TcpPeerTransp
                 if not answered:
                     state = blob(1)
                     reply = get_reply(
-                        message.header, [(Status.OK, len(state), state_digest(state))]
+                        message.header.request_id, [(Status.OK, len(state), state_digest(state))]
                     )
                     conn.sendall(reply + state)
             release.wait(30)

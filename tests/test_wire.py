@@ -237,6 +237,42 @@ def test_header_fuzz(raw: bytes) -> None:
     assert header.pack() == raw
 
 
+@st.composite
+def _headers(draw: st.DrawFn) -> bytes:
+    """Header bytes near a plain request: valid headers of any shape, some bytes flipped."""
+    header = Header(
+        op=draw(st.sampled_from(list(Op))),
+        request_id=draw(st.integers(0, 2**64 - 1)),
+        count=draw(st.sampled_from([0, 1, 64, 65, 2**32 - 1])),
+        data_len=draw(st.sampled_from([0, 0, 1])),
+        status=draw(st.sampled_from([Status.OK, Status.OK, Status.NOT_FOUND])),
+        flags=draw(st.sampled_from([0, 0, FLAG_REPLY])),
+        traffic_class=draw(st.sampled_from(["", "", "chat"])),
+    )
+    raw = bytearray(header.pack())
+    for _ in range(draw(st.integers(0, 1))):
+        raw[draw(st.integers(0, HEADER_BYTES - 1))] ^= draw(st.integers(1, 255))
+    return bytes(raw)
+
+
+@settings(max_examples=400, deadline=None)
+@given(raw=st.one_of(_headers(), st.binary(min_size=HEADER_BYTES, max_size=HEADER_BYTES)))
+def test_a_plain_request_is_recognised_exactly(raw: bytes) -> None:
+    """plain_request says yes only to a header that Header.unpack accepts as a request of
+    that op with nothing but an id and a count, and to every such header."""
+    limits = Limits(max_items=64)
+    try:
+        header: Header | None = Header.unpack(raw, limits)
+    except ProtocolError:
+        header = None
+    for op in (Op.SWA_GET, Op.GET):
+        plain = header is not None and header == Header(
+            op=op, request_id=header.request_id, count=header.count
+        )
+        got = wire.plain_request(raw, op, limits)
+        assert got == ((header.request_id, header.count) if plain and header else None)
+
+
 # ---------------------------------------------------------------------- session
 
 

@@ -181,16 +181,16 @@ class FetchAnswer:
     digest: bytes
 
 
-def get_reply(request: Header, answers: Sequence[tuple[Status, int, bytes]]) -> bytes:
-    """An SWA_GET reply's header and items for (status, length, digest) answers; the states'
-    bytes follow it, back to back in item order."""
+def get_reply(request_id: int, answers: Sequence[tuple[Status, int, bytes]]) -> bytes:
+    """The header and items of the SWA_GET reply to request ``request_id`` for (status,
+    length, digest) answers; the states' bytes follow it, back to back in item order."""
     pack = GET_REPLY_ITEM.pack
     items = b"".join([pack(st, n, d) for st, n, d in answers])
     data_len = sum([n for _, n, _ in answers])
-    head = pack_header(
-        Op.SWA_GET, request.request_id, len(answers), data_len=data_len, flags=FLAG_REPLY
+    return (
+        pack_header(Op.SWA_GET, request_id, len(answers), data_len=data_len, flags=FLAG_REPLY)
+        + items
     )
-    return head + items
 
 
 def parse_get_reply(items: bytes | memoryview, asked: int, data_len: int) -> list[FetchAnswer]:

@@ -48,6 +48,7 @@ from kvcache.wire import (
     Op,
     Status,
     error_reply,
+    plain_request,
 )
 
 __all__ = ["PeerServer"]
@@ -247,30 +248,22 @@ class PeerServer:
         self._send(conn, [result])
 
     def _answer_whole_get(self, conn: _Conn, buf: memoryview, n: int) -> bool:
-        """Answer the ``n`` bytes at the start of ``buf`` if they are exactly one well-formed
+        """Answer the ``n`` bytes at the start of ``buf`` if they are exactly one plain
         SWA_GET request, without the generic reader; False to leave them to it.
 
         A fetch's request is one small message that arrives whole: on the H200 host the
-        generic path (items as a numpy record array, then bytes again) was most of the
-        40-70 us from the peer's wake-up to its first byte out, which a fetch waits on.
-        Whatever this does not take (a partial request, several at once, another op, a
-        data section) goes through :class:`MessageReader`, which checks it the same way."""
+        generic path (a checked Header, the items as a numpy record array, then bytes again)
+        was most of the 40-70 us from the peer's wake-up to its first byte out, which a
+        fetch waits on. Whatever is not exactly that shape (a partial request, several at
+        once, flags, a data section, anything malformed) goes through
+        :class:`MessageReader`, which checks it in full."""
         if n < HEADER_BYTES:
             return False
-        try:
-            header = Header.unpack(buf[:HEADER_BYTES], self.limits)
-        except ProtocolError:
-            return False  # the reader raises it again, and the connection is answered
-        if (
-            header.op is not Op.SWA_GET
-            or header.status is not Status.OK
-            or header.is_reply
-            or header.data_len
-            or n != HEADER_BYTES + header.count * GET_ITEM.size
-        ):
+        plain = plain_request(buf[:HEADER_BYTES], Op.SWA_GET, self.limits)
+        if plain is None or n != HEADER_BYTES + plain[1] * GET_ITEM.size:
             return False
         self.counters["requests"] += 1
-        self._send(conn, self._answer_get(header, buf[HEADER_BYTES:n]))
+        self._send(conn, self._answer_get(plain[0], buf[HEADER_BYTES:n]))
         return True
 
     def _answer_buffered(self, conn: _Conn) -> None:
@@ -311,11 +304,11 @@ class PeerServer:
                 Status.BAD_REQUEST,
                 f"bad_request: an SWA peer does not answer {header.op.name}",
             )
-        return self._answer_get(header, message.items.tobytes())
+        return self._answer_get(header.request_id, message.items.tobytes())
 
-    def _answer_get(self, header: Header, items: bytes | memoryview) -> list[Frame]:
-        """The reply to an SWA_GET request of ``header`` whose items are ``items`` (checked
-        whole); a request that is not OK never gets here."""
+    def _answer_get(self, request_id: int, items: bytes | memoryview) -> list[Frame]:
+        """The reply to SWA_GET request ``request_id`` whose items are ``items`` (whole
+        items); a request that is not OK never gets here."""
         answers: list[tuple[Status, int, bytes]] = []
         parts: list[Frame] = []
         total = 0
@@ -341,7 +334,7 @@ class PeerServer:
             total += state.nbytes
             if total > self.limits.max_data_bytes:
                 return error_reply(
-                    header,
+                    Header(op=Op.SWA_GET, request_id=request_id, count=0),
                     Status.TOO_LARGE,
                     f"too_large: the states asked for exceed {self.limits.max_data_bytes} bytes",
                 )
@@ -349,7 +342,7 @@ class PeerServer:
             parts.append(state.data)
         self.counters["states_served"] += len(parts)
         self.counters["bytes_served"] += total
-        return [get_reply(header, answers), *parts]
+        return [get_reply(request_id, answers), *parts]
 
     def stats(self) -> dict[str, object]:
         """Server counters and the store's."""
