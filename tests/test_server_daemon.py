@@ -8,7 +8,6 @@ import resource
 import signal
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -439,21 +438,6 @@ def test_retention_end_to_end_with_a_stepped_clock(tmp_path: Path) -> None:
         wait_until(lambda: daemon.stats()["gc"]["expired_shards"] == 36, what="the sweeper")
         assert daemon.stats()["usage"]["shards"] == 0
         assert http("POST", daemon.admin + "/debug/clock", {"offset_s": 0})[0] == 401
-        # Held at a time: the daemon's clock stands still there, whatever real time does.
-        at = time.time() + 9 * DAY_S
-        status, body = http("POST", daemon.admin + "/debug/clock", {"at": at}, token=token)
-        assert status == 200 and json.loads(body)["held"] is True and json.loads(body)["now"] == at
-        assert probe.put(block_records(key(4), traffic_class="agent")).tolist() == [0] * 12
-
-        def hold(t: float) -> None:
-            assert http("POST", daemon.admin + "/debug/clock", {"at": t}, token=token)[0] == 200
-
-        hold(at + 3 * DAY_S - 60)  # agent keeps 3 days from the held time it was stored at
-        assert len(probe.has([key(4)])[key(4)]) == 12
-        hold(at + 3 * DAY_S + 60)
-        assert probe.has([key(4)])[key(4)] == {}
-        for bad in ({"at": "soon"}, {"at": 1, "offset_s": 1}, {}, {"at": float("nan")}):
-            assert http("POST", daemon.admin + "/debug/clock", bad, token=token)[0] == 400
         assert daemon.stop() == 0
 
 

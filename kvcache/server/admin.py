@@ -22,7 +22,6 @@ import asyncio
 import hmac
 import json
 import logging
-import math
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -48,23 +47,14 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class OffsetClock:
-    """``time.time()`` plus an offset a test may move, or a time it holds still
-    (``POST /debug/clock``).
-
-    A replay that steps every daemon to a trace's time before each request holds the clock
-    at that time (``at``), so the daemons see exactly the trace's times whatever the machine's
-    load: with an offset, real time passes between one step and the next, and on a busy
-    machine expiries then fell differently than the planner's replay of the same trace."""
+    """``time.time()`` plus an offset a test may move (``POST /debug/clock``)."""
 
     def __init__(self, base: Callable[[], float]) -> None:
         self._base = base
         self.offset_s = 0.0
-        #: The time the clock is held at (None: it runs, at base + offset).
-        self.held_at: float | None = None
 
     def __call__(self) -> float:
-        held = self.held_at
-        return held if held is not None else self._base() + self.offset_s
+        return self._base() + self.offset_s
 
 
 def build_app(
@@ -169,27 +159,13 @@ def build_app(
         if clock is None:
             raise web.HTTPNotFound()
         body = await _read_json(request)
-        fields = set(body) if isinstance(body, dict) else set()
-        value = body.get(next(iter(fields))) if len(fields) == 1 else None
-        if (
-            fields not in ({"offset_s"}, {"at"})
-            or isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            return _json(
-                {"error": 'body must be {"offset_s": seconds} or {"at": unix seconds}'}, status=400
-            )
-        if "at" in fields:
-            clock.held_at = float(value)
-            log.warning("clock held at %.3f (test override)", clock.held_at)
-        else:
-            clock.held_at, clock.offset_s = None, float(value)
-            log.warning("clock offset set to %.3f s (test override)", clock.offset_s)
+        offset = body.get("offset_s") if isinstance(body, dict) else None
+        if isinstance(offset, bool) or not isinstance(offset, int | float):
+            return _json({"error": 'body must be {"offset_s": seconds}'}, status=400)
+        clock.offset_s = float(offset)
         service.wake()
-        return _json(
-            {"offset_s": clock.offset_s, "held": clock.held_at is not None, "now": clock()}
-        )
+        log.warning("clock offset set to %.3f s (test override)", clock.offset_s)
+        return _json({"offset_s": clock.offset_s, "now": clock()})
 
     async def start_scrub(request: web.Request) -> web.Response:
         scrubber = service.handler.scrubber
