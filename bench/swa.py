@@ -181,7 +181,12 @@ def compare_fetch(
 
 
 def _cpu_ns(pid: int) -> int:
-    """CPU time of every thread of process ``pid`` so far (ns; /proc/PID/task/*/schedstat)."""
+    """CPU time of every thread of process ``pid`` so far (ns): this process's own from
+    CLOCK_PROCESS_CPUTIME_ID, which counts threads that have exited (a large state's digest
+    is computed by a short-lived thread); another's summed over its live threads
+    (/proc/PID/task/*/schedstat: the peer starts none that end)."""
+    if pid == os.getpid():
+        return time.process_time_ns()
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as fh:

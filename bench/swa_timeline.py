@@ -7,8 +7,8 @@ and a blocking thread per connection that answers with ``PeerServer.answer`` (wh
 selector loop costs). This process times, alternating in chunks of 20:
 
 * ``raw``: ``bench/swa.py``'s raw transfer;
-* ``raw_hashed``: the raw server, received with ``native.recv_hashed`` (what the digest
-  costs the receiver);
+* ``raw_hashed``: the raw server, received with ``native.recv_hashed`` in the fetch's
+  pieces (what the digest costs the receiver), and ``raw_hashed_512k`` in 512 KiB pieces;
 * ``fetch``: ``TcpPeerTransport.fetch`` into the caller's buffer, against ``PeerServer``;
 * ``fetch_blocking_server``: the same fetch against the thread-per-connection server.
 
@@ -189,16 +189,16 @@ def main() -> None:
         while got < DSV41_STATE_BYTES:
             got += raw.recv_into(buf[got:])
 
-    def raw_hashed() -> None:
-        raw.sendall(b"g")
-        status, _, got = native.recv_hashed(
-            raw.fileno(),
-            buf,
-            piece=128 << 10,
-            deadline=time.monotonic() + 5,
-            prefix=STATE_DIGEST_TAG,
-        )
-        assert status == native.RECV_DONE and got == digest
+    def raw_hashed(piece: int) -> Callable[[], None]:
+        def run() -> None:
+            raw.sendall(b"g")
+            status, _, got = native.recv_hashed(
+                raw.fileno(), buf, piece=piece, deadline=time.monotonic() + 5,
+                prefix=STATE_DIGEST_TAG,
+            )  # fmt: skip
+            assert status == native.RECV_DONE and got == digest
+
+        return run
 
     transport = TcpPeerTransport(tenant="default", secret=secret, connections_per_peer=1)
     blocking = TcpPeerTransport(tenant="default", secret=secret, connections_per_peer=1)
@@ -245,7 +245,8 @@ def main() -> None:
 
     paths = {
         "raw": raw_get,
-        "raw_hashed": raw_hashed,
+        "raw_hashed": raw_hashed(fetch_module._PIECE),
+        "raw_hashed_512k": raw_hashed(512 << 10),
         "fetch": fetch,
         "fetch_blocking_server": fetch_blocking,
     }
@@ -258,12 +259,12 @@ def main() -> None:
     begin = ns()
     for _ in range(args.rounds):
         for name, run in paths.items():
-            cpu0 = time.thread_time_ns()
+            cpu0 = time.process_time_ns()
             for _ in range(20):
                 started = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - started)
-            cpu[name] += time.thread_time_ns() - cpu0
+            cpu[name] += time.process_time_ns() - cpu0
     raw.sendall(b"q")
     proc.stdin.close()
     proc.wait(30)
@@ -302,7 +303,7 @@ def main() -> None:
     med = figures["median_ms"]
     print(f"# bench/swa_timeline.py at {figures['commit']} on {figures['machine']}")
     print_table(
-        "V4.1's state, four ways",
+        "V4.1's state, by path",
         ["path", "median ms", "raw / path", "client CPU us"],
         [
             [n, f"{med[n]:.3f}", f"{med['raw'] / med[n]:.2f}", f"{figures['client_cpu_us'][n]:.0f}"]

@@ -464,3 +464,76 @@ def test_a_hashed_receive_reports_a_close_a_stall_and_a_passed_deadline() -> Non
         assert (status, got, digest, bytes(out[:100])) == (
             native.RECV_CLOSED, 100, b"", b"y" * 100
         )  # fmt: skip
+
+
+@needs_native
+@settings(max_examples=12, deadline=None)
+@given(
+    st.integers(1 << 20, 4 << 20),
+    st.sampled_from([4096, 65_536, 131_072, 1 << 20]),
+    st.sampled_from([1000, 65_536, 300_000]),
+    st.integers(0, 2**32 - 1),
+)
+def test_a_large_hashed_receive_hashes_on_a_second_thread_to_the_same_digest(
+    size: int, piece: int, sent_at_once: int, seed: int
+) -> None:
+    """States of 1 MiB and more are hashed by a thread of their own while the next pieces
+    land: the digest is the same as one computed in one go, whatever the piece and the
+    sender's write sizes."""
+    import threading
+    import time
+
+    import numpy as np
+
+    data = np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes()
+    prefix = b"kvcache:swa-state:v1\x00"
+    a, b = socket.socketpair()
+    out = bytearray(size)
+
+    def send() -> None:
+        for at in range(0, size, sent_at_once):
+            a.sendall(data[at : at + sent_at_once])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        status, got, digest = native.recv_hashed(
+            b.fileno(), out, piece=piece, deadline=time.monotonic() + 30, prefix=prefix
+        )
+    finally:
+        sender.join()
+        a.close()
+        b.close()
+    assert (status, got) == (native.RECV_DONE, size) and bytes(out) == data
+    assert digest == xxhash.xxh3_128(prefix + data).digest()
+
+
+@needs_native
+def test_a_large_hashed_receive_that_fails_midway_reports_it_and_returns() -> None:
+    """With the second thread hashing: a stall, and a close after 2 MiB of 3, come back as
+    -EAGAIN and RECV_CLOSED with what landed, and no digest."""
+    import struct
+    import time
+
+    size = 3 << 20
+    for how in ("stall", "close"):
+        a, b = socket.socketpair()
+        with a, b:
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 100_000))
+            out = bytearray(size)
+            import threading
+
+            sent = threading.Thread(target=a.sendall, args=(b"z" * (2 << 20),))
+            sent.start()
+            if how == "close":
+                sent.join()
+                a.shutdown(socket.SHUT_WR)
+            status, got, digest = native.recv_hashed(
+                b.fileno(), out, piece=131_072, deadline=time.monotonic() + 30, prefix=b"p"
+            )
+            sent.join()
+            expected = -errno.EAGAIN if how == "stall" else native.RECV_CLOSED
+            assert (status, got, digest) == (expected, 2 << 20, b""), how
+            assert bytes(out[: 2 << 20]) == b"z" * (2 << 20)
