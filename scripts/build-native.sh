@@ -10,7 +10,7 @@ out=$dir/libkvfast.so
 inc=()
 [ -n "${XXHASH_INCLUDE:-}" ] && inc=(-I "$XXHASH_INCLUDE")
 cc="${CC:-gcc}"
-flags=(-O3 -std=c11 -D_GNU_SOURCE -pthread -Wall -Wextra -Werror -fPIC "${inc[@]}")
+flags=(-O3 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC "${inc[@]}")
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 # The hash kernels three times: x86-64's baseline (SSE2), AVX2 and AVX-512, picked at run time
@@ -19,6 +19,6 @@ trap 'rm -rf "$tmp"' EXIT
 "$cc" "${flags[@]}" -DKV_SUFFIX=_avx2 -mavx2 -c "$dir/kvfast_hash.c" -o "$tmp/hash_avx2.o"
 "$cc" "${flags[@]}" -DKV_SUFFIX=_avx512 -mavx512f -c "$dir/kvfast_hash.c" -o "$tmp/hash_avx512.o"
 "$cc" "${flags[@]}" -c "$dir/kvfast.c" -o "$tmp/kvfast.o"
-"$cc" -shared -pthread -o "$out.tmp" "$tmp"/*.o
+"$cc" -shared -o "$out.tmp" "$tmp"/*.o
 mv "$out.tmp" "$out"
 echo "built $out"

@@ -474,12 +474,12 @@ def test_a_hashed_receive_reports_a_close_a_stall_and_a_passed_deadline() -> Non
     st.sampled_from([1000, 65_536, 300_000]),
     st.integers(0, 2**32 - 1),
 )
-def test_a_large_hashed_receive_hashes_on_a_second_thread_to_the_same_digest(
+def test_a_large_hashed_receive_lands_a_state_and_its_digest(
     size: int, piece: int, sent_at_once: int, seed: int
 ) -> None:
-    """States of 1 MiB and more are hashed by a thread of their own while the next pieces
-    land: the digest is the same as one computed in one go, whatever the piece and the
-    sender's write sizes."""
+    """States of V4.1's size (1-4 MiB, more than a socket buffer holds): the bytes land and
+    the digest is the one computed in one go, whatever the piece and the sender's write
+    sizes."""
     import threading
     import time
 
@@ -510,8 +510,8 @@ def test_a_large_hashed_receive_hashes_on_a_second_thread_to_the_same_digest(
 
 @needs_native
 def test_a_large_hashed_receive_that_fails_midway_reports_it_and_returns() -> None:
-    """With the second thread hashing: a stall, and a close after 2 MiB of 3, come back as
-    -EAGAIN and RECV_CLOSED with what landed, and no digest."""
+    """A stall, and a close after 2 MiB of a 3 MiB state, come back as -EAGAIN and
+    RECV_CLOSED with what landed, and no digest."""
     import struct
     import time
 
