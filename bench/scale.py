@@ -559,14 +559,17 @@ def main() -> int:
                 figures.update(daemon_part(root / f"fill-{n}", n, 40 if quick else 200))
                 shutil.rmtree(root / f"fill-{n}", ignore_errors=True)
                 print(f"# fill {n} done at {time.monotonic() - started:.0f} s", flush=True)
+                write_json(args.json, figures)  # so far: a run cut short keeps what it measured
         if "long" in parts:
             figures.update(long_part(root / "long", 1_000_000))
             shutil.rmtree(root / "long", ignore_errors=True)
             print(f"# long prompt done at {time.monotonic() - started:.0f} s", flush=True)
+            write_json(args.json, figures)
         if "nodes" in parts:
             for n in (12, 48):
                 figures.update(nodes_part(root, n, 4 if quick else 16, 5 if quick else 10))
                 print(f"# {n} nodes done at {time.monotonic() - started:.0f} s", flush=True)
+                write_json(args.json, figures)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ok = report(figures, fills)
