@@ -411,6 +411,16 @@ def test_a_hashed_receive_lands_the_bytes_and_their_digest(
 ) -> None:
     """Whatever the sender's write sizes and the receive's piece size: the bytes land, and
     the digest is xxhash's XXH3-128 of the prefix, then the bytes."""
+    status, got, out, digest = _send_and_receive_hashed(data, piece, sent_at_once, prefix)
+    assert (status, got, out) == (native.RECV_DONE, len(data), data)
+    assert digest == (b"" if prefix is None else xxhash.xxh3_128(prefix + data).digest())
+
+
+def _send_and_receive_hashed(
+    data: bytes, piece: int, sent_at_once: int, prefix: bytes | None
+) -> tuple[int, int, bytes, bytes]:
+    """``data`` sent over a socket pair ``sent_at_once`` bytes a write, from a thread, and
+    received with ``native.recv_hashed``: (status, bytes received, what landed, digest)."""
     import threading
     import time
 
@@ -431,8 +441,7 @@ def test_a_hashed_receive_lands_the_bytes_and_their_digest(
         sender.join()
         a.close()
         b.close()
-    assert (status, got, bytes(out)) == (native.RECV_DONE, len(data), data)
-    assert digest == (b"" if prefix is None else xxhash.xxh3_128(prefix + data).digest())
+    return status, got, bytes(out), digest
 
 
 @needs_native
@@ -480,31 +489,12 @@ def test_a_large_hashed_receive_lands_a_state_and_its_digest(
     """States of V4.1's size (1-4 MiB, more than a socket buffer holds): the bytes land and
     the digest is the one computed in one go, whatever the piece and the sender's write
     sizes."""
-    import threading
-    import time
-
     import numpy as np
 
     data = np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes()
     prefix = b"kvcache:swa-state:v1\x00"
-    a, b = socket.socketpair()
-    out = bytearray(size)
-
-    def send() -> None:
-        for at in range(0, size, sent_at_once):
-            a.sendall(data[at : at + sent_at_once])
-
-    sender = threading.Thread(target=send)
-    sender.start()
-    try:
-        status, got, digest = native.recv_hashed(
-            b.fileno(), out, piece=piece, deadline=time.monotonic() + 30, prefix=prefix
-        )
-    finally:
-        sender.join()
-        a.close()
-        b.close()
-    assert (status, got) == (native.RECV_DONE, size) and bytes(out) == data
+    status, got, out, digest = _send_and_receive_hashed(data, piece, sent_at_once, prefix)
+    assert (status, got) == (native.RECV_DONE, size) and out == data
     assert digest == xxhash.xxh3_128(prefix + data).digest()
 
 
