@@ -163,3 +163,91 @@ def test_a_match_longer_than_one_has_request_is_asked_in_segments(
         assert np.array_equal(out, src)
         gap = [*keys[:20], os.urandom(16), *keys[21:]]
         assert client.match_keys(gap).hit_blocks == 20
+
+
+# ---------------------------------------------------------------------- who runs the loop
+
+
+def test_a_waiting_call_runs_the_loop_itself_and_the_io_thread_stays_parked(
+    cluster: LocalCluster,
+) -> None:
+    """Back-to-back loads are received by the calling thread: the I/O thread takes a turn
+    only for answers a returned call left behind for longer than the linger."""
+    keys = [os.urandom(16) for _ in range(32)]
+    src = _blocks(32, 11)
+    out = np.zeros_like(src)
+    with Client(cluster.client_config()) as client:
+        assert client.store_keys(keys, src, payload_len=P).written == 32
+        counters = client._core.transport.counters  # type: ignore[attr-defined]
+        before = dict(counters)
+        for _ in range(20):
+            out[:] = 0
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == 32
+            assert np.array_equal(out, src)
+        caller = counters["caller_turns"] - before["caller_turns"]
+        io = counters["io_turns"] - before["io_turns"]
+        assert caller >= 20  # at least one turn per load
+        assert io < caller
+
+
+@pytest.mark.parametrize("caller_drives", [True, False])
+def test_loads_from_several_threads_at_once_all_complete(
+    cluster: LocalCluster, caller_drives: bool
+) -> None:
+    """One thread runs the loop at a time; the others wait for their replies as before and
+    are never left with an exchange nobody sends or receives."""
+    keys = [os.urandom(16) for _ in range(48)]
+    src = _blocks(48, 12)
+    errors: list[BaseException] = []
+    with Client(cluster.client_config(caller_drives=caller_drives)) as client:
+        assert client.store_keys(keys, src, payload_len=P).written == 48
+
+        def loads(part: int) -> None:
+            try:
+                lo, hi = part * 12, part * 12 + 12
+                out = np.zeros((12, P), np.uint8)
+                for _ in range(15):
+                    out[:] = 0
+                    got = client.load_keys(keys[lo:hi], payload_len=P, out=out)
+                    assert got.blocks == 12
+                    assert np.array_equal(out, src[lo:hi])
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loads, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        counters = client._core.transport.counters  # type: ignore[attr-defined]
+        if caller_drives:
+            assert counters["caller_turns"] > 0
+        else:
+            assert counters["caller_turns"] == 0
+
+
+def test_an_exchange_no_caller_waits_for_is_sent_and_received_by_the_io_thread(
+    cluster: LocalCluster,
+) -> None:
+    """A fire-and-forget submit (read repair's PUTs use one) from a thread that never runs
+    the loop: the parked I/O thread is woken, sends it and receives its reply."""
+    from kvcache.client.transport import Exchange
+    from kvcache.wire import Op, make_items
+
+    done = threading.Event()
+    outcome: list[object] = []
+
+    class Stats(Exchange):
+        def finish(self, reply: object, error: BaseException | None) -> None:
+            outcome.append(error if error is not None else reply)
+            done.set()
+
+    with Client(cluster.client_config()) as client:
+        transport = client._core.transport  # type: ignore[attr-defined]
+        io_before = transport.counters["io_turns"]
+        transport.submit(Stats(0, Op.STATS, make_items(Op.STATS, 0, reply=False)))
+        assert done.wait(10), "nobody ran the loop for an exchange no caller waits for"
+        assert not isinstance(outcome[0], BaseException), outcome[0]
+        assert transport.counters["io_turns"] > io_before

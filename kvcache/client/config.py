@@ -51,6 +51,10 @@ class ClientConfig:
     chunk_bytes: int = 32 << 20
     window: int = 4
     connections_per_node: int = 2
+    #: A call waiting for its replies runs the transport's socket loop itself (off: the
+    #: I/O thread receives everything and hands each batch of replies over, as until
+    #: 2026-12-03; see kvcache.client.transport, "Who runs the loop").
+    caller_drives: bool = True
     #: Worker processes that move the bytes of loads and stores (0: this process does).
     #: With N > 0, buffers from ``Client.alloc_buffer`` are written and read by the workers
     #: directly (shared memory); see kvcache.client.pool.

@@ -107,6 +107,7 @@ class ClientCore:
                 credentials,
                 connections_per_node=config.connections_per_node,
                 connect_timeout_s=config.timeout_s,
+                caller_drives=config.caller_drives,
             )
             transport, add_node = tcp, tcp.add
         self.transport = transport

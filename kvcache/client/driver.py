@@ -128,18 +128,32 @@ class Pump:
         """Send ``exchange``; its outcome comes back from :meth:`wait`."""
         exchange.submitted = self.clock()
         self.outstanding[exchange.ticket] = exchange
-        self.transport.submit(exchange)
+        # The caller waits through wait(), which runs the loop itself when it can.
+        getattr(self.transport, "submit_then_drive", self.transport.submit)(exchange)
 
     def deliver(self, event: Event) -> None:
         """Called on an I/O thread when an exchange finished."""
         self._events.put(event)
 
+    def _arrived(self) -> bool:
+        return not self._events.empty()
+
     def wait(self, until: float | None) -> list[Event]:
         """Outcomes that arrived, waiting at most until ``until`` (None: for one)."""
         events: list[Event] = []
+        pending = self._events
+        drive = getattr(self.transport, "drive", None)
+        if (
+            pending.empty()
+            and drive is not None
+            and drive(until, self._arrived)
+            and pending.empty()
+            and until is not None
+        ):
+            return events  # this thread ran the loop until the deadline passed
         timeout = None if until is None else max(0.0, until - self.clock())
         try:
-            events.append(self._events.get(timeout=timeout))
+            events.append(pending.get(timeout=timeout))
         except queue.Empty:
             return events
         while True:

@@ -191,7 +191,13 @@ def _store(
     pool = encoder or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcache-encode")
     try:
         ahead = config.window + 1
-        pending = [pool.submit(encode, g) for g in groups[:ahead]]
+        # The first chunk is encoded here: nothing is in flight yet for the pool to overlap
+        # it with, and a call of one chunk then makes no thread hop at all.
+        pending = [pool.submit(encode, g) for g in groups[1:ahead]]
+        if groups:
+            first: concurrent.futures.Future[EncodedBatch] = concurrent.futures.Future()
+            first.set_result(encode(groups[0]))
+            pending.insert(0, first)
         flights: list[tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]] = []
         next_group = len(pending)
         done_groups = 0

@@ -85,6 +85,9 @@ _CONTROL_OPS = {Op.HAS, Op.TOUCH, Op.DELETE, Op.STATS, Op.HAS_DIR, Op.DIR_PUT}
 _PIPELINE = 4
 #: Times an exchange is sent on a fresh connection after its connection failed under it.
 _RETRIES = 1
+#: How long exchanges left out by a call that returned wait for the next call's loop
+#: before the I/O thread receives them (see TcpTransport._take_turn).
+_LINGER_S = 0.005
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -265,6 +268,7 @@ class TcpTransport:
         connect_timeout_s: float = 2.0,
         limits: Limits | None = None,
         clock: Callable[[], float] = time.monotonic,
+        caller_drives: bool = True,
     ) -> None:
         self.nodes: tuple[NodeInfo, ...] = ()
         self.credentials = credentials
@@ -288,6 +292,17 @@ class TcpTransport:
         self._connectors = concurrent.futures.ThreadPoolExecutor(
             max_workers=16, thread_name_prefix="kvcache-connect"
         )
+        #: Who runs the loop now: None (nobody: the I/O thread is parked), "io" (the I/O
+        #: thread) or "caller" (a thread waiting in :meth:`drive`). Guarded by ``_turn``.
+        self._runner: str | None = None
+        self._turn = threading.Condition(threading.Lock())
+        #: Callers waiting for the I/O thread to hand the loop over.
+        self._wanted = 0
+        self._stopped = False
+        self._idle_since = 0.0
+        #: Counted hand-overs (for tests and stats): loops run by callers, I/O thread turns.
+        self.counters |= {"caller_turns": 0, "io_turns": 0}
+        self.caller_drives = caller_drives
         for node in nodes:
             self.add(node)
         self._thread = threading.Thread(target=self._run, name="kvcache-io", daemon=True)
@@ -326,6 +341,14 @@ class TcpTransport:
             return
         self._post("submit", exchange)
 
+    def submit_then_drive(self, exchange: Exchange) -> None:
+        """:meth:`submit`, from a thread that calls :meth:`drive` next to wait for it: sent
+        at once from this thread if nobody runs the loop now, and nobody is woken."""
+        if self._closed:
+            exchange.finish(None, NodeError("client closed", node=self.node_id(exchange.node)))
+            return
+        self._post("submit", exchange, lazy=True)
+
     def reset(self, node: int) -> None:
         """Fail queued and in-flight exchanges of ``node``; it gets fresh connections."""
         self._post("reset", node)
@@ -355,39 +378,183 @@ class TcpTransport:
         with contextlib.suppress(OSError):
             self._wake_w.close()
 
-    def _post(self, what: str, arg: object) -> None:
+    def _post(self, what: str, arg: object, *, lazy: bool = False) -> None:
+        """Hand ``arg`` to whoever runs the loop. ``lazy``: the posting thread drives the
+        loop next (a submit followed by :meth:`drive`), so nobody needs waking if nobody
+        runs it now."""
         self._inbox.append((what, arg))
+        if lazy and self.caller_drives and self._send_now():
+            return
+        with self._turn:
+            if self._runner is None:
+                self._turn.notify_all()  # the parked I/O thread takes the loop and drains
+                if self.caller_drives:
+                    return
+        self._wake()
+
+    def _send_now(self) -> bool:
+        """Drain the inbox (send what was submitted) on this thread if nobody runs the loop;
+        False if someone does (then it must be woken to drain it)."""
+        with self._turn:
+            if self._runner is not None or self._wanted or self._stopped:
+                return False
+            self._runner = "caller"
+        try:
+            if not self._drain():
+                self._stop_loop()
+        finally:
+            with self._turn:
+                self._runner = None
+                self._idle_since = self.clock()
+                # Not woken for the exchanges now out: this thread receives them next.
+                if self._wanted or self._stopped or self._inbox:
+                    self._turn.notify_all()
+        return True
+
+    def _wake(self) -> None:
+        """Make a loop blocked in select return (a byte on the wake socket)."""
         if not self._woken:
             self._woken = True
             with contextlib.suppress(OSError):
                 self._wake_w.send(b"\0")
 
-    # ------------------------------------------------------------------ the I/O thread
+    # ------------------------------------------------------------------ running the loop
+
+    def drive(self, until: float | None, done: Callable[[], bool]) -> bool:
+        """Run the loop on the calling thread until ``done()`` or ``until`` (monotonic; None:
+        until done); False, at once, if another caller runs it (then wait as usual).
+
+        Why: a call that waits for its own replies can as well receive them. Handing each
+        batch of completions from an I/O thread to the waiting caller cost a wake-up and
+        a thread switch per batch, and a GIL hand-over per syscall while both ran; the I/O
+        thread now runs only while exchanges are out that no caller waits for (a hedge's
+        late answers, asynchronous loads).
+        """
+        if not self.caller_drives:
+            return False
+        with self._turn:
+            while self._runner is not None:
+                if self._runner == "caller" or self._stopped:
+                    # Another caller runs the loop: it drains what this thread posted
+                    # once its select returns, so make it return.
+                    self._wake()
+                    return False
+                self._wanted += 1
+                self._wake()
+                self._turn.wait()
+                self._wanted -= 1
+            if self._stopped:
+                return False
+            self._runner = "caller"
+            self.counters["caller_turns"] += 1
+        try:
+            # Sockets that became ready while nobody ran the loop first (an idle connection
+            # its daemon closed is dropped before a request is put on it), then what this
+            # thread posted, then the replies.
+            if self._events(0.0):
+                while not done():
+                    timeout = None if until is None else max(0.0, until - self.clock())
+                    if not self._step(timeout) or timeout == 0.0:
+                        break
+        finally:
+            self._hand_back()
+        return True
+
+    def _hand_back(self) -> None:
+        with self._turn:
+            self._runner = None
+            self._idle_since = self.clock()
+            if self._wanted or self._stopped or self._inbox or self._busy():
+                self._turn.notify_all()
+
+    def _busy(self) -> bool:
+        """Some exchange is queued, on the wire or waiting for its connection."""
+        for pool in self._bulk:
+            for conn in pool:
+                if conn.queue or conn.sent or conn.connecting:
+                    return True
+        return any(conn.queue or conn.sent or conn.connecting for conn in self._control)
 
     def _run(self) -> None:
-        select = self._selector.select
+        """The I/O thread: runs the loop whenever no caller does and there is work."""
         try:
             while True:
-                if self._inbox and not self._drain():
-                    return
-                for key, mask in select(None if not self._inbox else 0):
-                    conn = key.data
-                    if conn is None:
-                        # Consume the wake bytes first, then allow new ones: a post after
-                        # this point sends a byte; one before it is in the inbox, drained next.
-                        with contextlib.suppress(OSError):
-                            while self._wake_r.recv(4096):
-                                pass
-                        self._woken = False
-                        continue
-                    if mask & selectors.EVENT_WRITE:
-                        self._flush(conn)
-                    if mask & selectors.EVENT_READ and conn.sock is not None:
-                        self._receive(conn)
+                with self._turn:
+                    while not self._take_turn():
+                        self._turn.wait(self._linger_left())
+                    if self._stopped:
+                        return
+                    self._runner = "io"
+                    self.counters["io_turns"] += 1
+                try:
+                    while self._step(None):
+                        if self._wanted or (
+                            self.caller_drives and not (self._inbox or self._busy())
+                        ):
+                            break
+                finally:
+                    self._hand_back()
         except BaseException:  # pragma: no cover - a bug here would hang every caller
             log.exception("client I/O loop failed")
             self._shutdown(NodeError("client I/O loop failed", node="*"))
             raise
+
+    def _take_turn(self) -> bool:
+        """Whether the I/O thread runs the loop now (or stops); called holding ``_turn``.
+
+        It does when something was posted that no caller will drain, and when exchanges
+        are out that no caller has received for ``_LINGER_S``: the late answers of a
+        call that has returned (a hedge's eleventh shard) are left to the next call's
+        loop if one comes soon, which saves a thread that receives them while the
+        caller, holding the GIL, goes on with its work.
+        """
+        if self._stopped:
+            return True
+        if self._runner is not None or self._wanted:
+            return False
+        if not self.caller_drives or self._inbox:
+            return True
+        return self._busy() and self.clock() - self._idle_since >= _LINGER_S
+
+    def _linger_left(self) -> float | None:
+        if self._runner is not None or self._wanted or not self._busy():
+            return None
+        return max(0.0, _LINGER_S - (self.clock() - self._idle_since))
+
+    def _step(self, timeout: float | None) -> bool:
+        """One pass of the loop: what was posted, then the sockets that are ready (waiting
+        at most ``timeout``); False once the transport is closed."""
+        if self._stopped:
+            return False
+        if self._inbox and not self._drain():
+            self._stop_loop()
+            return False
+        return self._events(0 if self._inbox else timeout)
+
+    def _events(self, timeout: float | None) -> bool:
+        """Handle the sockets that are ready, waiting at most ``timeout``; False once closed."""
+        if self._stopped:
+            return False
+        for key, mask in self._selector.select(timeout):
+            conn = key.data
+            if conn is None:
+                # Consume the wake bytes first, then allow new ones: a post after
+                # this point sends a byte; one before it is in the inbox, drained next.
+                with contextlib.suppress(OSError):
+                    while self._wake_r.recv(4096):
+                        pass
+                self._woken = False
+                continue
+            if mask & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ and conn.sock is not None:
+                self._receive(conn)
+        return True
+
+    def _stop_loop(self) -> None:
+        with self._turn:
+            self._stopped = True
+            self._turn.notify_all()
 
     def _drain(self) -> bool:
         """Handle what other threads posted; False once the transport is closing."""
@@ -501,6 +668,8 @@ class TcpTransport:
                 if conn.rstate == _DATA:
                     self._recv_data(conn, sock)
                     self._complete(conn)
+                    if not conn.sent:
+                        return  # nothing more is due: no recv that can only say EAGAIN
                     continue
                 if conn.rstate == _HEAD:
                     view = memoryview(conn.raw)
@@ -523,6 +692,8 @@ class TcpTransport:
                     if conn.rgot < view.nbytes:
                         continue
                 self._advance(conn)
+                if conn.rstate == _HEAD and not conn.sent:
+                    return  # that reply was the last one due
         except _WOULD_BLOCK:
             return
         except (OSError, ssl.SSLError, KVCacheError) as exc:
