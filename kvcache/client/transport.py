@@ -88,6 +88,8 @@ _RETRIES = 1
 #: How long exchanges left out by a call that returned wait for the next call's loop
 #: before the I/O thread receives them (see TcpTransport._take_turn).
 _LINGER_S = 0.005
+#: How often a parked I/O thread looks for exchanges left out (see _linger_left).
+_PARK_S = 0.05
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -464,7 +466,7 @@ class TcpTransport:
         with self._turn:
             self._runner = None
             self._idle_since = self.clock()
-            if self._wanted or self._stopped or self._inbox or self._busy():
+            if self._wanted or self._stopped or self._inbox or not self.caller_drives:
                 self._turn.notify_all()
 
     def _busy(self) -> bool:
@@ -516,9 +518,12 @@ class TcpTransport:
             return True
         return self._busy() and self.clock() - self._idle_since >= _LINGER_S
 
-    def _linger_left(self) -> float | None:
+    def _linger_left(self) -> float:
+        """How long the parked I/O thread sleeps: until the linger of exchanges left out
+        ends, or a while (it is not woken for exchanges that callers leave out, which
+        would cost a wake-up per wait of every call)."""
         if self._runner is not None or self._wanted or not self._busy():
-            return None
+            return _PARK_S
         return max(0.0, _LINGER_S - (self.clock() - self._idle_since))
 
     def _step(self, timeout: float | None) -> bool:
