@@ -11,8 +11,11 @@ same interface.
 
 :class:`TcpTransport` keeps, per node, a few bulk connections (GET, PUT) and
 one control connection (HAS, TOUCH, DELETE, STATS), so a match never queues
-behind a large transfer. Every connection of the transport belongs to ONE
-I/O thread that runs a selector over all of them (:class:`_Loop`): requests
+behind a large transfer. Every connection of the transport is served by ONE
+selector loop (:class:`_Loop`), run by one thread at a time: the caller that
+waits for replies runs it itself (``caller_drives``, :meth:`TcpTransport.drive`),
+and the transport's I/O thread runs it only for exchanges no caller waits for
+(fire-and-forget submits, a call that gave up). Requests
 go out with non-blocking ``sendmsg`` straight from the caller's buffers
 (pipelined, a few per connection), a reply's header and items are read, the
 exchange says where the data goes, and the data is received there with
@@ -27,6 +30,11 @@ at 112 KiB blocks that is ~700 shard transfers per 64-block call and the
 hand-offs, not the bytes, set the client's CPU per GB. One selector thread
 per process pays one wake-up per batch of completions; more cores come from
 I/O worker processes (:mod:`kvcache.client.pool`), each with its own loop.
+Why the caller runs the loop (since ``f9a618c``): handing each finished batch
+from the I/O thread to the waiting caller cost two wake-ups and a GIL
+hand-over per turn, 50-84 context switches per 64-block load; a caller that
+drives its own exchanges pays about 2-5, and 0.80x the client CPU per GB
+(``bench/io_model.py``).
 
 Failures (issue 18): a connection that fails takes every connection of its
 node with it (after a restart they are all stale), and the exchanges that had
