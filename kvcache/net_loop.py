@@ -8,7 +8,8 @@ tier's peer endpoint (:mod:`kvcache.swa_local.server`), which were written twice
 - :class:`WakePipe` interrupts the loop's ``select`` from other threads (or a signal);
 - :class:`SendQueue` holds a connection's outgoing sections and sends what the socket
   takes, with ``sendmsg`` straight from the callers' buffers (``native.send_gather`` for
-  :class:`~kvcache.native.Segments`, plain ``send`` under TLS);
+  :class:`~kvcache.native.Segments`, ``sendfile`` for a :class:`FileRange`, plain
+  ``send`` under TLS);
 - :func:`watch` keeps a connection's selector registration equal to what it waits for.
 
 What a connection is and what it is answered stay with each server: this module owns no
@@ -24,13 +25,22 @@ import selectors
 import socket
 import ssl
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from kvcache import native
 from kvcache.errors import KVCacheError
 from kvcache.wire import parse_endpoint
 
-__all__ = ["SendQueue", "WakePipe", "accept_ready", "bind_listener", "watch"]
+__all__ = [
+    "FileRange",
+    "SendQueue",
+    "WakePipe",
+    "accept_ready",
+    "bind_listener",
+    "frame_nbytes",
+    "frame_view",
+    "watch",
+]
 
 #: Most buffers per sendmsg call (Linux IOV_MAX is 1024).
 IOV_MAX = 1024
@@ -108,6 +118,45 @@ class WakePipe:
         self._r = self._w = -1
 
 
+class _OpenFile(Protocol):
+    def fileno(self) -> int: ...
+
+
+class FileRange:
+    """Bytes of an open file to send with ``sendfile``: the kernel sends them from the page
+    cache, with no copy through this process (a daemon's GET reply, issue 17).
+
+    ``view`` is a mapping of the same bytes, sent instead where ``sendfile`` cannot be
+    (TLS). Holding the range holds ``file`` open (and ``view``'s mapping alive), so the
+    file cannot be closed or reused under a reply in flight.
+    """
+
+    __slots__ = ("file", "length", "offset", "view")
+
+    def __init__(self, file: _OpenFile, offset: int, view: memoryview) -> None:
+        self.file = file
+        self.offset = offset
+        self.length = view.nbytes
+        self.view = view
+
+    def advance(self, sent: int) -> None:
+        """``sent`` bytes of the range left."""
+        self.offset += sent
+        self.length -= sent
+        self.view = self.view[sent:]
+
+
+def frame_nbytes(frame: Any) -> int:
+    """Bytes of a reply section: a buffer or a :class:`FileRange`."""
+    return frame.length if type(frame) is FileRange else memoryview(frame).nbytes
+
+
+def frame_view(frame: Any) -> memoryview:
+    """A reply section as a flat byte view (a :class:`FileRange`'s mapping)."""
+    view = frame.view if type(frame) is FileRange else memoryview(frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 class SendQueue:
     """A connection's outgoing sections, sent in order as the socket takes them.
 
@@ -115,12 +164,12 @@ class SendQueue:
     last byte left; :meth:`flush` never blocks.
     """
 
-    __slots__ = ("_out", "_segments")
+    __slots__ = ("_out", "_special")
 
     def __init__(self) -> None:
-        self._out: collections.deque[memoryview | native.Segments] = collections.deque()
-        #: How many of the queued sections are Segments (none: one sendmsg takes them all).
-        self._segments = 0
+        self._out: collections.deque[memoryview | native.Segments | FileRange] = collections.deque()
+        #: How many queued sections are Segments or FileRanges (none: one sendmsg takes all).
+        self._special = 0
 
     def __bool__(self) -> bool:
         return bool(self._out)
@@ -129,14 +178,19 @@ class SendQueue:
         return len(self._out)
 
     def extend(self, frames: Iterable[Any]) -> None:
-        """Queue sections: buffers (bytes, memoryviews, arrays) and Segments; empty ones are
-        dropped."""
+        """Queue sections: buffers (bytes, memoryviews, arrays), Segments and FileRanges;
+        empty ones are dropped."""
         out = self._out
         for frame in frames:
+            if type(frame) is FileRange:
+                if frame.length:
+                    out.append(frame)
+                    self._special += 1
+                continue
             if isinstance(frame, native.Segments):
                 if frame.count:
                     out.append(frame)
-                    self._segments += 1
+                    self._special += 1
                 continue
             view = memoryview(frame)
             if view.nbytes:
@@ -145,7 +199,7 @@ class SendQueue:
     def clear(self) -> None:
         """Drop what is queued (the connection is gone)."""
         self._out.clear()
-        self._segments = 0
+        self._special = 0
 
     def flush(self, sock: socket.socket) -> int:
         """Send what ``sock`` takes now; the bytes sent. The queue is empty afterwards when
@@ -157,22 +211,39 @@ class SendQueue:
         try:
             while out:
                 first = out[0]
+                if type(first) is FileRange:
+                    if tls:  # no sendfile through TLS: send the mapping
+                        out[0] = first.view
+                        self._special -= 1
+                        continue
+                    sent = os.sendfile(
+                        sock.fileno(), first.file.fileno(), first.offset, first.length
+                    )
+                    if not sent:
+                        raise OSError(f"file ended {first.length} bytes short of its range")
+                    total += sent
+                    first.advance(sent)
+                    if first.length:
+                        return total  # the socket's buffer is full
+                    out.popleft()
+                    self._special -= 1
+                    continue
                 if type(first) is not memoryview:
                     assert isinstance(first, native.Segments)
                     if not gather:
                         out.popleft()
-                        self._segments -= 1
+                        self._special -= 1
                         out.extendleft(reversed(first.views()))
                         continue
                     total += native.send_gather(sock.fileno(), first)
                     if not first.done:
                         return total  # the socket's buffer is full
                     out.popleft()
-                    self._segments -= 1
+                    self._special -= 1
                     continue
                 if tls:
                     sent = sock.send(first)
-                elif not self._segments and len(out) <= IOV_MAX:
+                elif not self._special and len(out) <= IOV_MAX:
                     sent = sock.sendmsg(list(out))  # type: ignore[arg-type]
                 else:
                     sent = sock.sendmsg(_head(out))
@@ -191,8 +262,10 @@ class SendQueue:
         return total
 
 
-def _head(out: collections.deque[memoryview | native.Segments]) -> list[memoryview]:
-    """The views at the head of ``out``, up to IOV_MAX or the first segments."""
+def _head(
+    out: collections.deque[memoryview | native.Segments | FileRange],
+) -> list[memoryview]:
+    """The views at the head of ``out``, up to IOV_MAX or the first Segments or FileRange."""
     views: list[memoryview] = []
     for item in out:
         if type(item) is not memoryview or len(views) == IOV_MAX:

@@ -64,6 +64,23 @@ def test_round_trip_and_touch(shared_cluster: LocalCluster) -> None:
         assert (again.written, again.touched) == (0, 20)
 
 
+def test_daemons_sending_from_their_maps_serve_the_same_bytes(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """``--sendfile-min 0`` (every reply from the segment's mapping) against the default
+    (runs of 64 KiB and more with sendfile, as in every other test here): same loads."""
+    cluster = cluster_factory(nodes=12, extra_args=("--sendfile-min", "0"))
+    space, tokens = ns("from-the-map"), prompt(24, 5)
+    with client_for(cluster) as client:
+        assert client.store(space, tokens, payloads_for(space, tokens)).written == 24
+        assert_loads(client, space, tokens, 24)
+        keys = block_keys(space, tokens)[::-3]  # out of order: short runs too
+        out = np.zeros((len(keys), P), np.uint8)
+        assert client.load_keys(keys, payload_len=P, out=out).blocks == len(keys)
+        for row, k in zip(out, keys, strict=True):
+            assert np.array_equal(row, payload_for_key(k, P))
+
+
 def has_requests(cluster: LocalCluster) -> int:
     return sum(int(stats["requests"]["has"]) for stats in cluster.node_stats())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from server_fixtures import FakeClock, block_records, get_items, put_items
 
 from kvcache.credentials import tenant_id
 from kvcache.errors import StorageError
+from kvcache.net_loop import FileRange, SendQueue, frame_nbytes, frame_view
 from kvcache.retention import DAY_S, RetentionPolicy
 from kvcache.server.probe import fake_shard
-from kvcache.server.segments import SegmentFiles
+from kvcache.server.segments import SegmentFd, SegmentFiles
 from kvcache.server.store import ShardStore
 from kvcache.wire import Status
 
@@ -332,3 +334,87 @@ def test_a_walk_names_every_record_of_every_tenant(
             assert walked == written
         finally:
             files.close()
+
+
+def _sent(parts: list[object]) -> bytes:
+    """What a SendQueue puts on a socket for ``parts`` (sendfile for FileRanges)."""
+    queue = SendQueue()
+    queue.extend(parts)
+    ours, theirs = socket.socketpair()
+    received = bytearray()
+    with ours, theirs:
+        ours.setblocking(False)
+        while queue:
+            queue.flush(ours)
+            while chunk := _recv_some(theirs):
+                received += chunk
+    return bytes(received)
+
+
+def _recv_some(sock: socket.socket) -> bytes:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1 << 20)
+    except BlockingIOError:
+        return b""
+
+
+def test_long_runs_are_sent_with_sendfile_and_short_ones_from_the_map(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    shards = block_records(key(1), body_len=2048)  # 12 records of ~2.1 KB, ~25 KB in all
+    whole = b"".join(r for _, _, r in shards)
+    with open_store(tmp_path / "db", clock, sendfile_min_bytes=8 << 10) as store:
+        put(store, shards)
+        result = store.get(T, get_items([(key(1), i) for i in range(12)]))
+        (part,) = result.parts
+        assert isinstance(part, FileRange) and part.length == len(whole)
+        assert frame_nbytes(part) == len(whole) and bytes(frame_view(part)) == whole
+        assert _sent([b"head", *result.parts, b"tail"]) == b"head" + whole + b"tail"
+        result.release()
+        # Two records apart on disk are two short runs: sent from the map.
+        result = store.get(T, get_items([(key(1), 7), (key(1), 2)]))
+        assert all(type(p) is memoryview for p in result.parts) and len(result.parts) == 2
+        assert _sent(result.parts) == shards[7][2] + shards[2][2]
+        result.release()
+    with open_store(tmp_path / "db", clock) as store:  # the default of ShardStore: never
+        result = store.get(T, get_items([(key(1), i) for i in range(12)]))
+        assert all(type(p) is memoryview for p in result.parts)
+        result.release()
+
+
+def test_a_reply_sending_with_sendfile_keeps_its_file_while_its_segment_goes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A FileRange holds its segment's descriptor: once the segment is dropped (and its
+    number's file unlinked, and other dropped files reused), the reply still sends the
+    bytes it was given, never another segment's."""
+    first = block_records(key(1), body_len=2048)
+    with open_store(tmp_path / "db", clock, sendfile_min_bytes=4 << 10) as store:
+        put(store, first)
+        held = store.get(T, get_items([(key(1), i) for i in range(12)]))  # not released
+        assert any(isinstance(p, FileRange) for p in held.parts)
+        store.delete(T, get_items([(key(1), i) for i in range(12)]))
+        for n in range(2, 30):  # roll many segments, drop them, reuse their files
+            put(store, block_records(key(n), body_len=2048))
+            store.delete(T, get_items([(key(n), i) for i in range(12)]))
+            while store.reclaim():
+                pass
+        assert store.counters["segments_dropped"] >= 5
+        assert _sent(held.parts) == b"".join(r for _, _, r in first)
+        held.release()
+
+
+def test_a_file_shorter_than_its_range_fails_the_send(tmp_path: Path) -> None:
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    file = SegmentFd(fd)
+    queue = SendQueue()
+    queue.extend([FileRange(file, 50, memoryview(bytes(200)))])  # 150 bytes past the end
+    ours, theirs = socket.socketpair()
+    with ours, theirs, pytest.raises(OSError, match="short of its range"):
+        ours.setblocking(False)
+        for _ in range(10):
+            queue.flush(ours)
+            _recv_some(theirs)

@@ -42,7 +42,11 @@ def tls_cluster(
     tmp_path: Path, cluster_factory: Callable[..., LocalCluster]
 ) -> tuple[LocalCluster, Path]:
     cert, key = make_certificate(tmp_path)
-    cluster = cluster_factory(extra_args=("--tls-cert", str(cert), "--tls-key", str(key)))
+    # --sendfile-min 4KiB: every GET reply's run of records is a FileRange, which a TLS
+    # connection must send from the segment's mapping instead.
+    cluster = cluster_factory(
+        extra_args=("--tls-cert", str(cert), "--tls-key", str(key), "--sendfile-min", "4KiB")
+    )
     return cluster, cert
 
 

@@ -29,6 +29,7 @@ from kvcache.cluster import NodeInfo
 from kvcache.credentials import TenantId
 from kvcache.errors import NodeError
 from kvcache.native import Segments
+from kvcache.net_loop import frame_view
 from kvcache.server.handler import Request, RequestHandler
 from kvcache.wire import Header, Message, decode, encode, join
 
@@ -179,7 +180,7 @@ class LocalTransport:
         request = Request(self.tenant, decode(raw), time.perf_counter(), len(raw))
         reply = handler.handle(request)
         try:
-            message = decode(b"".join(bytes(memoryview(f).cast("B")) for f in reply.frames))
+            message = decode(b"".join(bytes(frame_view(f)) for f in reply.frames))
         finally:
             reply.done()
         if message.header.data_len:

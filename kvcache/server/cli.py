@@ -79,6 +79,12 @@ def register(subparsers: Any) -> None:
         help="seconds from one scrub pass's start to the next (default 7 days)",
     )
     parser.add_argument(
+        "--sendfile-min",
+        dest="sendfile_min_bytes",
+        help="GET replies send runs of records at least this long with sendfile, "
+        "e.g. 64KiB (the default; 0: never)",
+    )
+    parser.add_argument(
         "--events-listen",
         help="publish the event stream for routers here, e.g. tcp://127.0.0.1:7490 "
         "(default: off; docs/spec/events.md)",
@@ -114,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         "advertise": args.advertise,
         "scrub_rate_bytes": args.scrub_rate_bytes,
         "scrub_interval_s": args.scrub_interval_s,
+        "sendfile_min_bytes": args.sendfile_min_bytes,
         "events_listen": args.events_listen,
         "events_replay_listen": args.events_replay_listen,
     }

@@ -40,6 +40,7 @@ _SIZE_FIELDS = (
     "tenant_inflight_bytes",
     "scrub_rate_bytes",
     "events_replay_bytes",
+    "sendfile_min_bytes",
 )
 
 
@@ -122,6 +123,10 @@ class ServerConfig:
     max_items: int = 16384
     #: Most bytes in one data section (request or reply).
     max_data_bytes: int = 256 << 20
+    #: A GET reply's records that lie together on disk, at least this many bytes, are
+    #: sent with ``sendfile`` from the segment file (no copy through the daemon); shorter
+    #: runs, and every reply under TLS, are sent from the file's mapping. 0: never.
+    sendfile_min_bytes: int = 64 << 10
     #: Most data-path connections at once; more are closed as they arrive.
     max_connections: int = 1024
     #: Seconds a new connection has to finish the session handshake.

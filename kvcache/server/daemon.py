@@ -134,6 +134,7 @@ def run_daemon(
         touch_resolution_s=config.touch_resolution_s,
         touch_flush_s=config.touch_flush_s,
         max_reply_bytes=config.max_data_bytes,
+        sendfile_min_bytes=config.sendfile_min_bytes,
         max_readers=max(126, min(4096, 2 * config.max_connections)),
         damaged_file=config.damaged_file,
     )

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from kvcache.credentials import TenantId
 from kvcache.errors import KVCacheError, ProtocolError, StorageError
+from kvcache.net_loop import FileRange, frame_nbytes
 from kvcache.server.metrics import Metrics, store_errors
 from kvcache.server.scrub import Scrubber
 from kvcache.server.store import PutBatch, ReplyTooLargeError, ShardStore
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_SHARD_INDEX", "Reply", "RequestHandler"]
 
+#: One section of a reply: a buffer, or records sent with ``sendfile``.
+Section = Frame | FileRange
+
 log = logging.getLogger(__name__)
 
 #: Largest valid shard index (k + m <= 255 in shard format v1).
@@ -70,7 +74,7 @@ _COUNTED_ITEM_ERRORS = (
 class Reply:
     """Sections to send, and what to call once they are sent (ends a GET's read transaction)."""
 
-    frames: list[Frame]
+    frames: list[Section]
     release: Callable[[], None] | None = None
     nbytes: int = field(default=0)
 
@@ -177,7 +181,7 @@ class RequestHandler:
         """An error reply, counted under ``kind``."""
         self.metrics.error(kind)
         log.debug("request %s refused (%s): %s", _describe(header), kind, exc)
-        return Reply(error_reply(header, status, f"{kind}: {exc}"))
+        return Reply([*error_reply(header, status, f"{kind}: {exc}")])
 
     # ------------------------------------------------------------------ ops
 
@@ -267,7 +271,7 @@ class RequestHandler:
             request.message.header.op,
             time.perf_counter() - request.received,
             bytes_in=request.size,
-            bytes_out=sum(memoryview(f).nbytes for f in reply.frames),
+            bytes_out=sum(frame_nbytes(f) for f in reply.frames),
             counts=counts,
         )
         if counts is not None and statuses is not None and counts[0] != len(statuses):
@@ -300,7 +304,7 @@ class RequestHandler:
 
 def _frames(
     request: Header, items: npt.NDArray[np.void], data: bytes, *, data_len: int | None = None
-) -> list[Frame]:
+) -> list[Section]:
     """Header and items of a reply (and ``data``); for GET the records follow as views."""
     header = Header(
         op=request.op,
@@ -309,7 +313,7 @@ def _frames(
         data_len=len(data) if data_len is None else data_len,
         flags=FLAG_REPLY,
     )
-    frames: list[Frame] = [header.pack(), np.ascontiguousarray(items).view(np.uint8).data]
+    frames: list[Section] = [header.pack(), np.ascontiguousarray(items).view(np.uint8).data]
     if data:
         frames.append(data)
     return frames

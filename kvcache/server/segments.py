@@ -41,6 +41,7 @@ This module does file I/O only; which records are live is the index's business.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -52,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcache.net_loop import FileRange
 from kvcache.shard import HEADER_BYTES, HEADER_DTYPE
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "ENTRY_LEN",
     "LOCATION",
     "SEGMENT_DIR",
+    "SegmentFd",
     "SegmentFiles",
     "SegmentState",
     "default_segment_bytes",
@@ -113,16 +116,37 @@ class SegmentState:
         return cls(*cls._PACK.unpack(raw))
 
 
+class SegmentFd:
+    """An open segment file's descriptor, closed when the last holder lets go of it: the
+    segment's entry and every :class:`~kvcache.net_loop.FileRange` of a reply in flight."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        """The descriptor."""
+        return self.fd
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
 class _Segment:
     """One open segment file and its read-only map (remapped as the file grows: the file
     is never made sparse, as writes into holes cost 5x those that extend a file, measured
     on ext4)."""
 
-    __slots__ = ("fd", "map", "old", "path")
+    __slots__ = ("fd", "file", "map", "old", "path")
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        self.file: SegmentFd | None = SegmentFd(
+            os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        )
+        self.fd = self.file.fd
         self.map: mmap.mmap | None = None
         #: Earlier, shorter maps of the file that replies may still hold views of.
         self.old: list[mmap.mmap] = []
@@ -150,9 +174,10 @@ class _Segment:
 
     def close(self) -> None:
         # An mmap with views is left to the garbage collector: replies in flight may still
-        # hold them (a mapping outlives the unlinked file).
+        # hold them (a mapping outlives the unlinked file); so is the descriptor, which
+        # replies sending with sendfile hold (SegmentFd).
         self.map = None
-        os.close(self.fd)
+        self.file = None
 
 
 def _closed(found: mmap.mmap) -> bool:
@@ -171,9 +196,20 @@ class SegmentFiles:
     thread calls (a lock keeps it from syncing a file being closed).
     """
 
-    def __init__(self, directory: Path, *, segment_bytes: int, sync_each_write: bool) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        segment_bytes: int,
+        sync_each_write: bool,
+        sendfile_min_bytes: int = 0,
+    ) -> None:
         if not 64 << 10 <= segment_bytes <= _MAX_SEGMENT:
             raise ValueError(f"segment_bytes must be 64 KiB .. 4 GiB, not {segment_bytes}")
+        if sendfile_min_bytes < 0:
+            raise ValueError(f"sendfile_min_bytes must be >= 0, not {sendfile_min_bytes}")
+        #: Runs of records at least this long are handed out as FileRanges (0: never).
+        self.sendfile_min_bytes = sendfile_min_bytes
         self.directory = directory / SEGMENT_DIR
         self.directory.mkdir(exist_ok=True)
         self.segment_bytes = segment_bytes
@@ -313,10 +349,13 @@ class SegmentFiles:
         seg, off, length, _check = _LOC.unpack_from(location)
         return self.view(seg)[off : off + length]
 
-    def views(self, locations: np.ndarray) -> list[memoryview]:
+    def views(self, locations: np.ndarray) -> list[memoryview | FileRange]:
         """Views of the records at ``locations`` (a :data:`LOCATION` array), in order, with
         records that follow each other in one segment joined into one view: what a GET
-        reply sends. Whole-array work but for one slice per run."""
+        reply sends. Whole-array work but for one slice per run. A run of at least
+        ``sendfile_min_bytes`` comes as a :class:`~kvcache.net_loop.FileRange`, which the
+        socket loop sends from the page cache with ``sendfile``: no copy through the
+        daemon, and no page faults on the mapping."""
         n = len(locations)
         if not n:
             return []
@@ -327,14 +366,18 @@ class SegmentFiles:
         starts[1:] = (seg[1:] != seg[:-1]) | (off[1:] != end[:-1])
         first = np.flatnonzero(starts)
         last = np.append(first[1:], n) - 1
-        out = []
+        out: list[memoryview | FileRange] = []
         maps: dict[int, memoryview] = {}
+        least = self.sendfile_min_bytes or _MAX_SEGMENT + 1
         for s, a, b in zip(seg[first].tolist(), off[first].tolist(), end[last].tolist(),
                            strict=True):  # fmt: skip
             whole = maps.get(s)
             if whole is None:
                 whole = maps[s] = self.view(s)
-            out.append(whole[a:b])
+            if b - a >= least and (file := self._open[s].file) is not None:
+                out.append(FileRange(file, a, whole[a:b]))
+            else:
+                out.append(whole[a:b])
         return out
 
     def walk(self, seg: int, start: int = 0) -> Iterator[tuple[int, bytes, int, int]]:

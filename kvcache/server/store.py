@@ -58,6 +58,7 @@ import numpy.typing as npt
 
 from kvcache.credentials import TenantId
 from kvcache.errors import CapacityError, ConfigError, ProtocolError, QuotaError, StorageError
+from kvcache.net_loop import FileRange
 from kvcache.retention import decide
 from kvcache.retention.decide import Applied, WriteAction, clamp
 from kvcache.retention.policy import RetentionPolicy
@@ -191,14 +192,18 @@ class GetResult:
     """A GET's reply items and the found records, as views of the segment files.
 
     ``parts`` are the found records back to back, in item order (the reply's data
-    section), with records adjacent on disk joined into one view: not one per item.
-    Call :meth:`release` once the reply is sent.
+    section), with records adjacent on disk joined into one view (or one FileRange,
+    sent with ``sendfile``): not one per item. Call :meth:`release` once the reply is
+    sent.
     """
 
     __slots__ = ("_txn", "items", "parts")
 
     def __init__(
-        self, items: npt.NDArray[np.void], parts: list[memoryview], txn: lmdb.Transaction | None
+        self,
+        items: npt.NDArray[np.void],
+        parts: list[memoryview | FileRange],
+        txn: lmdb.Transaction | None,
     ) -> None:
         self.items = items
         self.parts = parts
@@ -243,6 +248,7 @@ class ShardStore:
         damaged_file: DamagedFile = DamagedFile.QUARANTINE,
         segment_bytes: int | None = None,
         segment_budget_bytes: int | None = None,
+        sendfile_min_bytes: int = 0,
     ) -> None:
         if not 0 < low_watermark < high_watermark <= 1:
             raise ConfigError(f"bad watermarks low={low_watermark} high={high_watermark}")
@@ -286,6 +292,7 @@ class ShardStore:
                 self._lmdb.path,
                 segment_bytes=segment_bytes or default_segment_bytes(capacity_bytes),
                 sync_each_write=sync is SyncMode.COMMIT,
+                sendfile_min_bytes=sendfile_min_bytes,
             )
         except (OSError, ValueError) as exc:
             self._lmdb.close()
