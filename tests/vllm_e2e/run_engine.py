@@ -197,6 +197,17 @@ def main() -> None:
                 "stats_delta": delta(before, saves_settled(stats_dir)),
             }
         )
+    if collector is not None:
+        # The worker reports a store once it reached the cluster, and vLLM takes the
+        # worker's events after each step: a store that finished after the last step of
+        # the phases waits for the next one (docs/engine.md). A serving engine keeps
+        # stepping; here one more request shorter than a block (it stores nothing) is
+        # that next step.
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=[1, 2, 3])],
+            SamplingParams(temperature=0.0, max_tokens=1),
+            use_tqdm=False,
+        )
     if spec.get("hold"):
         print("KVCACHE-ENGINE-READY", flush=True)
         sys.stdin.readline()
