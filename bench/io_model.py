@@ -76,8 +76,10 @@ def timed_loop(
     per_call: int,
     seconds: float,
     daemons: list[int],
+    payload: int = P,
 ) -> dict[str, float]:
-    """Loads (or stores) of ``per_call`` blocks for ``seconds``: what they cost."""
+    """Loads (or stores) of ``per_call`` blocks of ``payload`` bytes for ``seconds``: what
+    they cost."""
     n = len(keys)
     calls = 0
     with Meter(daemons) as m:
@@ -85,16 +87,16 @@ def timed_loop(
             lo = (calls * per_call) % n
             hi = lo + per_call
             if op == "load":
-                got = client.load_keys(keys[lo:hi], payload_len=P, out=out[lo:hi])
+                got = client.load_keys(keys[lo:hi], payload_len=payload, out=out[lo:hi])
                 if got.blocks != per_call:
                     raise RuntimeError(f"load_keys loaded {got.blocks} of {per_call} blocks")
             else:
                 fresh = [BlockKey(os.urandom(16)) for _ in range(per_call)]
-                res = client.store_keys(fresh, blocks[lo:hi], payload_len=P)
+                res = client.store_keys(fresh, blocks[lo:hi], payload_len=payload)
                 if res.written != per_call:
                     raise RuntimeError(f"store_keys wrote {res.written} of {per_call} blocks")
             calls += 1
-    gb = calls * per_call * P / 1e9
+    gb = calls * per_call * payload / 1e9
     return {
         "gb": gb,
         "wall": m.wall,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit, machine, parser, print_table, write_json
-from io_model import Meter
+from io_model import timed_loop
 
 from kvcache.client import Client
 from kvcache.keys import BlockKey
@@ -38,29 +37,6 @@ from kvcache.testing.localcluster import LocalCluster
 
 MODES = {"sendfile": (), "mmap": ("--sendfile-min", "0")}
 LLAMA_BLOCK = 2 << 20
-
-
-def timed_loads(
-    client: Client,
-    keys: list[BlockKey],
-    payload: int,
-    out: np.ndarray,
-    per_call: int,
-    seconds: float,
-    daemons: list[int],
-) -> dict[str, float]:
-    """Loads of ``per_call`` blocks for ``seconds``: what they cost."""
-    n = len(keys)
-    calls = 0
-    with Meter(daemons) as m:
-        while calls == 0 or time.perf_counter() - m.t0 < seconds:
-            lo = (calls * per_call) % n
-            got = client.load_keys(keys[lo : lo + per_call], payload_len=payload, out=out[lo:])
-            if got.blocks != per_call:
-                raise RuntimeError(f"load_keys loaded {got.blocks} of {per_call} blocks")
-            calls += 1
-    gb = calls * per_call * payload / 1e9
-    return {"gb": gb, "wall": m.wall, "cpu": m.cpu, "daemon_cpu": m.daemon_cpu}
 
 
 def run_shape(payload: int, n: int, per_call: int, rounds: int, seconds: float) -> dict[str, Any]:
@@ -93,9 +69,9 @@ def run_shape(payload: int, n: int, per_call: int, rounds: int, seconds: float) 
             order = list(MODES) if r % 2 == 0 else list(MODES)[::-1]
             for mode in order:
                 runs[mode].append(
-                    timed_loads(
-                        clients[mode], keys, payload, outs[mode], per_call, seconds,
-                        daemons[mode],
+                    timed_loop(
+                        clients[mode], "load", keys, blocks, outs[mode], per_call, seconds,
+                        daemons[mode], payload,
                     )
                 )  # fmt: skip
                 if not np.array_equal(outs[mode], blocks):

@@ -54,6 +54,16 @@ def read(store: ShardStore, wanted: list[tuple[bytes, int]]) -> tuple[list[int],
         result.release()
 
 
+def churn_segments(store: ShardStore) -> None:
+    """Roll many segments, drop them and reuse their files (blocks 2..29 come and go)."""
+    for n in range(2, 30):
+        put(store, block_records(key(n), body_len=2048))
+        store.delete(T, get_items([(key(n), i) for i in range(12)]))
+        while store.reclaim():
+            pass
+    assert store.counters["segments_dropped"] >= 5
+
+
 def seg_files(path: Path) -> list[Path]:
     return sorted((path / "segments").glob("*.seg"))
 
@@ -280,12 +290,7 @@ def test_a_reply_in_flight_keeps_its_bytes_while_its_segment_goes(
             r for _, _, r in second
         )
         store.delete(T, get_items([(key(k), i) for k in (1, 99) for i in range(12)]))
-        for n in range(2, 30):  # roll many segments, drop them, reuse their files
-            put(store, block_records(key(n), body_len=2048))
-            store.delete(T, get_items([(key(n), i) for i in range(12)]))
-            while store.reclaim():
-                pass
-        assert store.counters["segments_dropped"] >= 5
+        churn_segments(store)
         assert b"".join(bytes(p) for p in held.parts) == b"".join(r for _, _, r in first)
         held.release()
 
@@ -395,12 +400,7 @@ def test_a_reply_sending_with_sendfile_keeps_its_file_while_its_segment_goes(
         held = store.get(T, get_items([(key(1), i) for i in range(12)]))  # not released
         assert any(isinstance(p, FileRange) for p in held.parts)
         store.delete(T, get_items([(key(1), i) for i in range(12)]))
-        for n in range(2, 30):  # roll many segments, drop them, reuse their files
-            put(store, block_records(key(n), body_len=2048))
-            store.delete(T, get_items([(key(n), i) for i in range(12)]))
-            while store.reclaim():
-                pass
-        assert store.counters["segments_dropped"] >= 5
+        churn_segments(store)
         assert _sent(held.parts) == b"".join(r for _, _, r in first)
         held.release()
 
