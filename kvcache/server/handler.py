@@ -44,6 +44,7 @@ from kvcache.wire import (
     Status,
     error_reply,
     make_items,
+    pack_header,
 )
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ log = logging.getLogger(__name__)
 
 #: Largest valid shard index (k + m <= 255 in shard format v1).
 MAX_SHARD_INDEX = 254
+
+#: Ops whose item outcomes count as hits and misses per class, by the kind they count as.
+_HIT_KINDS = {Op.GET: "get", Op.TOUCH: "touch"}
+_OK = int(Status.OK)
+_NOT_FOUND = int(Status.NOT_FOUND)
 
 _COUNTED_ITEM_ERRORS = (
     (int(Status.BAD_ITEM), "bad_item"),
@@ -202,9 +208,9 @@ class RequestHandler:
             else:
                 result = self.store.get(tenant, items, cls, header.retain)
             statuses = result.items["status"]
-            self._count_hits("get", cls, statuses)
-            frames = _frames(header, result.items, b"", data_len=result.nbytes)
-            return Reply([*frames, *result.parts], result.release, result.nbytes), statuses
+            nbytes = result.nbytes
+            frames = _frames(header, result.items, b"", data_len=nbytes)
+            return Reply([*frames, *result.parts], result.release, nbytes), statuses
         if op is Op.HAS:
             return Reply(_frames(header, self.store.has(tenant, items), b"")), None
         if op is Op.HAS_DIR:
@@ -237,7 +243,6 @@ class RequestHandler:
             raise ProtocolError("SWA_GET goes to the worker holding the state, not a daemon")
         if op is Op.TOUCH:
             reply = self.store.touch(tenant, items, cls, header.retain)
-            self._count_hits("touch", cls, reply["status"])
             return Reply(_frames(header, reply, b"")), reply["status"]
         if op is Op.DELETE:
             bad = (items["index"] > MAX_SHARD_INDEX) & (items["index"] != NO_INDEX)
@@ -251,10 +256,10 @@ class RequestHandler:
         body = json.dumps(self.stats(only_tenant=tenant)).encode()
         return Reply(_frames(header, make_items(Op.STATS, 0, reply=True), body)), None
 
-    def _count_hits(self, kind: str, cls: str, statuses: npt.NDArray[np.uint8]) -> None:
+    def _count_hits(self, kind: str, cls: str, counts: npt.NDArray[np.intp]) -> None:
         """Hits and misses by the class the policy counts them under (unnamed: ``unlabelled``)."""
-        n = int(np.count_nonzero(statuses == Status.OK))
-        missed = int(np.count_nonzero(statuses == Status.NOT_FOUND))
+        n = int(counts[_OK])
+        missed = int(counts[_NOT_FOUND])
         if n or missed:
             name = self.store.policy.resolve(cls) if cls else "unlabelled"
             if n:
@@ -266,15 +271,26 @@ class RequestHandler:
         self, request: Request, reply: Reply, statuses: npt.NDArray[np.uint8] | None
     ) -> None:
         """Metrics of one answered request: one bincount of its item statuses."""
+        header = request.message.header
         counts = None if statuses is None else np.bincount(statuses, minlength=16)[:16]
+        frames = reply.frames
+        if reply.nbytes:  # a GET reply: header, items, then the records' nbytes
+            bytes_out = frame_nbytes(frames[0]) + frame_nbytes(frames[1]) + reply.nbytes
+        else:
+            bytes_out = sum(frame_nbytes(f) for f in frames)
         self.metrics.observe(
-            request.message.header.op,
+            header.op,
             time.perf_counter() - request.received,
             bytes_in=request.size,
-            bytes_out=sum(frame_nbytes(f) for f in reply.frames),
+            bytes_out=bytes_out,
             counts=counts,
         )
-        if counts is not None and statuses is not None and counts[0] != len(statuses):
+        if counts is None or statuses is None:
+            return
+        kind = _HIT_KINDS.get(header.op)
+        if kind is not None:
+            self._count_hits(kind, header.traffic_class, counts)
+        if counts[0] != len(statuses):
             for status, kind in _COUNTED_ITEM_ERRORS:
                 if n := int(counts[status]):
                     self.metrics.error(kind, n)
@@ -306,14 +322,14 @@ def _frames(
     request: Header, items: npt.NDArray[np.void], data: bytes, *, data_len: int | None = None
 ) -> list[Section]:
     """Header and items of a reply (and ``data``); for GET the records follow as views."""
-    header = Header(
-        op=request.op,
-        request_id=request.request_id,
-        count=len(items),
+    head = pack_header(
+        request.op,
+        request.request_id,
+        len(items),
         data_len=len(data) if data_len is None else data_len,
         flags=FLAG_REPLY,
     )
-    frames: list[Section] = [header.pack(), np.ascontiguousarray(items).view(np.uint8).data]
+    frames: list[Section] = [head, np.ascontiguousarray(items).view(np.uint8).data]
     if data:
         frames.append(data)
     return frames

@@ -83,7 +83,9 @@ __all__ = [
     "written_s",
     "split_expiry_entry",
     "split_partition",
+    "split_rows",
     "split_store_key",
+    "store_key_rows",
     "store_keys",
     "usage_key",
 ]
@@ -307,10 +309,11 @@ class CheckedPut:
     retain: Retain = NO_RETAIN
 
 
-def store_keys(
+def store_key_rows(
     tenant: bytes, keys: npt.NDArray[np.void], indices: npt.NDArray[np.integer]
-) -> list[bytes]:
-    """Storage keys of one tenant for parallel arrays of 16-byte block keys and shard indices."""
+) -> bytes:
+    """Storage keys of one tenant for parallel arrays of 16-byte block keys and shard
+    indices, as one buffer of ``KEY_LEN``-byte rows (the GET path compares it whole)."""
     n = len(keys)
     packed = np.empty((n, KEY_LEN), dtype=np.uint8)
     if n:
@@ -321,8 +324,20 @@ def store_keys(
         idx = np.asarray(indices, dtype=np.uint16)
         packed[:, -2] = idx >> 8
         packed[:, -1] = idx & 0xFF
-    raw = packed.tobytes()
-    return [raw[i : i + KEY_LEN] for i in range(0, n * KEY_LEN, KEY_LEN)]
+    return packed.tobytes()
+
+
+def split_rows(raw: bytes, width: int, prefix: int | None = None) -> list[bytes]:
+    """The ``width``-byte rows of ``raw`` (only their first ``prefix`` bytes if given)."""
+    take = width if prefix is None else prefix
+    return [raw[i : i + take] for i in range(0, len(raw), width)]
+
+
+def store_keys(
+    tenant: bytes, keys: npt.NDArray[np.void], indices: npt.NDArray[np.integer]
+) -> list[bytes]:
+    """Storage keys of one tenant for parallel arrays of 16-byte block keys and shard indices."""
+    return split_rows(store_key_rows(tenant, keys, indices), KEY_LEN)
 
 
 def split_store_key(key: bytes | memoryview) -> tuple[TenantId, bytes, int]:

@@ -88,7 +88,8 @@ from kvcache.server.records import (
     partition,
     row_location,
     split_expiry_entry,
-    store_keys,
+    split_rows,
+    store_key_rows,
 )
 from kvcache.server.removals import RemovalBook
 from kvcache.server.segments import LOCATION, SegmentFiles, SegmentState, default_segment_bytes
@@ -727,9 +728,9 @@ class ShardStore:
         shard's own class when none is given); an expired shard is NOT_FOUND
         even before the sweeper removes it. The caller must release the result.
         """
-        keys = store_keys(tenant, items["key"], items["index"])
-        wanted = items["stripe"].tolist()
-        reply = make_items(Op.GET, len(keys), reply=True)  # all OK (0), length 0
+        raw_keys = store_key_rows(tenant, items["key"], items["index"])
+        n = len(items)
+        reply = make_items(Op.GET, n, reply=True)  # all OK (0), length 0
         now = self.now_ms()
         # Above this expiry a hit is live and no class's TTL could slide it by a
         # whole touch resolution: no bookkeeping, only the expiry test.
@@ -742,17 +743,20 @@ class ShardStore:
             reach_s=hit.ttl_s if hit is not None else policy.max_ttl_s,
         )
         ttl_hint = retain.ttl_s
+        stripes = items["stripe"]
         # Index rows are small (36 bytes): copied out, they cost less than py-lmdb's buffer
         # objects, which it must invalidate one by one (bufviewlist_release was a fifth of a
         # GET's store time, py-spy).
         with self._env.begin() as txn:
-            found = self._get_quiet(txn, keys, wanted, quiet_above)
+            found = self._get_quiet(txn, raw_keys, n, stripes, quiet_above)
             if found is not None:  # every item a live hit of the wanted stripe, no slide due
                 sizes = found["len"]
                 if int(sizes.sum()) > self._max_reply:
                     self._check_reply_size(sizes.tolist())
                 reply["length"] = sizes
                 return GetResult(reply, self.segments.views(found), None)
+            keys = split_rows(raw_keys, KEY_LEN)
+            wanted = stripes.tolist()
             locations: list[bytes] = []
             hits: list[int] = []
             rows = self._rows_of(txn, keys)
@@ -773,7 +777,7 @@ class ShardStore:
         found = np.frombuffer(b"".join(locations), LOCATION)
         sizes = found["len"]
         self._check_reply_size(sizes.tolist(), hits)
-        if len(hits) < len(keys):
+        if len(hits) < n:
             reply["status"] = Status.NOT_FOUND
             reply["status"][hits] = Status.OK
         reply["length"][hits] = sizes
@@ -793,33 +797,41 @@ class ShardStore:
                 )
 
     def _get_quiet(
-        self, txn: lmdb.Transaction, keys: list[bytes], wanted: list[int], quiet_above: int
+        self,
+        txn: lmdb.Transaction,
+        raw_keys: bytes,
+        n: int,
+        stripes: npt.NDArray[np.uint64],
+        quiet_above: int,
     ) -> npt.NDArray[np.void] | None:
-        """The locations of every record of ``keys`` (a LOCATION array) if all are live hits
-        of the wanted stripes that need no expiry slide, else None (the caller then takes
-        the per-item path).
+        """The locations of every record of the ``n`` storage keys in ``raw_keys`` (a
+        LOCATION array) if all are live hits of the wanted ``stripes`` (0: any) that need
+        no expiry slide, else None (the caller then takes the per-item path).
 
-        The common GET, done without a Python step per item: one ``getmulti`` of the blocks'
-        index rows, the checks and the locations as numpy columns.
+        The common GET, done without a Python step per item beyond slicing the block keys:
+        one ``getmulti`` of the blocks' index rows, the checks and the locations as numpy
+        columns.
         """
-        if not keys or (self._pending and not self._pending.keys().isdisjoint(keys)):
+        if not n:
             return None
-        n = len(keys)
-        found = self._block_rows(txn, list(dict.fromkeys(k[:BLOCK_LEN] for k in keys)))
+        if self._pending and not self._pending.keys().isdisjoint(split_rows(raw_keys, KEY_LEN)):
+            return None
+        blocks = split_rows(raw_keys, KEY_LEN, BLOCK_LEN)
+        if n > 1 and len(set(blocks)) != n:  # several shards of a block on this node
+            blocks = list(dict.fromkeys(blocks))
+        found = self._block_rows(txn, blocks)
         if len(found) != n * _HIT_LEN:
             return None
         raw = np.frombuffer(found, np.uint8).reshape(n, _HIT_LEN)
         if not np.array_equal(
-            raw[:, :KEY_LEN], np.frombuffer(b"".join(keys), np.uint8).reshape(n, KEY_LEN)
+            raw[:, :KEY_LEN], np.frombuffer(raw_keys, np.uint8).reshape(n, KEY_LEN)
         ):
             return None  # not the asked shards, one each, in order: the per-item path
         rows = raw.view(_HIT).reshape(n)["row"]
         if int(rows["expiry"].min()) <= quiet_above:
             return None
-        if any(wanted):
-            want = np.array(wanted, np.uint64)
-            if ((want != 0) & (want != rows["stripe"])).any():
-                return None
+        if stripes.any() and ((stripes != 0) & (stripes != rows["stripe"])).any():
+            return None
         loc = np.empty(n, LOCATION)
         loc["seg"] = rows["seg"]
         loc["off"] = rows["off"]
