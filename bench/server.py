@@ -407,7 +407,10 @@ class DaemonPeer:
         root.mkdir(parents=True, exist_ok=True)
         env = dict(DAEMON_ENV)
         if source is not None:  # another build's daemon: its tree first, not the cwd
-            env |= {"PYTHONPATH": str(source), "PYTHONSAFEPATH": "1"}
+            # Its tree before the rest of the path (which may hold the dependencies, as on
+            # the GPU host, where they live in a PYTHONPATH directory, not a venv).
+            path = [str(source), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env |= {"PYTHONPATH": os.pathsep.join(path), "PYTHONSAFEPATH": "1"}
         self.daemon = DaemonProcess(root, server=server, env=env).start()
         assert self.daemon.proc is not None
         self.pid = self.daemon.proc.pid
