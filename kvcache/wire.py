@@ -605,7 +605,7 @@ class MessageReader:
             size = header.items_len
             if self._end - self._start < size:
                 return None
-            raw_items = bytes(self._buf[self._start : self._start + size])
+            raw_items = self._buf[self._start : self._start + size]  # a copy, the message's own
             self._start += size
             self._items = _items(header, memoryview(raw_items))
         buffered = self._end - self._start

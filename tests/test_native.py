@@ -527,3 +527,100 @@ def test_a_large_hashed_receive_that_fails_midway_reports_it_and_returns() -> No
             expected = -errno.EAGAIN if how == "stall" else native.RECV_CLOSED
             assert (status, got, digest) == (expected, 2 << 20, b""), how
             assert bytes(out[: 2 << 20]) == b"z" * (2 << 20)
+
+
+def _quiet_case(n: int, seed: int, spoil: str) -> tuple[Any, ...]:
+    """A GET of ``n`` shards and a getmulti answer for it: every shard a quiet hit, then
+    one thing spoiled (``spoil``), as the daemon's index could answer; and whether it was
+    (a stripe cannot be spoiled for an item that wants any)."""
+    from kvcache.server.records import HIT_DTYPE, KEY_LEN, get_key_rows
+    from kvcache.wire import Op, make_items
+
+    rng = np.random.default_rng(seed)
+    tenant = rng.bytes(8)
+    items = make_items(Op.GET, n, reply=False)
+    items["key"] = [rng.bytes(16) for _ in range(n)]
+    items["index"] = rng.integers(0, 12, n)
+    stored_stripes = rng.integers(1, 2**63, n, dtype=np.uint64)
+    items["stripe"] = np.where(rng.random(n) < 0.5, stored_stripes, 0)
+    raw_keys = get_key_rows(tenant, items)
+    hits = np.zeros(n, HIT_DTYPE)
+    keys = np.frombuffer(raw_keys, np.uint8).reshape(n, KEY_LEN)
+    hits["key"] = keys[:, :24].copy().view("V24").ravel()
+    rows = hits["row"]
+    rows["index"] = items["index"]
+    rows["expiry"] = rng.integers(1_000_001, 2**40, n)
+    rows["stripe"] = stored_stripes
+    rows["size"] = rng.integers(104, 20_000, n)
+    # Runs: each record follows the last in its segment, or starts a new place.
+    rows["seg"] = np.cumsum(rng.random(n) < 0.2) % 3
+    jumps = rng.random(n) < 0.3
+    off = np.zeros(n, np.int64)
+    for j in range(1, n):
+        off[j] = (
+            off[j - 1] + int(rows["size"][j - 1]) + (int(rng.integers(1, 999)) if jumps[j] else 0)
+        )
+    rows["off"] = off
+    hits["row"] = rows
+    j = int(rng.integers(0, n))
+    spoiled = spoil != "none" and (spoil != "stripe" or bool(items["stripe"][j]))
+    if spoil == "expired":
+        hits["row"]["expiry"][j] = 1_000_000
+    elif spoil == "stripe" and items["stripe"][j]:
+        items["stripe"][j] = int(items["stripe"][j]) ^ 1
+    elif spoil == "key":
+        raw = hits.view(np.uint8).reshape(n, -1)
+        raw[j, int(rng.integers(0, 24))] ^= 0x10
+    elif spoil == "index":
+        hits["row"]["index"][j] ^= 1
+    found: Any = hits.tobytes()
+    if spoil == "short":
+        found = found[: -int(rng.integers(1, 60))]
+    elif spoil == "extra":
+        found = found + found[:60]
+    return items, raw_keys, memoryview(found), 1_000_000, spoiled
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 70),
+    st.integers(0, 2**32),
+    st.sampled_from(["none", "none", "expired", "stripe", "key", "index", "short", "extra"]),
+)
+def test_native_quiet_get_equals_the_numpy_one(n: int, seed: int, spoil: str) -> None:
+    from kvcache.server.records import quiet_get_numpy
+    from kvcache.wire import Op, make_items
+
+    items, raw_keys, found, quiet_above, spoiled = _quiet_case(n, seed, spoil)
+    fast_reply = make_items(Op.GET, n, reply=True)
+    slow_reply = make_items(Op.GET, n, reply=True)
+    fast = native.get_quiet(items, raw_keys, found, quiet_above, fast_reply)
+    slow = quiet_get_numpy(items, raw_keys, found, quiet_above, slow_reply)
+    assert fast_reply.tobytes() == slow_reply.tobytes()
+    assert (slow is None) == spoiled
+    if slow is None:
+        assert fast is None
+        assert not fast_reply.view(np.uint8).any()  # untouched when it falls back
+        return
+    assert fast is not None
+    assert fast[1] == slow[1] == int(fast_reply["length"].sum())
+    assert fast[0].tolist() == slow[0].tolist()
+    runs = slow[0]  # the runs cover every record, and each starts where no run goes on
+    assert int((runs[:, 2] - runs[:, 1]).sum()) == slow[1]
+    assert all(
+        (s0, e0) != (s1, b1)
+        for (s0, _, e0), (s1, b1, _) in zip(runs[:-1].tolist(), runs[1:].tolist(), strict=True)
+    )
+
+
+@needs_native
+def test_native_get_keys_equal_the_numpy_ones() -> None:
+    from kvcache.server.records import get_key_rows, store_key_rows
+    from kvcache.wire import Op, make_items
+
+    rng = np.random.default_rng(7)
+    items = make_items(Op.GET, 50, reply=False)
+    items["key"] = [rng.bytes(16) for _ in range(50)]
+    items["index"] = rng.integers(0, 2**16, 50)
+    assert get_key_rows(b"T" * 8, items) == store_key_rows(b"T" * 8, items["key"], items["index"])

@@ -46,6 +46,8 @@ __all__ = [
     "Segments",
     "accept_items",
     "addresses_of",
+    "get_keys",
+    "get_quiet",
     "landing_segments",
     "put_segments",
     "recv_hashed",
@@ -61,7 +63,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -99,6 +101,10 @@ def _load() -> Any:
         ctypes.c_int, ptr, u64, u64, ptr, u64, ctypes.c_double, ptr, ptr
     ]  # fmt: skip
     lib.kv_recv_hashed.restype = ctypes.c_int
+    lib.kv_get_keys.argtypes = [ptr, ptr, size, ptr]
+    lib.kv_get_keys.restype = None
+    lib.kv_get_quiet.argtypes = [ptr, ptr, size, ptr, size, u64, ptr, ptr, ptr]
+    lib.kv_get_quiet.restype = ctypes.c_int64
     for name in ("kv_recv_scatter", "kv_send_gather"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_int, ptr, ptr, size, ptr]
@@ -438,6 +444,71 @@ def put_segments(
         base + 8 * cap,
     )
     return Segments(table, cap, int(used), (keepalive, b, i, flat))
+
+
+#: Bytes of a storage key (tenant 8, block key 16, shard index u16 big-endian) and of a
+#: GET request item: the layouts kv_get_keys and kv_get_quiet read (kvfast.c).
+STORE_KEY_LEN = 26
+GET_ITEM_LEN = 32
+#: Bytes of one getmulti answer row of a daemon's index: a block's key (24), its row (36).
+INDEX_HIT_LEN = 60
+
+
+def _bytes_of(buf: Any) -> Any:
+    """What ctypes takes as the address of read-only ``buf``: the bytes object itself when
+    ``buf`` is one or a whole view of one (py-lmdb's answers), else its address."""
+    if type(buf) is memoryview and type(buf.obj) is bytes and buf.nbytes == len(buf.obj):
+        return buf.obj
+    if type(buf) is bytes:
+        return buf
+    return buffer_address(buf)
+
+
+def get_keys(tenant: bytes, items: npt.NDArray[np.void]) -> bytes:
+    """The storage keys of ``tenant``'s GET request ``items`` (C-contiguous records of the
+    wire's GET item), as one buffer of 26-byte rows (``kv_get_keys``)."""
+    assert _LIB is not None and len(tenant) == 8 and items.dtype.itemsize == GET_ITEM_LEN
+    n = len(items)
+    keys = np.empty(n * STORE_KEY_LEN, np.uint8)
+    if n:
+        _LIB.kv_get_keys(tenant, _at(items), n, _address_of_writable(keys))
+    return keys.tobytes()
+
+
+def get_quiet(
+    items: npt.NDArray[np.void],
+    keys: bytes,
+    found: Any,
+    quiet_above: int,
+    reply: npt.NDArray[np.void],
+) -> tuple[U64Array, int] | None:
+    """The daemon's quiet GET over a getmulti answer ``found`` of the index (see
+    ``kv_get_quiet``): None unless it holds exactly the asked shards, all live past
+    ``quiet_above`` and of the wanted stripes; else the runs of adjacent records, one
+    (segment, start, end) row each, and their total bytes, with each ``reply`` item's
+    length set (``reply``: zeroed GET reply records, C-contiguous)."""
+    assert _LIB is not None
+    n = len(items)
+    if not n or len(found) != n * INDEX_HIT_LEN:
+        return None
+    runs = np.empty((n, 3), np.uint64)
+    total = np.zeros(1, np.uint64)
+    count = int(
+        _LIB.kv_get_quiet(
+            _at(items),
+            keys,
+            n,
+            _bytes_of(found),
+            len(found),
+            max(quiet_above, 0),  # never below 0 in practice; 0 sends expiry 0 the slow way
+            _address_of_writable(reply),
+            _address_of_writable(runs),
+            _address_of_writable(total),
+        )
+    )
+    if count < 0:
+        return None
+    return runs[:count], int(total[0])
 
 
 _BLOCKING = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})

@@ -18,7 +18,7 @@
 
 #define KV_IOV_MAX 1024
 
-int kv_abi_version(void) { return 4; }
+int kv_abi_version(void) { return 5; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -308,4 +308,91 @@ size_t kv_accept_items(const int64_t *blocks, const int64_t *indices, const uint
         }
     }
     return taken;
+}
+
+/* ---------------------------------------------------------------- the daemon's GET
+ *
+ * Layouts (checked against the dtypes by kvcache.server.get_native at import):
+ *   a GET request item, 32 bytes: block key [0, 16), shard index u16 LE at 16, stripe id
+ *     wanted u64 LE at 24 (0: any);
+ *   a storage key, 26 bytes: tenant [0, 8), block key [8, 24), shard index u16 BE at 24;
+ *   a getmulti answer row of the index, 60 bytes: the storage key's first 24 bytes, then
+ *     the row (index u16, class u16, size u32, expiry u64, stripe u64, written u32,
+ *     segment u32, offset u32; all big-endian), the shard index being the key's last two;
+ *   a GET reply item, 8 bytes: status u8 at 0, length u32 LE at 4. */
+#define GET_ITEM 32
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire's LE fields are read as host");
+#define STORE_KEY 26
+#define HIT 60
+
+static uint64_t be64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return __builtin_bswap64(v);
+}
+
+static uint32_t be32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return __builtin_bswap32(v);
+}
+
+static uint64_t le64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* The storage keys of tenant's GET items, one 26-byte row each, into keys. */
+void kv_get_keys(const uint8_t *tenant, const uint8_t *items, size_t n, uint8_t *keys) {
+    for (size_t j = 0; j < n; j++) {
+        const uint8_t *item = items + j * GET_ITEM;
+        uint8_t *key = keys + j * STORE_KEY;
+        memcpy(key, tenant, 8);
+        memcpy(key + 8, item, 16);
+        key[24] = item[17];
+        key[25] = item[16];
+    }
+}
+
+/* The quiet GET (ShardStore._get_quiet): found (found_len bytes of getmulti rows) must hold
+ * exactly the n asked storage keys, one row each, in order, every one expiring after
+ * quiet_above and of the wanted stripe. Then each reply item's length is its record's size,
+ * runs gets (segment, start, end) per run of records that follow each other in one
+ * segment, *total the bytes of them all, and the run count is returned; else -1, and
+ * nothing is written. */
+int64_t kv_get_quiet(const uint8_t *items, const uint8_t *keys, size_t n, const uint8_t *found,
+                     size_t found_len, uint64_t quiet_above, uint8_t *reply, uint64_t *runs,
+                     uint64_t *total) {
+    if (n == 0 || found_len != n * HIT) return -1;
+    for (size_t j = 0; j < n; j++) {
+        const uint8_t *hit = found + j * HIT, *row = hit + 24;
+        const uint8_t *key = keys + j * STORE_KEY;
+        if (memcmp(hit, key, 24) != 0 || memcmp(row, key + 24, 2) != 0) return -1;
+        if (be64(row + 8) <= quiet_above) return -1;
+        uint64_t want = le64(items + j * GET_ITEM + 24);
+        if (want != 0 && want != be64(row + 16)) return -1;
+    }
+    int64_t m = -1;
+    uint64_t sum = 0, seg = 0, end = 0;
+    for (size_t j = 0; j < n; j++) {
+        const uint8_t *row = found + j * HIT + 24;
+        uint32_t size = be32(row + 4);
+        uint64_t s = be32(row + 28), off = be32(row + 32);
+        memcpy(reply + j * 8 + 4, &size, 4);
+        sum += size;
+        if (m >= 0 && s == seg && off == end) {
+            end = off + size;
+            runs[3 * m + 2] = end;
+            continue;
+        }
+        m++;
+        seg = s;
+        end = off + size;
+        runs[3 * m] = s;
+        runs[3 * m + 1] = off;
+        runs[3 * m + 2] = end;
+    }
+    *total = sum;
+    return m + 1;
 }

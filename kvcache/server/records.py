@@ -59,12 +59,14 @@ from kvcache import native
 from kvcache.credentials import TenantId
 from kvcache.errors import ProtocolError
 from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, header_verdicts
-from kvcache.wire import NO_RETAIN, Retain, Status, data_offsets
+from kvcache.wire import ITEM_DTYPES, NO_RETAIN, Op, Retain, Status, data_offsets
 
 __all__ = [
     "BLOCK_LEN",
     "CLASSES_KEY",
     "FORMAT",
+    "HIT_DTYPE",
+    "HIT_LEN",
     "KEY_LEN",
     "PARTITION_LEN",
     "ROW",
@@ -78,7 +80,11 @@ __all__ = [
     "class_field",
     "expiry_entry",
     "fresh_rows",
+    "get_key_rows",
     "partition",
+    "quiet_get",
+    "quiet_get_numpy",
+    "record_runs",
     "row_location",
     "written_s",
     "split_expiry_entry",
@@ -307,6 +313,91 @@ class CheckedPut:
     checks: list[int]
     #: The request's retention hint (TTL, pin), from its header.
     retain: Retain = NO_RETAIN
+
+
+#: One element of a ``getmulti(..., keyfixed=True)`` answer of the index: key and row.
+HIT_DTYPE = np.dtype([("key", f"V{BLOCK_LEN}"), ("row", ROW_DTYPE)])
+HIT_LEN = BLOCK_LEN + ROW_LEN
+#: A GET request's items, as the native helpers read them.
+_GET_ITEM = ITEM_DTYPES[(Op.GET, False)]
+assert (
+    KEY_LEN,
+    _GET_ITEM.itemsize,
+    HIT_LEN,
+) == (native.STORE_KEY_LEN, native.GET_ITEM_LEN, native.INDEX_HIT_LEN)
+
+#: Runs of records, one (segment, start, end) row each (see :func:`record_runs`).
+Runs = npt.NDArray[np.uint64]
+
+
+def _native_get(items: npt.NDArray[np.void]) -> bool:
+    return native.AVAILABLE and items.dtype == _GET_ITEM and items.flags.c_contiguous
+
+
+def get_key_rows(tenant: bytes, items: npt.NDArray[np.void]) -> bytes:
+    """:func:`store_key_rows` of a GET request's items (in one native call when it can)."""
+    if _native_get(items):
+        return native.get_keys(tenant, items)
+    return store_key_rows(tenant, items["key"], items["index"])
+
+
+def record_runs(
+    seg: npt.NDArray[np.integer], off: npt.NDArray[np.integer], length: npt.NDArray[np.integer]
+) -> Runs:
+    """The runs of records that follow each other in one segment, in order: records j
+    (segment ``seg[j]``, bytes [off[j], off[j] + length[j])) as (segment, start, end) rows."""
+    n = len(seg)
+    seg = np.asarray(seg, np.uint64)
+    off = np.asarray(off, np.uint64)
+    end = off + np.asarray(length, np.uint64)
+    starts = np.ones(n, bool)
+    starts[1:] = (seg[1:] != seg[:-1]) | (off[1:] != end[:-1])
+    first = np.flatnonzero(starts)
+    last = np.append(first[1:], n) - 1
+    return np.stack([seg[first], off[first], end[last]], axis=1)
+
+
+def quiet_get(
+    items: npt.NDArray[np.void],
+    raw_keys: bytes,
+    found: Any,
+    quiet_above: int,
+    reply: npt.NDArray[np.void],
+) -> tuple[Runs, int] | None:
+    """A daemon's quiet GET, the common one: if the getmulti answer ``found`` (rows of
+    :data:`HIT_DTYPE`) holds exactly the asked shards (storage keys ``raw_keys``, one per
+    item), one row each and in order, all expiring after ``quiet_above`` and of the
+    stripes ``items`` want (0: any), then the runs of their records and the bytes of them
+    all, with each ``reply`` item's length set; else None, with ``reply`` untouched.
+    One native call when the helpers are loaded, else numpy columns."""
+    if _native_get(items):
+        return native.get_quiet(items, raw_keys, found, quiet_above, reply)
+    return quiet_get_numpy(items, raw_keys, found, quiet_above, reply)
+
+
+def quiet_get_numpy(
+    items: npt.NDArray[np.void],
+    raw_keys: bytes,
+    found: Any,
+    quiet_above: int,
+    reply: npt.NDArray[np.void],
+) -> tuple[Runs, int] | None:
+    """:func:`quiet_get` without the native helpers."""
+    n = len(items)
+    if not n or len(found) != n * HIT_LEN:
+        return None
+    raw = np.frombuffer(found, np.uint8).reshape(n, HIT_LEN)
+    if not np.array_equal(raw[:, :KEY_LEN], np.frombuffer(raw_keys, np.uint8).reshape(n, KEY_LEN)):
+        return None  # not the asked shards, one each, in order
+    rows = raw.view(HIT_DTYPE).reshape(n)["row"]
+    if int(rows["expiry"].min()) <= quiet_above:
+        return None
+    stripes = items["stripe"]
+    if stripes.any() and ((stripes != 0) & (stripes != rows["stripe"])).any():
+        return None
+    sizes = rows["size"]
+    reply["length"] = sizes
+    return record_runs(rows["seg"], rows["off"], sizes), int(sizes.sum())
 
 
 def store_key_rows(

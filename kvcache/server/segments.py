@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcache.net_loop import FileRange
+from kvcache.server.records import record_runs
 from kvcache.shard import HEADER_BYTES, HEADER_DTYPE
 
 __all__ = [
@@ -356,21 +357,20 @@ class SegmentFiles:
         ``sendfile_min_bytes`` comes as a :class:`~kvcache.net_loop.FileRange`, which the
         socket loop sends from the page cache with ``sendfile``: no copy through the
         daemon, and no page faults on the mapping."""
-        n = len(locations)
-        if not n:
+        if not len(locations):
             return []
-        seg = locations["seg"].astype(np.int64)
-        off = locations["off"].astype(np.int64)
-        end = off + locations["len"].astype(np.int64)
-        starts = np.ones(n, bool)
-        starts[1:] = (seg[1:] != seg[:-1]) | (off[1:] != end[:-1])
-        first = np.flatnonzero(starts)
-        last = np.append(first[1:], n) - 1
+        runs = record_runs(locations["seg"], locations["off"], locations["len"])
+        return self.run_views(*runs.T.tolist())
+
+    def run_views(
+        self, segs: list[int], starts: list[int], ends: list[int]
+    ) -> list[memoryview | FileRange]:
+        """:meth:`views` of runs already found: run j is bytes [starts[j], ends[j]) of
+        segment segs[j]."""
         out: list[memoryview | FileRange] = []
         maps: dict[int, memoryview] = {}
         least = self.sendfile_min_bytes or _MAX_SEGMENT + 1
-        for s, a, b in zip(seg[first].tolist(), off[first].tolist(), end[last].tolist(),
-                           strict=True):  # fmt: skip
+        for s, a, b in zip(segs, starts, ends, strict=True):
             whole = maps.get(s)
             if whole is None:
                 whole = maps[s] = self.view(s)

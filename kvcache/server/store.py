@@ -70,6 +70,8 @@ from kvcache.server.records import (
     BLOCK_LEN,
     CLASSES_KEY,
     FORMAT,
+    HIT_DTYPE,
+    HIT_LEN,
     KEY_LEN,
     PARTITION_LEN,
     ROW,
@@ -85,11 +87,12 @@ from kvcache.server.records import (
     class_field,
     expiry_entry,
     fresh_rows,
+    get_key_rows,
     partition,
+    quiet_get,
     row_location,
     split_expiry_entry,
     split_rows,
-    store_key_rows,
 )
 from kvcache.server.removals import RemovalBook
 from kvcache.server.segments import LOCATION, SegmentFiles, SegmentState, default_segment_bytes
@@ -111,9 +114,6 @@ _PAYLOAD_LEN = struct.Struct("<I")
 _PAYLOAD_LEN_AT: int = HEADER_DTYPE.fields["payload_len"][1]  # type: ignore[index]
 _second = operator.itemgetter(1)
 _LOC = struct.Struct(">IIII")
-#: One element of a ``getmulti(..., keyfixed=True)`` answer of the index: key and row.
-_HIT = np.dtype([("key", f"V{BLOCK_LEN}"), ("row", ROW_DTYPE)])
-_HIT_LEN = BLOCK_LEN + ROW_LEN
 #: Where a record's header check sits (the last 4 bytes of the 104-byte header).
 _CHECK_AT: int = HEADER_DTYPE.fields["header_check"][1]  # type: ignore[index]
 #: A sealed segment whose live bytes fall below this fraction of it may be compacted.
@@ -728,7 +728,7 @@ class ShardStore:
         shard's own class when none is given); an expired shard is NOT_FOUND
         even before the sweeper removes it. The caller must release the result.
         """
-        raw_keys = store_key_rows(tenant, items["key"], items["index"])
+        raw_keys = get_key_rows(tenant, items)
         n = len(items)
         reply = make_items(Op.GET, n, reply=True)  # all OK (0), length 0
         now = self.now_ms()
@@ -748,13 +748,9 @@ class ShardStore:
         # objects, which it must invalidate one by one (bufviewlist_release was a fifth of a
         # GET's store time, py-spy).
         with self._env.begin() as txn:
-            found = self._get_quiet(txn, raw_keys, n, stripes, quiet_above)
-            if found is not None:  # every item a live hit of the wanted stripe, no slide due
-                sizes = found["len"]
-                if int(sizes.sum()) > self._max_reply:
-                    self._check_reply_size(sizes.tolist())
-                reply["length"] = sizes
-                return GetResult(reply, self.segments.views(found), None)
+            parts = self._get_quiet(txn, items, raw_keys, quiet_above, reply)
+            if parts is not None:  # every item a live hit of the wanted stripe, no slide due
+                return GetResult(reply, parts, None)
             keys = split_rows(raw_keys, KEY_LEN)
             wanted = stripes.tolist()
             locations: list[bytes] = []
@@ -799,19 +795,21 @@ class ShardStore:
     def _get_quiet(
         self,
         txn: lmdb.Transaction,
+        items: npt.NDArray[np.void],
         raw_keys: bytes,
-        n: int,
-        stripes: npt.NDArray[np.uint64],
         quiet_above: int,
-    ) -> npt.NDArray[np.void] | None:
-        """The locations of every record of the ``n`` storage keys in ``raw_keys`` (a
-        LOCATION array) if all are live hits of the wanted ``stripes`` (0: any) that need
-        no expiry slide, else None (the caller then takes the per-item path).
+        reply: npt.NDArray[np.void],
+    ) -> list[memoryview | FileRange] | None:
+        """The reply's data section if every asked shard (storage keys ``raw_keys``, one
+        per item) is a live hit of the wanted stripe that needs no expiry slide, with
+        ``reply``'s lengths set; else None, ``reply`` untouched (the caller then takes the
+        per-item path).
 
         The common GET, done without a Python step per item beyond slicing the block keys:
-        one ``getmulti`` of the blocks' index rows, the checks and the locations as numpy
-        columns.
+        one ``getmulti`` of the blocks' index rows, then :func:`records.quiet_get` (one
+        native call) checks them and finds the runs of adjacent records to send.
         """
+        n = len(items)
         if not n:
             return None
         if self._pending and not self._pending.keys().isdisjoint(split_rows(raw_keys, KEY_LEN)):
@@ -820,24 +818,13 @@ class ShardStore:
         if n > 1 and len(set(blocks)) != n:  # several shards of a block on this node
             blocks = list(dict.fromkeys(blocks))
         found = self._block_rows(txn, blocks)
-        if len(found) != n * _HIT_LEN:
+        quiet = quiet_get(items, raw_keys, found, quiet_above, reply)
+        if quiet is None:
             return None
-        raw = np.frombuffer(found, np.uint8).reshape(n, _HIT_LEN)
-        if not np.array_equal(
-            raw[:, :KEY_LEN], np.frombuffer(raw_keys, np.uint8).reshape(n, KEY_LEN)
-        ):
-            return None  # not the asked shards, one each, in order: the per-item path
-        rows = raw.view(_HIT).reshape(n)["row"]
-        if int(rows["expiry"].min()) <= quiet_above:
-            return None
-        if stripes.any() and ((stripes != 0) & (stripes != rows["stripe"])).any():
-            return None
-        loc = np.empty(n, LOCATION)
-        loc["seg"] = rows["seg"]
-        loc["off"] = rows["off"]
-        loc["len"] = rows["size"]
-        loc["check"] = 0
-        return loc
+        runs, total = quiet
+        if total > self._max_reply:
+            self._check_reply_size(reply["length"].tolist())
+        return self.segments.run_views(*runs.T.tolist())
 
     @_watch_damage
     def has(self, tenant: TenantId, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
@@ -861,11 +848,11 @@ class ShardStore:
         with self._env.begin() as txn:
             found = self._block_rows(txn, asked if n < 2 or (hs[1:] != hs[:-1]).all()
                                      else list(dict.fromkeys(asked)))  # fmt: skip
-        m = len(found) // _HIT_LEN
+        m = len(found) // HIT_LEN
         if not m:
             return make_items(Op.HAS, 0, reply=True)
-        raw = np.frombuffer(found, np.uint8).reshape(m, _HIT_LEN)
-        rows = raw.view(_HIT).reshape(m)["row"]
+        raw = np.frombuffer(found, np.uint8).reshape(m, HIT_LEN)
+        rows = raw.view(HIT_DTYPE).reshape(m)["row"]
         rh = np.ascontiguousarray(raw[:, TENANT_LEN : TENANT_LEN + 8]).view(">u8").ravel()
         rl = np.ascontiguousarray(raw[:, TENANT_LEN + 8 : BLOCK_LEN]).view(">u8").ravel()
         pos = np.searchsorted(hs, rh)
@@ -916,7 +903,7 @@ class ShardStore:
         ords: list[int] = []
         for j in range(len(raw)):
             if live[j]:
-                at = j * _HIT_LEN
+                at = j * HIT_LEN
                 for o in asked.get(flat[at : at + BLOCK_LEN], ()):
                     pick.append(j)
                     ords.append(o)
@@ -1450,7 +1437,7 @@ class ShardStore:
 
     def _block_rows(self, txn: lmdb.Transaction, blocks: list[bytes]) -> memoryview | bytes:
         """Every row of each index key in ``blocks`` (tenant + block key), as one buffer of
-        (key, row) pairs (:data:`_HIT`), grouped by key in the order asked; missing keys
+        (key, row) pairs (:data:`HIT_DTYPE`), grouped by key in the order asked; missing keys
         give nothing. One C-level call for all of them."""
         if not blocks:
             return b""
@@ -1467,16 +1454,16 @@ class ShardStore:
         if not raw:
             return {}
         return {
-            raw[at : at + KEY_LEN]: raw[at + BLOCK_LEN : at + _HIT_LEN]
-            for at in range(0, len(raw), _HIT_LEN)
+            raw[at : at + KEY_LEN]: raw[at + BLOCK_LEN : at + HIT_LEN]
+            for at in range(0, len(raw), HIT_LEN)
         }
 
     def _groups(self, txn: lmdb.Transaction, blocks: Sequence[bytes]) -> dict[bytes, list[bytes]]:
         """Rows of each index key of ``blocks`` that has any, in shard-index order."""
         raw = bytes(self._block_rows(txn, list(dict.fromkeys(blocks))))
         out: dict[bytes, list[bytes]] = {}
-        for at in range(0, len(raw), _HIT_LEN):
-            out.setdefault(raw[at : at + BLOCK_LEN], []).append(raw[at + BLOCK_LEN : at + _HIT_LEN])
+        for at in range(0, len(raw), HIT_LEN):
+            out.setdefault(raw[at : at + BLOCK_LEN], []).append(raw[at + BLOCK_LEN : at + HIT_LEN])
         return out
 
     def _row(self, txn: lmdb.Transaction, skey: bytes) -> bytes | None:
