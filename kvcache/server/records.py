@@ -216,10 +216,15 @@ class Row:
         return _LOC.pack(self.seg, self.off, self.size, 0)
 
 
+#: The resolution of a row's written time: a shard may look up to this much younger than
+#: it is, so another writer may replace it up to this long after ``replace_after_s``.
+WRITTEN_RESOLUTION_MS = 1000
+
+
 def written_s(written_ms: int) -> int:
     """A row's written time: milliseconds rounded UP to whole seconds (a shard may look
     younger than it is, never older: the racing-writer rule's wait is never cut short)."""
-    return -(-written_ms // 1000)
+    return -(-written_ms // WRITTEN_RESOLUTION_MS)
 
 
 def row_location(raw: bytes | memoryview) -> bytes:
