@@ -411,6 +411,10 @@ class DaemonPeer:
             # the GPU host, where they live in a PYTHONPATH directory, not a venv).
             path = [str(source), *filter(None, [os.environ.get("PYTHONPATH")])]
             env |= {"PYTHONPATH": os.pathsep.join(path), "PYTHONSAFEPATH": "1"}
+            # Its own native library (another ABI), where it has one built beside its code.
+            own = Path(source) / "kvcache" / "native" / "libkvfast.so"
+            if own.exists():
+                env["KVCACHE_NATIVE_LIBRARY"] = str(own.resolve())
         self.daemon = DaemonProcess(root, server=server, env=env).start()
         assert self.daemon.proc is not None
         self.pid = self.daemon.proc.pid
