@@ -312,6 +312,108 @@ def test_native_accept_equals_the_numpy_one(
         assert getattr(pair[0], table).tolist() == getattr(pair[1], table).tolist(), table
 
 
+def _wire_reply(statuses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """GET reply items as the transport receives them (the wire's own record type)."""
+    from kvcache.wire import Op, make_items
+
+    items = make_items(Op.GET, len(statuses), reply=True)
+    items["status"], items["length"] = statuses, lengths
+    return items
+
+
+@needs_native
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.sampled_from([(10, 2, 114_688), (3, 2, 1000), (2, 1, 65)]),
+    st.integers(0, 2**32),
+)
+def test_accepting_a_reply_from_its_own_items_equals_the_numpy_accept(
+    count: int, code: tuple[int, int, int], seed: int
+) -> None:
+    """``accept_reply`` (``kv_accept_get_reply``, reading the wire's 8-byte records) gives
+    the verdicts and marks of the numpy accept over the same columns."""
+    from kvcache.shard import shard_len_for
+
+    k, m, payload = code
+    n, blocks_in_load = k + m, 6
+    rng = np.random.default_rng(seed)
+    known = rng.random(blocks_in_load) < 0.7
+    pair = [_accept_assembly(k, m, payload, blocks_in_load, known) for _ in range(2)]
+    record = HEADER_BYTES + shard_len_for(payload, k)
+    blocks = rng.integers(0, blocks_in_load, count).astype(np.int64)
+    indices = rng.integers(0, n, count).astype(np.int64)
+    statuses = rng.choice(np.array([0, 0, 0, 1, 2], np.uint8), count)
+    lengths = np.where(rng.random(count) < 0.8, record, rng.integers(0, 3 * record, count))
+    received = pair[0]._identities.copy()
+    received[:, HEADER_DTYPE.fields["class_len"][1]] = 4
+    rows = rng.integers(0, blocks_in_load * n, 12)
+    cols = rng.integers(0, received.shape[1], 12)
+    received[rows, cols] ^= rng.integers(1, 256, 12).astype(np.uint8)
+    sealed = rng.random(blocks_in_load) < 0.2
+    for asm in pair:
+        asm.sealed[:] = sealed
+        asm._header_rows[:, : received.shape[1]] = received
+    at = (native.addresses_of(blocks), native.addresses_of(indices))
+    fast = pair[0].accept_reply(blocks, indices, at, _wire_reply(statuses, lengths))
+    slow = pair[1]._accept_numpy(blocks, indices, statuses, lengths.astype(np.int64))
+    assert fast.tolist() == slow.tolist()
+    for table in ("got", "rejected", "not_found"):
+        assert getattr(pair[0], table).tolist() == getattr(pair[1], table).tolist(), table
+
+
+@needs_native
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.sampled_from([(10, 2, 114_688), (3, 2, 1000), (4, 0, 4096), (2, 1, 65)]),
+    st.floats(0.0, 1.0),
+    st.integers(0, 2**32),
+)
+def test_landing_a_reply_from_its_own_items_equals_the_general_landing(
+    count: int, code: tuple[int, int, int], odd: float, seed: int
+) -> None:
+    """``land_reply`` (``kv_land_get_reply``) lands a reply where ``landing`` does, counts
+    the same blocks as being written, and leaves a reply with a record for scratch (a
+    length other than a shard's, or a sealed block) to the general path, unchanged."""
+    from kvcache.shard import shard_len_for
+
+    k, m, payload = code
+    n, blocks_in_load = k + m, 8
+    rng = np.random.default_rng(seed)
+    asm = _accept_assembly(k, m, payload, blocks_in_load, np.ones(8, bool))
+    record = HEADER_BYTES + shard_len_for(payload, k)
+    blocks = rng.integers(0, blocks_in_load, count).astype(np.int64)
+    indices = rng.integers(0, n, count).astype(np.int64)
+    statuses = rng.choice(np.array([0, 0, 0, 1, 2], np.uint8), count)
+    # ``odd`` of the replies have records that must go to scratch.
+    lengths = np.full(count, record, np.int64)
+    if rng.random() < odd:
+        lengths[rng.integers(0, count)] = rng.integers(0, 3 * record)
+    if rng.random() < odd:
+        asm.sealed[rng.integers(0, blocks_in_load)] = True
+    lengths = np.where(statuses == 0, lengths, 0)
+    at = (native.addresses_of(blocks), native.addresses_of(indices))
+    # The same assembly lands the reply both ways, one after the other.
+    fast = asm.land_reply(blocks, indices, at, _wire_reply(statuses, lengths))
+    assert fast is not None
+    fast_writing = asm._writing.copy()
+    asm.landed(fast[1])
+    assert not asm._writing.any()
+    slow = asm.landing(blocks, indices, statuses, lengths)
+    assert slow is not None
+    (fseg, fwrites), (sseg, swrites) = fast, slow
+    assert sorted(fwrites.tolist()) == sorted(swrites.tolist())
+    assert fast_writing.tolist() == asm._writing.tolist()
+    assert fseg.nbytes == sseg.nbytes == int(lengths[statuses == 0].sum())
+    assert fseg.lens.tolist() == sseg.lens.tolist()
+    scratch = bool(((statuses == 0) & ((lengths != record) | asm.sealed[blocks])).any())
+    if not scratch:  # no scratch buffer: every address is a place in the assembly
+        assert fseg.addrs.tolist() == sseg.addrs.tolist()
+    asm.landed(swrites)
+    assert not asm._writing.any()
+
+
 @needs_native
 def test_native_accept_checks_the_identity_but_an_unknown_stripe() -> None:
     from kvcache.shard import shard_len_for

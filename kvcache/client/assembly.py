@@ -48,7 +48,7 @@ from kvcache.shard import (
     shard_len_for,
 )
 
-__all__ = ["BlockVerdict", "LoadAssembly", "RepairShard"]
+__all__ = ["BlockVerdict", "LoadAssembly", "RepairShard", "Verdicts"]
 
 _STRIPE_AT: int = HEADER_DTYPE.fields["stripe_id"][1]  # type: ignore[index]
 _CLASS_LEN_AT: int = HEADER_DTYPE.fields["class_len"][1]  # type: ignore[index]
@@ -75,6 +75,16 @@ class BlockVerdict:
     good: bool
     rebuilt: bool
     bad_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Verdicts:
+    """The outcomes for a batch of blocks, as arrays in the batch's order."""
+
+    good: npt.NDArray[np.bool_]
+    rebuilt: npt.NDArray[np.bool_]
+    #: Verified blocks (by block index) with shards found bad; blocks without are absent.
+    bad: dict[int, tuple[int, ...]]
 
 
 class LoadAssembly:
@@ -156,7 +166,13 @@ class LoadAssembly:
             np.uint64,
         )  # fmt: skip
         self._accept_at: tuple[int, ...] = ()
+        self._land_at: tuple[int, int, int] = (0, 0, 0)
         if native.AVAILABLE:
+            self._land_at = (
+                native.addresses_of(self.sealed),
+                native.addresses_of(self._writing),
+                native.addresses_of(self._geometry),
+            )
             self._accept_at = tuple(
                 native.addresses_of(a)
                 for a in (
@@ -190,9 +206,35 @@ class LoadAssembly:
                 return None
             self._writers += 1
             live = ~self.sealed[blocks]
-            writes = blocks[live & (statuses == 0)]
+            ok = statuses == 0
+            writing = live & ok
+            writes = blocks[writing]
             np.add.at(self._writing, writes, 1)
-        return self._segments(blocks, indices, statuses, lengths, live), writes
+        return self._segments(blocks, indices, statuses, lengths, live, ok), writes
+
+    def land_reply(
+        self,
+        blocks: IntArray,
+        indices: IntArray,
+        shard_at: tuple[int, int],
+        items: npt.NDArray[np.void],
+    ) -> tuple[native.Segments, IntArray] | None:
+        """:meth:`landing` of a GET reply from its own items (C-contiguous wire records,
+        one per shard asked): one native call when every OK record is a shard of an open
+        block. ``shard_at``: the addresses of ``blocks`` and ``indices`` (C-contiguous
+        int64, alive as long as the reply is received)."""
+        if native.AVAILABLE and items.flags.c_contiguous:
+            sealed_at, writing_at, geometry_at = self._land_at
+            with self._cond:
+                if not self._live:
+                    return None
+                landed = native.land_get_reply(
+                    items, len(blocks), *shard_at, sealed_at, writing_at, geometry_at, self
+                )
+                if landed is not None:
+                    self._writers += 1
+                    return landed
+        return self.landing(blocks, indices, items["status"], items["length"].astype(np.int64))
 
     def _segments(
         self,
@@ -201,22 +243,24 @@ class LoadAssembly:
         statuses: npt.NDArray[np.uint8],
         lengths: IntArray,
         live: npt.NDArray[np.bool_],
+        ok: npt.NDArray[np.bool_] | None = None,
     ) -> native.Segments:
-        """The reply's data section as segments, computed over the whole reply: per item a
-        header and a body (one part in ``out``, one in the pad, or one in parity), or one
-        scratch segment for a record not asked for or too late. Items not OK send nothing."""
-        if native.AVAILABLE:
+        """The reply's data section as segments (see :meth:`_segments_numpy`)."""
+        if not native.AVAILABLE:
+            return self._segments_numpy(blocks, indices, statuses, lengths, live)
+        if ok is None:
             ok = statuses == 0
-            scratch_rows = ok & ~((lengths == HEADER_BYTES + self.length) & live)
-            scratch: npt.NDArray[np.uint8] | None = None
-            geometry = self._geometry.copy()
-            if scratch_rows.any():
-                scratch = np.empty(max(int(lengths[scratch_rows].sum()), 1), np.uint8)
-                geometry[10] = native.addresses_of(scratch)
-            return native.landing_segments(
-                blocks, indices, statuses, lengths, live, geometry, (self, scratch)
-            )
-        return self._segments_numpy(blocks, indices, statuses, lengths, live)
+        # Records not asked for (a length other than a shard's) or too late: scratch.
+        scratch_rows = ok & ~((lengths == HEADER_BYTES + self.length) & live)
+        scratch: npt.NDArray[np.uint8] | None = None
+        geometry = self._geometry
+        if scratch_rows.any():
+            scratch = np.empty(max(int(lengths[scratch_rows].sum()), 1), np.uint8)
+            geometry = geometry.copy()
+            geometry[10] = native.addresses_of(scratch)
+        return native.landing_segments(
+            blocks, indices, statuses, lengths, live, geometry, (self, scratch)
+        )
 
     def _segments_numpy(
         self,
@@ -226,7 +270,10 @@ class LoadAssembly:
         lengths: IntArray,
         live: npt.NDArray[np.bool_],
     ) -> native.Segments:
-        """:meth:`_segments` without the native library (the same segments)."""
+        """The reply's data section as segments, computed over the whole reply: per item a
+        header and a body (one part in ``out``, one in the pad, or one in parity), or one
+        scratch segment for a record not asked for or too late. Items not OK send nothing.
+        The native library's ``kv_landing_segments`` makes the same segments."""
         length, payload, k = self.length, self.payload_len, self.k
         count = len(blocks)
         record = HEADER_BYTES + length
@@ -317,6 +364,18 @@ class LoadAssembly:
             return native.accept_items(blocks, indices, statuses, lengths, self._accept_at)
         return self._accept_numpy(blocks, indices, statuses, lengths)
 
+    def accept_reply(
+        self,
+        blocks: IntArray,
+        indices: IntArray,
+        shard_at: tuple[int, int],
+        items: npt.NDArray[np.void],
+    ) -> npt.NDArray[np.bool_]:
+        """:meth:`accept` of a landed GET reply from its own items (see :meth:`land_reply`)."""
+        if native.AVAILABLE and items.flags.c_contiguous:
+            return native.accept_get_reply(items, len(blocks), *shard_at, self._accept_at)
+        return self.accept(blocks, indices, items["status"], items["length"].astype(np.int64))
+
     def _accept_numpy(
         self,
         blocks: IntArray,
@@ -380,31 +439,51 @@ class LoadAssembly:
 
     def verify(self, blocks: list[int]) -> list[BlockVerdict]:
         """A verdict for each of ``blocks`` (see the module docstring)."""
+        verdicts = self.verify_arrays(np.asarray(blocks, np.int64))
+        return [
+            BlockVerdict(bool(g), bool(r), verdicts.bad.get(b, ()))
+            for b, g, r in zip(
+                blocks, verdicts.good.tolist(), verdicts.rebuilt.tolist(), strict=True
+            )
+        ]
+
+    def verify_arrays(self, blocks: IntArray) -> Verdicts:
+        """:meth:`verify` as arrays over ``blocks`` (distinct): a healthy load's check
+        builds no object per block."""
+        idx = np.asarray(blocks, np.int64)
         if self._unknown.any():
-            self._settle_stripes(blocks)
+            self._settle_stripes(idx)
         k = self.k
-        verdicts: dict[int, BlockVerdict] = {}
+        good = np.zeros(len(idx), bool)
+        rebuilt = np.zeros(len(idx), bool)
+        bad: dict[int, tuple[int, ...]] = {}
         # Fast path: every data shard arrived; one batched hash call for all such blocks.
-        fast, digests = self._fast_matches(blocks)
-        for b, wrong in zip(fast.tolist(), self._wrong_claims(fast, digests), strict=True):
-            verdicts[b] = BlockVerdict(True, False, wrong)
+        fast, digests, at = self._fast_matches(idx)
+        good[at] = True
+        bad.update(self._wrong_claims(fast, digests))
+        if good.all():
+            return Verdicts(good, rebuilt, bad)
         # Rebuild, grouped by erasure pattern: one codec call per pattern.
         patterns: dict[tuple[int, ...], list[int]] = {}
-        idx = np.asarray(blocks, np.int64)
-        if len(idx) > len(fast):
-            got = self.got[idx]
-            degraded = ~got[:, :k].all(axis=1) & (got.sum(axis=1) >= k)
-            for b in idx[degraded].tolist():
-                present = tuple(np.flatnonzero(self.got[b])[:k].tolist())
-                patterns.setdefault(present, []).append(b)
+        got = self.got[idx]
+        degraded = ~good & ~got[:, :k].all(axis=1) & (got.sum(axis=1) >= k)
+        for j in np.flatnonzero(degraded).tolist():
+            present = tuple(np.flatnonzero(got[j])[:k].tolist())
+            patterns.setdefault(present, []).append(j)
         for present, group in patterns.items():
-            for b, ok in zip(group, self._rebuild(group, present), strict=True):
-                if ok:
-                    verdicts[b] = BlockVerdict(True, True)
+            ok = np.array(self._rebuild(idx[group].tolist(), present), bool)
+            good[group] = ok
+            rebuilt[group] = ok
         # What is left either failed its check or is short of shards.
-        return [verdicts[b] if b in verdicts else self._locate(b) for b in blocks]
+        for j in np.flatnonzero(~good).tolist():
+            b = int(idx[j])
+            verdict = self._locate(b)
+            good[j], rebuilt[j] = verdict.good, verdict.rebuilt
+            if verdict.bad_indices:
+                bad[b] = verdict.bad_indices
+        return Verdicts(good, rebuilt, bad)
 
-    def _settle_stripes(self, blocks: list[int]) -> None:
+    def _settle_stripes(self, blocks: IntArray) -> None:
         """Blocks loaded without a known stripe take the one most of their received shards
         carry; shards of any other stripe are rejected (a reader never mixes stripes)."""
         idx = np.asarray(blocks, np.int64)
@@ -476,34 +555,42 @@ class LoadAssembly:
 
     def _wrong_claims(
         self, blocks: IntArray, digests: npt.NDArray[np.void]
-    ) -> list[tuple[int, ...]]:
-        """Per verified block: received shards whose header claims a payload hash other
-        than the block's (their bodies may be fine, their headers are not)."""
+    ) -> dict[int, tuple[int, ...]]:
+        """Verified blocks with received shards whose header claims a payload hash other
+        than the block's (their bodies may be fine, their headers are not): those shards."""
         if not len(blocks):
-            return []
+            return {}
         idx = np.asarray(blocks, np.int64)
         claims = self.headers["payload_hash"][idx].view(np.uint64).reshape(len(idx), self.n, 2)
         truth = np.ascontiguousarray(digests).view(np.uint64).reshape(len(idx), 1, 2)
         wrong = self.got[idx] & (claims != truth).any(axis=2)
         if not wrong.any():
-            return [()] * len(blocks)
-        return [tuple(np.flatnonzero(row).tolist()) for row in wrong]
+            return {}
+        return {
+            int(idx[j]): tuple(np.flatnonzero(wrong[j]).tolist())
+            for j in np.flatnonzero(wrong.any(axis=1)).tolist()
+        }
 
-    def _fast_matches(self, blocks: list[int]) -> tuple[IntArray, npt.NDArray[np.void]]:
-        """Blocks whose data shards all arrived and whose payload hashes to a hash their
-        headers claim, with those digests (V16). The hashes are taken in one call; a block
-        whose first header's claim differs is checked against every claim (:meth:`_matches`)."""
-        idx = np.asarray(blocks, np.int64)
-        complete = idx[self.got[idx, : self.k].all(axis=1)] if len(idx) else idx
+    def _fast_matches(self, idx: IntArray) -> tuple[IntArray, npt.NDArray[np.void], IntArray]:
+        """Blocks of ``idx`` whose data shards all arrived and whose payload hashes to a
+        hash their headers claim, with those digests (V16) and their positions in ``idx``.
+        The hashes are taken in one call; a block whose first header's claim differs is
+        checked against every claim (:meth:`_matches`)."""
+        if not len(idx):
+            return idx, np.empty(0, "V16"), idx
+        at = np.flatnonzero(self.got[idx, : self.k].all(axis=1))
+        complete = idx[at]
         if not len(complete):
-            return complete, np.empty(0, "V16")
+            return complete, np.empty(0, "V16"), at
         addrs = self._out_at + complete.astype(np.uint64) * np.uint64(self.payload_len)
         digests = native.xxh3_128_many(addrs, np.uint64(self.payload_len))
         first = self.got[complete].argmax(axis=1)
         same = digests == self.headers["payload_hash"][complete, first]
-        for j in np.flatnonzero(~same).tolist():  # a claim that differs: rare
-            same[j] = self._matches(int(complete[j]))
-        return complete[same], digests[same]
+        if not same.all():
+            for j in np.flatnonzero(~same).tolist():  # a claim that differs: rare
+                same[j] = self._matches(int(complete[j]))
+            return complete[same], digests[same], at[same]
+        return complete, digests, at
 
     def _matches(self, b: int, refs: list[bytes] | None = None) -> bool:
         digest = self._last_digest = xxhash.xxh3_128_digest(self.out[b].data)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvcache import native
 from kvcache.client.assembly import LoadAssembly
 from kvcache.client.health import NodeHealth
 from kvcache.client.rounds import Send
@@ -84,6 +85,16 @@ class GetExchange(PumpedExchange):
         )
         self.send = send
         self.assembly = assembly
+        #: The shards asked, as C-contiguous int64 arrays, and their addresses (native calls).
+        self.shards = (
+            np.ascontiguousarray(send.blocks, np.int64),
+            np.ascontiguousarray(send.indices, np.int64),
+        )
+        self.shards_at = (
+            (native.addresses_of(self.shards[0]), native.addresses_of(self.shards[1]))
+            if native.AVAILABLE and len(send.blocks)
+            else (0, 0)
+        )
         self._writes: npt.NDArray[np.int64] | None = None
         #: The reply's data went into the assembly (only then may its shards be accepted).
         self.landed_in_assembly = False
@@ -91,9 +102,7 @@ class GetExchange(PumpedExchange):
     def landing(self, header: Header, items: npt.NDArray[np.void]) -> Segments | None:
         if len(items) != len(self.send.blocks):
             return None
-        claim = self.assembly.landing(
-            self.send.blocks, self.send.indices, items["status"], items["length"].astype(np.int64)
-        )
+        claim = self.assembly.land_reply(*self.shards, self.shards_at, items)
         if claim is None:
             return None
         views, self._writes = claim

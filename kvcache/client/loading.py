@@ -144,7 +144,11 @@ def load_keys(
             sent.append(exchange)
             pump.submit(exchange)
 
-    verdicts: dict[int, BlockVerdict] = {}
+    # Per block: verified good, rebuilt, examined at all; shards found bad, where any.
+    verified_good = np.zeros(total, bool)
+    rebuilt = np.zeros(total, bool)
+    examined = np.zeros(total, bool)
+    bad: dict[int, tuple[int, ...]] = {}
     escalated: set[int] = set()
     sealing: list[int] = []  # chunks over whose blocks a late reply is still landing
     end = total  # the first block known to fail ends the prefix
@@ -167,7 +171,8 @@ def load_keys(
                     continue
                 # Late answers to abandoned asks must not write over what is checked: a
                 # chunk with one still landing is verified when that one is in.
-                if not assembly.seal(np.arange(start, stop)):
+                span = np.arange(start, stop)
+                if not assembly.seal(span):
                     if chunk not in sealing:
                         sealing.append(chunk)
                     continue
@@ -176,26 +181,31 @@ def load_keys(
                 latency = round_.latency(chunk)
                 if chunk not in escalated and latency is not None:
                     core.read_latency.record(latency)
-                todo = [b for b in range(start, min(stop, end)) if not _good(verdicts, b)]
-                for b, verdict in zip(todo, assembly.verify(todo), strict=True):
-                    verdicts[b] = verdict
-                failing = [b for b in todo if not verdicts[b].good]
-                if failing and chunk not in escalated:
+                todo = span[: max(0, min(stop, end) - start)]
+                todo = todo[~verified_good[todo]]
+                verdicts = assembly.verify_arrays(todo)
+                verified_good[todo] = verdicts.good
+                rebuilt[todo] = verdicts.rebuilt
+                examined[todo] = True
+                bad.update(verdicts.bad)
+                failing = todo[~verdicts.good]
+                if len(failing) and chunk not in escalated:
                     escalated.add(chunk)
-                    sends = round_.escalate(chunk, np.array(failing, np.int64), now)
+                    sends = round_.escalate(chunk, failing, now)
                     if sends:
-                        assembly.unseal(np.array(failing, np.int64))
+                        assembly.unseal(failing)
                         core.count("escalations")
                         submit(sends)
                         continue
                 round_.finish_chunk(chunk)
-                if failing:
-                    end = min(end, failing[0])
+                if len(failing):
+                    end = min(end, int(failing[0]))
                     round_.stop_before(end)
                 submit(round_.open_more(now))
             before = good
-            while good < end and _good(verdicts, good):
-                good += 1
+            if good < end:
+                run = verified_good[good:end]
+                good = end if run.all() else good + int(run.argmin())
             if on_ready is not None and good > before:
                 on_ready(before, good)
             if round_.done and good < end:  # pragma: no cover - every chunk ends with verdicts
@@ -206,34 +216,28 @@ def load_keys(
     core.count("node_errors", pump.node_errors)
     core.count("hedges", round_.hedges)
     core.count("blocks_loaded", good)
-    core.count("blocks_rebuilt", sum(1 for b in range(good) if verdicts[b].rebuilt))
+    core.count("blocks_rebuilt", int(np.count_nonzero(rebuilt[:good])))
     # Rejected shards never count as received, so they are never among a verdict's bad ones.
     core.count(
         "bad_shards_found",
-        int(assembly.rejected[:good].sum())
-        + sum(len(verdicts[b].bad_indices) for b in range(good) if verdicts[b].bad_indices),
+        int(assembly.rejected[:good].sum()) + sum(len(v) for b, v in bad.items() if b < good),
     )
     if core.config.read_repair:
-        if end < total and end in verdicts:
+        if end < total and examined[end]:
             rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
             _drop_broken(core, assembly, match, rows, end)
         gone = core.gone_mask(view)
-        _repair(core, assembly, match, placement_rows, order, gone, verdicts, good)
+        _repair(core, assembly, match, placement_rows, order, gone, rebuilt, bad, good)
     return LoadResult(
         blocks=good,
         tokens=good * match.tokens_per_block,
-        payloads=[buffer[b] for b in range(good)],
+        payloads=list(buffer[:good]),
         bytes_loaded=good * payload_len,
     )
 
 
-def _good(verdicts: dict[int, BlockVerdict], b: int) -> bool:
-    verdict = verdicts.get(b)
-    return verdict is not None and verdict.good
-
-
 def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
-    exchange = event.exchange  # type: ignore[attr-defined]
+    exchange: GetExchange = event.exchange  # type: ignore[attr-defined]
     reply: Message = event.reply  # type: ignore[attr-defined]
     send = exchange.send
     items = reply.items
@@ -245,9 +249,8 @@ def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
         return assembly.accept(
             send.blocks, send.indices, statuses, items["length"].astype(np.int64)
         )
-    return assembly.accept(
-        send.blocks, send.indices, items["status"], items["length"].astype(np.int64)
-    )
+    blocks, indices = exchange.shards
+    return assembly.accept_reply(blocks, indices, exchange.shards_at, items)
 
 
 class _Background(Exchange):
@@ -275,7 +278,8 @@ def _repair(
     placement_rows: npt.NDArray[np.int64],
     order: npt.NDArray[np.int64],
     gone: npt.NDArray[np.bool_],
-    verdicts: dict[int, BlockVerdict],
+    rebuilt: npt.NDArray[np.bool_],
+    bad: dict[int, tuple[int, ...]],
     good: int,
 ) -> None:
     """Write back shards of verified blocks that a holder had bad or did not have.
@@ -306,9 +310,10 @@ def _repair(
     # doubled a degraded load's client CPU.
     repairable = (missing | assembly.rejected[:good]) & allowed
     candidates = set(np.flatnonzero(repairable.any(axis=1)).tolist())
-    candidates.update(b for b in range(good) if verdicts[b].bad_indices)
+    candidates.update(b for b in bad if b < good)
     for b in sorted(candidates):
-        wanted = assembly.bad_shards(b, verdicts[b]) | set(np.flatnonzero(missing[b]).tolist())
+        verdict = BlockVerdict(True, bool(rebuilt[b]), bad.get(b, ()))
+        wanted = assembly.bad_shards(b, verdict) | set(np.flatnonzero(missing[b]).tolist())
         wanted = {i for i in wanted if allowed[b, i]}
         if not wanted:
             continue

@@ -63,7 +63,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -97,6 +97,10 @@ def _load() -> Any:
     lib.kv_put_segments.restype = size
     lib.kv_accept_items.argtypes = [ptr, ptr, ptr, ptr, size, *[ptr] * 9]
     lib.kv_accept_items.restype = size
+    lib.kv_accept_get_reply.argtypes = [ptr, size, *[ptr] * 11]
+    lib.kv_accept_get_reply.restype = size
+    lib.kv_land_get_reply.argtypes = [ptr, size, *[ptr] * 9]
+    lib.kv_land_get_reply.restype = size
     lib.kv_recv_hashed.argtypes = [
         ctypes.c_int, ptr, u64, u64, ptr, u64, ctypes.c_double, ptr, ptr
     ]  # fmt: skip
@@ -226,13 +230,22 @@ class Segments:
 
     __slots__ = ("_at", "cap", "count", "keepalive", "nbytes", "table")
 
-    def __init__(self, table: U64Array, cap: int, count: int, keepalive: Any) -> None:
+    def __init__(
+        self,
+        table: U64Array,
+        cap: int,
+        count: int,
+        keepalive: Any,
+        *,
+        at: int | None = None,
+        nbytes: int | None = None,
+    ) -> None:
         self.table = table
         self.cap = cap
         self.count = count
         self.keepalive = keepalive
-        self._at = _address_of_writable(table)
-        self.nbytes = int(table[cap : cap + count].sum())
+        self._at = _address_of_writable(table) if at is None else at
+        self.nbytes = int(table[cap : cap + count].sum()) if nbytes is None else nbytes
 
     @classmethod
     def empty(cls, cap: int) -> tuple[U64Array, int]:
@@ -376,6 +389,70 @@ def accept_items(
         _address_of_writable(accepted),
     )
     return accepted
+
+
+#: ``sizeof(size_t)`` all ones: what the native calls return for "take the general path".
+_SIZE_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_size_t)) - 1
+
+
+def accept_get_reply(
+    items: npt.NDArray[np.void],
+    count: int,
+    blocks_at: int,
+    indices_at: int,
+    tables_at: tuple[int, ...],
+) -> npt.NDArray[np.bool_]:
+    """:func:`accept_items` over a GET reply's own items (C-contiguous 8-byte records,
+    ``count`` of them, one per shard asked), ``blocks_at`` / ``indices_at`` the addresses
+    of the asked shards' C-contiguous int64 block and index arrays."""
+    assert _LIB is not None
+    accepted = np.empty(count, bool)
+    if count:
+        _LIB.kv_accept_get_reply(
+            _at(items), count, blocks_at, indices_at, *tables_at, _address_of_writable(accepted)
+        )
+    return accepted
+
+
+def land_get_reply(
+    items: npt.NDArray[np.void],
+    count: int,
+    blocks_at: int,
+    indices_at: int,
+    sealed_at: int,
+    writing_at: int,
+    geometry_at: int,
+    keepalive: Any,
+) -> tuple[Segments, npt.NDArray[np.int64]] | None:
+    """Where a GET reply's data section lands and the blocks it writes (each counted in
+    the int64 ``writing`` table), from the reply's own items (``kv_land_get_reply``);
+    None, with nothing counted, when a record must go to scratch (the general path)."""
+    assert _LIB is not None
+    cap = 3 * count
+    table = np.empty(2 * cap + 3, np.uint64)
+    table[2 * cap :] = 0
+    writes = np.empty(count + 2, np.int64)  # the last two: (writes, bytes) counts
+    at = _address_of_writable(table)
+    writes_at = _address_of_writable(writes)
+    used = int(
+        _LIB.kv_land_get_reply(
+            _at(items),
+            count,
+            blocks_at,
+            indices_at,
+            sealed_at,
+            writing_at,
+            geometry_at,
+            at,
+            at + 8 * cap,
+            writes_at,
+            writes_at + 8 * count,
+        )
+    )
+    if used == _SIZE_MAX:
+        return None
+    w, nbytes = int(writes[count]), int(writes[count + 1])
+    return Segments(table, cap, used, keepalive, at=at, nbytes=nbytes), writes[:w]
 
 
 def landing_segments(

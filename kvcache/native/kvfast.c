@@ -18,7 +18,7 @@
 
 #define KV_IOV_MAX 1024
 
-int kv_abi_version(void) { return 5; }
+int kv_abi_version(void) { return 6; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -269,45 +269,134 @@ static int same_but(const uint8_t *a, const uint8_t *b, uint64_t len, uint64_t s
  * (which must be 1..max_class) and, for a block whose stripe is unknown, the 8 stripe-id
  * bytes; else it is rejected. The (blocks, n) tables are row-major; header rows are
  * header_bytes apart, identity rows identity_bytes apart. Returns the accepted count. */
+static int accept_one(uint64_t b, uint64_t i, uint8_t status, uint64_t length,
+                      const uint8_t *sealed, const uint8_t *unknown, uint8_t *got,
+                      uint8_t *rejected, uint8_t *not_found, const uint8_t *header_rows,
+                      const uint8_t *identities, const uint64_t *geom) {
+    /* geom = {n, record_len, header_bytes, identity_bytes, class_len_at, stripe_at,
+     * max_class} */
+    const uint64_t n = geom[0], record = geom[1], hb = geom[2], idb = geom[3];
+    const uint64_t class_at = geom[4], stripe_at = geom[5], max_class = geom[6];
+    if (sealed[b]) return 0;
+    uint64_t flat = b * n + i;
+    if (status == 1) {
+        not_found[flat] = 1;
+        return 0;
+    }
+    if (status != 0) return 0;
+    if (length != record) {
+        rejected[flat] = 1;
+        return 0;
+    }
+    const uint8_t *have = header_rows + flat * hb, *want = identities + flat * idb;
+    int good = have[class_at] >= 1 && have[class_at] <= max_class;
+    if (good) {
+        good = unknown[b] ? same_but(have, want, idb, class_at, 1, stripe_at, 8)
+                          : same_but(have, want, idb, class_at, 1, class_at, 1);
+    }
+    if (good) {
+        got[flat] = 1;
+        return 1;
+    }
+    rejected[flat] = 1;
+    return 0;
+}
+
 size_t kv_accept_items(const int64_t *blocks, const int64_t *indices, const uint8_t *statuses,
                        const int64_t *lengths, size_t count, const uint8_t *sealed,
                        const uint8_t *unknown, uint8_t *got, uint8_t *rejected,
                        uint8_t *not_found, const uint8_t *header_rows,
                        const uint8_t *identities, const uint64_t *geom, uint8_t *accepted) {
-    /* geom = {n, record_len, header_bytes, identity_bytes, class_len_at, stripe_at,
-     * max_class} */
-    const uint64_t n = geom[0], record = geom[1], hb = geom[2], idb = geom[3];
-    const uint64_t class_at = geom[4], stripe_at = geom[5], max_class = geom[6];
     size_t taken = 0;
     for (size_t j = 0; j < count; j++) {
-        accepted[j] = 0;
-        uint64_t b = (uint64_t)blocks[j];
-        if (sealed[b]) continue;
-        uint64_t flat = b * n + (uint64_t)indices[j];
-        if (statuses[j] == 1) {
-            not_found[flat] = 1;
-            continue;
-        }
-        if (statuses[j] != 0) continue;
-        if ((uint64_t)lengths[j] != record) {
-            rejected[flat] = 1;
-            continue;
-        }
-        const uint8_t *have = header_rows + flat * hb, *want = identities + flat * idb;
-        int good = have[class_at] >= 1 && have[class_at] <= max_class;
-        if (good) {
-            good = unknown[b] ? same_but(have, want, idb, class_at, 1, stripe_at, 8)
-                              : same_but(have, want, idb, class_at, 1, class_at, 1);
-        }
-        if (good) {
-            got[flat] = 1;
-            accepted[j] = 1;
-            taken++;
-        } else {
-            rejected[flat] = 1;
-        }
+        accepted[j] = (uint8_t)accept_one((uint64_t)blocks[j], (uint64_t)indices[j],
+                                          statuses[j], (uint64_t)lengths[j], sealed, unknown,
+                                          got, rejected, not_found, header_rows, identities,
+                                          geom);
+        taken += accepted[j];
     }
     return taken;
+}
+
+/* GET reply items as the wire has them: 8-byte records, status u8 at 0, length u32 LE
+ * at 4 (see the daemon's layouts below). */
+static inline uint8_t reply_status(const uint8_t *items, size_t j) { return items[8 * j]; }
+
+static inline uint64_t reply_length(const uint8_t *items, size_t j) {
+    uint32_t v;
+    memcpy(&v, items + 8 * j + 4, 4);
+    return (uint64_t)v; /* a little-endian host, as everywhere in this file */
+}
+
+/* kv_accept_items over a GET reply's own items (no status and length columns to copy
+ * out first). */
+size_t kv_accept_get_reply(const uint8_t *items, size_t count, const int64_t *blocks,
+                           const int64_t *indices, const uint8_t *sealed,
+                           const uint8_t *unknown, uint8_t *got, uint8_t *rejected,
+                           uint8_t *not_found, const uint8_t *header_rows,
+                           const uint8_t *identities, const uint64_t *geom,
+                           uint8_t *accepted) {
+    size_t taken = 0;
+    for (size_t j = 0; j < count; j++) {
+        accepted[j] = (uint8_t)accept_one(
+            (uint64_t)blocks[j], (uint64_t)indices[j], reply_status(items, j),
+            reply_length(items, j), sealed, unknown, got, rejected, not_found, header_rows,
+            identities, geom);
+        taken += accepted[j];
+    }
+    return taken;
+}
+
+/* A GET reply's landing in one pass (LoadAssembly.land_reply): the segments of
+ * kv_landing_segments for the reply's own items, each OK item's block counted in
+ * writing[] (and listed in writes, *nwrites of them), the data section's bytes in *nbytes.
+ * When any OK record would go to scratch (a length other than a shard's record, or its
+ * block sealed), nothing is written and SIZE_MAX is returned: the caller takes the
+ * general path. geom as kv_landing_segments's. */
+size_t kv_land_get_reply(const uint8_t *items, size_t count, const int64_t *blocks,
+                         const int64_t *indices, const uint8_t *sealed, int64_t *writing,
+                         const uint64_t *geom, uint64_t *addrs, uint64_t *lens,
+                         int64_t *writes, uint64_t *counts) {
+    const uint64_t L = geom[0], payload = geom[1], k = geom[2], n = geom[3], pad_len = geom[4];
+    const uint64_t hb = geom[5], out_at = geom[6], pad_at = geom[7], parity_at = geom[8];
+    const uint64_t headers_at = geom[9];
+    const uint64_t m = n - k;
+    for (size_t j = 0; j < count; j++) {
+        if (reply_status(items, j) != 0) continue;
+        if (reply_length(items, j) != hb + L || sealed[(uint64_t)blocks[j]]) return SIZE_MAX;
+    }
+    size_t c = 0, w = 0;
+    uint64_t total = 0;
+    for (size_t j = 0; j < count; j++) {
+        if (reply_status(items, j) != 0) continue;
+        uint64_t b = (uint64_t)blocks[j], i = (uint64_t)indices[j];
+        writing[b]++;
+        writes[w++] = (int64_t)b;
+        total += hb + L;
+        addrs[c] = headers_at + (b * n + i) * hb;
+        lens[c++] = hb;
+        if (i >= k) {
+            addrs[c] = parity_at + (b * m + (i - k)) * L;
+            lens[c++] = L;
+            continue;
+        }
+        uint64_t begin = i * L, end = begin + L;
+        if (end <= payload) {
+            addrs[c] = out_at + b * payload + begin;
+            lens[c++] = L;
+        } else if (begin >= payload) {
+            addrs[c] = pad_at + b * pad_len + (begin - payload);
+            lens[c++] = L;
+        } else {
+            addrs[c] = out_at + b * payload + begin;
+            lens[c++] = payload - begin;
+            addrs[c] = pad_at + b * pad_len;
+            lens[c++] = end - payload;
+        }
+    }
+    counts[0] = w;
+    counts[1] = total;
+    return c;
 }
 
 /* ---------------------------------------------------------------- the daemon's GET
