@@ -318,7 +318,10 @@ class LoadAssembly:
         """A claimed landing of ``writes`` blocks is over (received, or failed)."""
         with self._cond:
             self._writers -= 1
-            np.subtract.at(self._writing, writes, 1)
+            if native.AVAILABLE and writes.dtype == np.int64 and writes.flags.c_contiguous:
+                native.add_at(self._land_at[1], writes, -1)
+            else:
+                np.subtract.at(self._writing, writes, 1)
             self._cond.notify_all()
 
     def seal(self, blocks: IntArray) -> bool:

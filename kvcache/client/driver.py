@@ -15,8 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -34,9 +33,9 @@ from kvcache.wire import NO_RETAIN, Frame, Header, Message, Op, Retain
 __all__ = ["Event", "GetExchange", "Pump", "Reviver", "Watchdog"]
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """The outcome of one exchange: its reply, or the error it failed with."""
+class Event(NamedTuple):
+    """The outcome of one exchange: its reply, or the error it failed with (a named tuple:
+    one is made per reply, on the I/O path)."""
 
     ticket: int
     exchange: Exchange

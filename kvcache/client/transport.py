@@ -217,6 +217,7 @@ class _Conn:
         "out",
         "queue",
         "raw",
+        "raw_view",
         "rgot",
         "rstate",
         "segments",
@@ -239,11 +240,13 @@ class _Conn:
         self.queue: collections.deque[Exchange] = collections.deque()
         self.sent: collections.deque[_Sent] = collections.deque()
         self.out: list[memoryview | native.Segments] = []  # unsent request bytes, in order
+        # The reply header's buffer, reused: a header is parsed as soon as it is in.
+        self.raw = bytearray(HEADER_BYTES)
+        self.raw_view = memoryview(self.raw)
         self._reset_reader()
 
     def _reset_reader(self) -> None:
         self.rstate = _HEAD
-        self.raw = bytearray(HEADER_BYTES)
         self.rgot = 0
         self.header: Header | None = None
         self.items: npt.NDArray[np.void] | None = None
@@ -685,7 +688,7 @@ class TcpTransport:
                         return  # nothing more is due: no recv that can only say EAGAIN
                     continue
                 if conn.rstate == _HEAD:
-                    view = memoryview(conn.raw)
+                    view = conn.raw_view
                 elif conn.rstate == _ITEMS:
                     assert conn.items is not None
                     view = conn.items.view(np.uint8).data

@@ -101,6 +101,8 @@ def _load() -> Any:
     lib.kv_accept_get_reply.restype = size
     lib.kv_land_get_reply.argtypes = [ptr, size, *[ptr] * 9]
     lib.kv_land_get_reply.restype = size
+    lib.kv_add_at.argtypes = [ptr, ptr, size, ctypes.c_int64]
+    lib.kv_add_at.restype = None
     lib.kv_recv_hashed.argtypes = [
         ctypes.c_int, ptr, u64, u64, ptr, u64, ctypes.c_double, ptr, ptr
     ]  # fmt: skip
@@ -414,6 +416,14 @@ def accept_get_reply(
     return accepted
 
 
+def add_at(table_at: int, idx: npt.NDArray[np.int64], delta: int) -> None:
+    """``table[idx[j]] += delta`` for every j, into the int64 table at ``table_at``
+    (``np.add.at`` without its per-call cost); ``idx`` C-contiguous int64."""
+    assert _LIB is not None
+    if len(idx):
+        _LIB.kv_add_at(table_at, _at(idx), len(idx), delta)
+
+
 def land_get_reply(
     items: npt.NDArray[np.void],
     count: int,
@@ -429,11 +439,14 @@ def land_get_reply(
     None, with nothing counted, when a record must go to scratch (the general path)."""
     assert _LIB is not None
     cap = 3 * count
-    table = np.empty(2 * cap + 3, np.uint64)
+    # One buffer, one address: the segment table (2 cap + 3), then the blocks written and
+    # the (writes, bytes) counts.
+    buf = np.empty(2 * cap + 3 + count + 2, np.uint64)
+    table = buf[: 2 * cap + 3]
     table[2 * cap :] = 0
-    writes = np.empty(count + 2, np.int64)  # the last two: (writes, bytes) counts
-    at = _address_of_writable(table)
-    writes_at = _address_of_writable(writes)
+    writes = buf[2 * cap + 3 :].view(np.int64)
+    at = _address_of_writable(buf)
+    writes_at = at + 8 * (2 * cap + 3)
     used = int(
         _LIB.kv_land_get_reply(
             _at(items),

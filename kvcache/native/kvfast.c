@@ -399,6 +399,12 @@ size_t kv_land_get_reply(const uint8_t *items, size_t count, const int64_t *bloc
     return c;
 }
 
+/* table[idx[j]] += delta for each j (numpy's ufunc.at, without its per-call cost): the
+ * blocks a landing writes, counted in and out (LoadAssembly.landed). */
+void kv_add_at(int64_t *table, const int64_t *idx, size_t count, int64_t delta) {
+    for (size_t j = 0; j < count; j++) table[idx[j]] += delta;
+}
+
 /* ---------------------------------------------------------------- the daemon's GET
  *
  * Layouts (checked against the dtypes by kvcache.server.get_native at import):
