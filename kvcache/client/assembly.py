@@ -149,7 +149,10 @@ class LoadAssembly:
         self._identities = identity_prefixes(
             key_words, stripes, k=k, m=n - k, payload_len=payload_len
         ).reshape(blocks * n, -1)
-        self._cond = threading.Condition()
+        # The lock alone on the per-reply paths (a Condition's own __enter__ is Python);
+        # the condition only for close(), which waits for landings in progress.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._live = True
         self._writers = 0
         #: Blocks the driver is verifying or has verified: replies for them (late answers
@@ -218,18 +221,20 @@ class LoadAssembly:
         indices: IntArray,
         shard_at: tuple[int, int],
         items: npt.NDArray[np.void],
-    ) -> tuple[native.Segments, IntArray] | None:
+    ) -> native.GetLanding | tuple[native.Segments, IntArray] | None:
         """:meth:`landing` of a GET reply from its own items (C-contiguous wire records,
         one per shard asked): one native call when every OK record is a shard of an open
-        block. ``shard_at``: the addresses of ``blocks`` and ``indices`` (C-contiguous
-        int64, alive as long as the reply is received)."""
-        if native.AVAILABLE and items.flags.c_contiguous:
+        block, which also says where :meth:`accept_reply` puts its verdicts. ``shard_at``:
+        the addresses of ``blocks`` and ``indices`` (C-contiguous int64, alive as long as
+        the reply is received)."""
+        if native.AVAILABLE and items.flags.c_contiguous and len(items):
             sealed_at, writing_at, geometry_at = self._land_at
-            with self._cond:
+            items_at = native.addresses_of(items)
+            with self._lock:
                 if not self._live:
                     return None
                 landed = native.land_get_reply(
-                    items, len(blocks), *shard_at, sealed_at, writing_at, geometry_at, self
+                    items_at, len(blocks), *shard_at, sealed_at, writing_at, geometry_at, self
                 )
                 if landed is not None:
                     self._writers += 1
@@ -314,15 +319,17 @@ class LoadAssembly:
             lens[rows, 3] = np.where(data, 0, length)
         return native.Segments.of(addrs, lens, (self, scratch))
 
-    def landed(self, writes: IntArray) -> None:
-        """A claimed landing of ``writes`` blocks is over (received, or failed)."""
-        with self._cond:
+    def landed(self, writes: IntArray, writes_at: int = 0) -> None:
+        """A claimed landing of ``writes`` blocks is over (received, or failed);
+        ``writes_at``: their address, where a native landing gave one."""
+        with self._lock:
             self._writers -= 1
-            if native.AVAILABLE and writes.dtype == np.int64 and writes.flags.c_contiguous:
-                native.add_at(self._land_at[1], writes, -1)
+            if writes_at:
+                native.add_at(self._land_at[1], writes_at, len(writes), -1)
             else:
                 np.subtract.at(self._writing, writes, 1)
-            self._cond.notify_all()
+            if not self._live:  # close() may be waiting for this landing
+                self._cond.notify_all()
 
     def seal(self, blocks: IntArray) -> bool:
         """From now on no reply writes into ``blocks``; True once no landing already
@@ -373,10 +380,16 @@ class LoadAssembly:
         indices: IntArray,
         shard_at: tuple[int, int],
         items: npt.NDArray[np.void],
+        landed: native.GetLanding | None = None,
     ) -> npt.NDArray[np.bool_]:
-        """:meth:`accept` of a landed GET reply from its own items (see :meth:`land_reply`)."""
-        if native.AVAILABLE and items.flags.c_contiguous:
-            return native.accept_get_reply(items, len(blocks), *shard_at, self._accept_at)
+        """:meth:`accept` of a landed GET reply from its own items (see :meth:`land_reply`;
+        ``landed``: its native landing, whose buffer takes the verdicts)."""
+        if landed is not None:
+            native.accept_get_reply(
+                native.addresses_of(items), len(blocks), *shard_at, self._accept_at,
+                landed.accepted_at,
+            )  # fmt: skip
+            return landed.accepted
         return self.accept(blocks, indices, items["status"], items["length"].astype(np.int64))
 
     def _accept_numpy(

@@ -95,6 +95,9 @@ class GetExchange(PumpedExchange):
             else (0, 0)
         )
         self._writes: npt.NDArray[np.int64] | None = None
+        self._writes_at = 0
+        #: The reply's native landing, where it had one (its buffer takes the verdicts).
+        self.native_landing: native.GetLanding | None = None
         #: The reply's data went into the assembly (only then may its shards be accepted).
         self.landed_in_assembly = False
 
@@ -104,6 +107,10 @@ class GetExchange(PumpedExchange):
         claim = self.assembly.land_reply(*self.shards, self.shards_at, items)
         if claim is None:
             return None
+        if isinstance(claim, native.GetLanding):
+            self.native_landing = claim
+            self._writes, self._writes_at = claim.writes, claim.writes_at
+            return claim.segments
         views, self._writes = claim
         return views
 
@@ -115,7 +122,7 @@ class GetExchange(PumpedExchange):
                 reply = None
             else:
                 self.landed_in_assembly = True
-            self.assembly.landed(writes)
+            self.assembly.landed(writes, self._writes_at)
         super().finish(reply, error)
 
 

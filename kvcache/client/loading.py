@@ -250,7 +250,9 @@ def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
             send.blocks, send.indices, statuses, items["length"].astype(np.int64)
         )
     blocks, indices = exchange.shards
-    return assembly.accept_reply(blocks, indices, exchange.shards_at, items)
+    return assembly.accept_reply(
+        blocks, indices, exchange.shards_at, items, exchange.native_landing
+    )
 
 
 class _Background(Exchange):

@@ -29,7 +29,7 @@ import errno
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -398,34 +398,45 @@ _SIZE_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_size_t)) - 1
 
 
 def accept_get_reply(
-    items: npt.NDArray[np.void],
+    items_at: int,
     count: int,
     blocks_at: int,
     indices_at: int,
     tables_at: tuple[int, ...],
-) -> npt.NDArray[np.bool_]:
-    """:func:`accept_items` over a GET reply's own items (C-contiguous 8-byte records,
-    ``count`` of them, one per shard asked), ``blocks_at`` / ``indices_at`` the addresses
-    of the asked shards' C-contiguous int64 block and index arrays."""
+    accepted_at: int,
+) -> None:
+    """:func:`accept_items` over a GET reply's own items (C-contiguous 8-byte records at
+    ``items_at``, ``count`` of them, one per shard asked), ``blocks_at`` / ``indices_at``
+    the addresses of the asked shards' C-contiguous int64 block and index arrays; the
+    verdicts go to the ``count`` bytes at ``accepted_at`` (a :class:`GetLanding`'s)."""
     assert _LIB is not None
-    accepted = np.empty(count, bool)
     if count:
-        _LIB.kv_accept_get_reply(
-            _at(items), count, blocks_at, indices_at, *tables_at, _address_of_writable(accepted)
-        )
-    return accepted
+        _LIB.kv_accept_get_reply(items_at, count, blocks_at, indices_at, *tables_at, accepted_at)
 
 
-def add_at(table_at: int, idx: npt.NDArray[np.int64], delta: int) -> None:
-    """``table[idx[j]] += delta`` for every j, into the int64 table at ``table_at``
-    (``np.add.at`` without its per-call cost); ``idx`` C-contiguous int64."""
+def add_at(table_at: int, idx_at: int, count: int, delta: int) -> None:
+    """``table[idx[j]] += delta`` for the ``count`` C-contiguous int64 indices at
+    ``idx_at``, into the int64 table at ``table_at`` (``np.add.at`` without its per-call
+    cost)."""
     assert _LIB is not None
-    if len(idx):
-        _LIB.kv_add_at(table_at, _at(idx), len(idx), delta)
+    if count:
+        _LIB.kv_add_at(table_at, idx_at, count, delta)
+
+
+class GetLanding(NamedTuple):
+    """A GET reply landed by :func:`land_get_reply`: its segments, the blocks it writes (and
+    their address), and where its verdicts go (:func:`accept_get_reply`), all in one buffer
+    whose address was taken once."""
+
+    segments: Segments
+    writes: npt.NDArray[np.int64]
+    writes_at: int
+    accepted: npt.NDArray[np.bool_]
+    accepted_at: int
 
 
 def land_get_reply(
-    items: npt.NDArray[np.void],
+    items_at: int,
     count: int,
     blocks_at: int,
     indices_at: int,
@@ -433,23 +444,24 @@ def land_get_reply(
     writing_at: int,
     geometry_at: int,
     keepalive: Any,
-) -> tuple[Segments, npt.NDArray[np.int64]] | None:
+) -> GetLanding | None:
     """Where a GET reply's data section lands and the blocks it writes (each counted in
-    the int64 ``writing`` table), from the reply's own items (``kv_land_get_reply``);
-    None, with nothing counted, when a record must go to scratch (the general path)."""
+    the int64 ``writing`` table), from the reply's own items at ``items_at``
+    (``kv_land_get_reply``); None, with nothing counted, when a record must go to scratch
+    (the general path)."""
     assert _LIB is not None
     cap = 3 * count
-    # One buffer, one address: the segment table (2 cap + 3), then the blocks written and
-    # the (writes, bytes) counts.
-    buf = np.empty(2 * cap + 3 + count + 2, np.uint64)
+    # One buffer, one address: the segment table (2 cap + 3 words), the blocks written
+    # (count), the (writes, bytes) counts (2), then a byte per item for the verdicts.
+    words = 2 * cap + 3 + count + 2
+    buf = np.empty(words + (count + 7) // 8, np.uint64)
     table = buf[: 2 * cap + 3]
     table[2 * cap :] = 0
-    writes = buf[2 * cap + 3 :].view(np.int64)
     at = _address_of_writable(buf)
     writes_at = at + 8 * (2 * cap + 3)
     used = int(
         _LIB.kv_land_get_reply(
-            _at(items),
+            items_at,
             count,
             blocks_at,
             indices_at,
@@ -464,8 +476,12 @@ def land_get_reply(
     )
     if used == _SIZE_MAX:
         return None
-    w, nbytes = int(writes[count]), int(writes[count + 1])
-    return Segments(table, cap, used, keepalive, at=at, nbytes=nbytes), writes[:w]
+    counts = buf[2 * cap + 3 + count : words]
+    w, nbytes = int(counts[0]), int(counts[1])
+    writes = buf[2 * cap + 3 : 2 * cap + 3 + w].view(np.int64)
+    accepted = buf[words:].view(np.bool_)[:count]
+    segments = Segments(table, cap, used, keepalive, at=at, nbytes=nbytes)
+    return GetLanding(segments, writes, writes_at, accepted, at + 8 * words)
 
 
 def landing_segments(
