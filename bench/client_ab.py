@@ -17,7 +17,7 @@ Figures: ``new_vs_base_*`` is the median over chunk pairs of new ÷ base (GB/s, 
 CPU-s/GB, daemon CPU-s/GB), with quartiles; absolute figures are totals over the chunks.
 
 Usage: python bench/client_ab.py --baseline TREE [--quick] [--json PATH] [--chunks N]
-[--seconds S]
+[--seconds S] [--warm-host-gb G]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import IO, Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit, machine, parser, print_table, write_json
+from _common import commit, machine, parser, print_table, warm_host, write_json
 
 #: Bytes of one block: DeepSeek V4.1 Flash's prefix-cacheable group, 128 tokens.
 PAYLOAD = 114_688
@@ -183,10 +183,15 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.0, help="seconds of one chunk")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--warm-host-gb", type=float, default=0.0,
+        help="touch this much host memory first (a fresh VM's first touch of a page is slow)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.worker:
         worker(args.root)
         return
+    print(warm_host(args.warm_host_gb), flush=True)
     if args.baseline is None or not (args.baseline / "kvcache" / "__init__.py").exists():
         p.error("--baseline TREE must name a tree with a kvcache/ package")
     chunks = args.chunks or (6 if args.quick else 12)

@@ -38,6 +38,7 @@ which times the loops and prints its figures as JSON. A peer that cannot be inst
 started is reported in its table row; the others still run. Kept out of CI.
 
 Usage: bash bench/peers_env.sh && .venv/bin/python bench/peers.py [--quick] [--json PATH]
+[--warm-host-gb G]
 (on the H200 host, with the peers' wheels carried: scripts/peers-gpu.sh, one peer a call)
 """
 
@@ -537,7 +538,7 @@ def run_all(chosen: list[str], n: int, rounds: int, tmp: Path) -> dict[str, dict
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import commit, machine, parser, print_table, write_json
+    from _common import commit, machine, parser, print_table, warm_host, write_json
 
     p = parser(__doc__ or "")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -546,7 +547,12 @@ def main() -> None:
         "--only", action="append", choices=list(SYSTEMS), help="run only these systems (repeatable)"
     )
     p.add_argument("--keep", action="store_true", help="keep the temp dir (servers' logs)")
+    p.add_argument(
+        "--warm-host-gb", type=float, default=0.0,
+        help="touch this much host memory first (a fresh VM's first touch of a page is slow)",
+    )  # fmt: skip
     args = p.parse_args()
+    print(warm_host(args.warm_host_gb), flush=True)
     n = 256 if args.quick else 1024
     rounds = 3 if args.quick else 5
     tmp = Path(tempfile.mkdtemp(prefix="kvcache-peers-"))
