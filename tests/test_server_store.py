@@ -267,7 +267,9 @@ def test_sweep_is_bounded(store: ShardStore, clock: FakeClock) -> None:
 def test_eviction_takes_the_earliest_expiry_first(tmp_path: Path, clock: FakeClock) -> None:
     body = 64 << 10  # 14 shards of 64 KiB stay under the high watermark of 0.9 MiB
     mib = 1 << 20
-    with open_store(tmp_path / "db", clock, capacity_bytes=mib, low_watermark=0.5) as store:
+    with open_store(
+        tmp_path / "db", clock, capacity_bytes=mib, low_watermark=0.5, sweep_batch=2
+    ) as store:
         # key n is written at hour n: agent blocks expire first, then by age.
         for n in range(14):
             cls = "agent" if n % 3 == 0 else "chat"
@@ -281,6 +283,12 @@ def test_eviction_takes_the_earliest_expiry_first(tmp_path: Path, clock: FakeClo
         order = sorted(range(14), key=lambda n: (0 if n % 3 == 0 else 1, n))  # expiry order
         evicted = {n for n in range(14) if not held(store, key(n))}
         assert evicted == {order[0]}
+        # ... the loop then drains one bounded batch (sweep_batch, 2) before it answers
+        # any other request, once (a second call finds no new crossing)...
+        assert store.drain_after_crossing() == 2
+        assert store.drain_after_crossing() == 0
+        evicted = {n for n in range(14) if not held(store, key(n))}
+        assert evicted == set(order[:3])
         assert store.usage()["used_bytes"] <= 0.9 * mib
         # ... and background work, in bounded steps, takes usage down to the low watermark.
         steps = 0
@@ -288,10 +296,34 @@ def test_eviction_takes_the_earliest_expiry_first(tmp_path: Path, clock: FakeClo
             steps += 1
             assert steps < 100
         evicted = {n for n in range(14) if not held(store, key(n))}
-        assert store.counters["evicted_shards"] == len(evicted) > 1
+        assert store.counters["evicted_shards"] == len(evicted) > 3
         assert store.usage()["used_bytes"] <= 0.5 * mib
         assert evicted == set(order[: len(evicted)])
         assert held(store, key(99)) == {0}
+        assert store.recount() == store.usage()
+
+
+def test_a_short_drain_is_one_batch_after_the_write_that_started_it(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A drain to the low watermark of at most ``sweep_batch`` shards is over after the
+    one batch the loop runs once the crossing PUT is answered: the next request finds what
+    the retention simulator says it finds, however soon it comes (issue 20)."""
+    body = 64 << 10
+    mib = 1 << 20
+    with open_store(tmp_path / "db", clock, capacity_bytes=mib, low_watermark=0.5) as store:
+        for n in range(14):
+            assert put(store, block_records(key(n), body_len=body, indices=[0])) == [Status.OK]
+            clock.step(HOUR)
+        assert store.drain_after_crossing() == 0  # nothing crossed yet
+        assert put(store, block_records(key(99), body_len=body, indices=[0])) == [Status.OK]
+        assert store.drain_after_crossing() > 0
+        assert store.usage()["used_bytes"] <= 0.5 * mib
+        # The fresh shard stays (the oldest went first), and nothing is left to drain.
+        assert held(store, key(99)) == {0}
+        evicted = {n for n in range(14) if not held(store, key(n))}
+        assert evicted == set(range(len(evicted))) and len(evicted) >= 7
+        assert not store.maintain()
         assert store.recount() == store.usage()
 
 

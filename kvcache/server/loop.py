@@ -396,16 +396,32 @@ class DataServer:
                 size += request.size
             if group:
                 answers += self._store_group(group)
+            if puts:
+                # The PUTs' replies go out first; then, if one crossed the high watermark,
+                # a batch of the drain runs before any other request is answered.
+                self._answer(answers)
+                answers = []
+                self._drain_after_writes()
             for conn, request in batch:
                 if request.message.header.op is not Op.PUT:
                     answers.append((conn, self.handler.handle(request)))
-            for conn, reply in answers:
-                if conn.sock.fileno() < 0:
-                    reply.done()
-                    continue
-                self._send(conn, reply)
+            self._answer(answers)
         if self._paused:
             self._resume_paused()
+
+    def _answer(self, answers: list[tuple[_Conn, Reply]]) -> None:
+        for conn, reply in answers:
+            if conn.sock.fileno() < 0:
+                reply.done()
+                continue
+            self._send(conn, reply)
+
+    def _drain_after_writes(self) -> None:
+        try:
+            self.handler.store.drain_after_crossing()
+        except (StorageError, OSError) as exc:  # the writes are in; maintain() tries again
+            log.error("eviction after a write failed: %s", exc)
+            self.metrics.error("gc")
 
     def _resume_paused(self) -> None:
         """Read again the paused connections whose tenant may now start a request."""

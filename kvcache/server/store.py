@@ -261,6 +261,8 @@ class ShardStore:
         # Set when usage reached the high watermark; background eviction then runs until
         # usage is down to the low one.
         self._draining = False
+        # Set by the write that reached it: one batch is drained before the next request.
+        self._crossed = False
         self._clock = clock
         #: When pending hits are due (``touch_flush_s``): a clock of its own, injected too,
         #: so a test steps the flusher without sleeping.
@@ -693,9 +695,9 @@ class ShardStore:
     def _make_room(self, incoming: int, *, writer: TenantId | None) -> None:
         """Evict just enough for ``incoming`` bytes to fit under the high watermark.
 
-        The rest of the way down to the low watermark is background work
-        (:meth:`maintain`, bounded batches between requests), so no request
-        waits for a large eviction.
+        The rest of the way down to the low watermark is background work: one bounded
+        batch once the turn's PUTs are answered (:meth:`drain_after_crossing`), then
+        :meth:`maintain`, between requests, so no request waits for a large eviction.
         """
         if self.book.used + incoming <= self._high:
             return
@@ -703,7 +705,7 @@ class ShardStore:
             raise CapacityError(
                 f"batch of {incoming} bytes exceeds the node capacity of {self.capacity_bytes}"
             )
-        self._draining = True
+        self._draining = self._crossed = True
         self.evict(max(0, self._high - incoming), writer=writer)
         if self.book.used + incoming > self.capacity_bytes:
             raise CapacityError(
@@ -1100,6 +1102,26 @@ class ShardStore:
     # ------------------------------------------------------------------ retention work
 
     @_watch_damage
+    def drain_after_crossing(self) -> int:
+        """After a write that reached the high watermark: one bounded batch (at most
+        ``sweep_batch`` shards) of the drain to the low watermark; shards evicted (0 when
+        no write crossed since the last call).
+
+        The daemon's loop calls it once a turn's PUTs are answered and before any other
+        request is: the drain used to wait for the loop's next maintenance, and requests
+        answered first found shards the drain was about to take (and slid some, changing
+        what it took), so what a replay hit depended on timing. A drain of one batch, a
+        small node's whole drain, now ends where the retention simulator and the capacity
+        planner put it: after the write, before the next request (issue 20). A longer one
+        goes on in :meth:`maintain`."""
+        if not self._crossed:
+            return 0
+        self._crossed = False
+        before = self.counters["evicted_shards"]
+        self.evict(self._low, limit=self._sweep_batch)
+        self._draining = self.book.used > self._low
+        return self.counters["evicted_shards"] - before
+
     def maintain(self) -> bool:
         """Do what is due: write hits, sweep one bounded batch, evict.
 
