@@ -163,6 +163,7 @@ def build_app(
         if isinstance(offset, bool) or not isinstance(offset, int | float):
             return _json({"error": 'body must be {"offset_s": seconds}'}, status=400)
         clock.offset_s = float(offset)
+        service.wake()  # expiries the jump made due are swept now, not at the next idle poll
         service.wake()
         log.warning("clock offset set to %.3f s (test override)", clock.offset_s)
         return _json({"offset_s": clock.offset_s, "now": clock()})

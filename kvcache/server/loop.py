@@ -174,8 +174,12 @@ class DataServer:
         more_work = True
         last_maintain = 0.0
         try:
+            store = self.handler.store
             while not stop.is_set():
-                timeout = 0.0 if (more_work or self._ready) else _IDLE_POLL_S
+                if more_work or self._ready:
+                    timeout = 0.0
+                else:  # idle: wake for the next expiry due, if it comes before the poll
+                    timeout = min(_IDLE_POLL_S, max(0.0, store.seconds_to_sweep()))
                 for key, mask in self._selector.select(timeout):
                     if key.fileobj is self._listener:
                         self._accept()
@@ -187,7 +191,11 @@ class DataServer:
                 self._run_calls()
                 now = time.monotonic()
                 self._expire(now)
-                if more_work or now - last_maintain >= _MAINTAIN_EVERY_S:
+                if (
+                    more_work
+                    or now - last_maintain >= _MAINTAIN_EVERY_S
+                    or store.seconds_to_sweep() <= 0
+                ):
                     last_maintain = now
                     more_work = self._maintain()
         finally:

@@ -1102,6 +1102,11 @@ class ShardStore:
     # ------------------------------------------------------------------ retention work
 
     @_watch_damage
+    def seconds_to_sweep(self) -> float:
+        """Seconds until the earliest expiry is due to be swept (0 or less: due now), so
+        the loop's idle wait ends when it is due rather than at its next poll."""
+        return (self._next_sweep_ms - self.now_ms()) / 1000
+
     def drain_after_crossing(self) -> int:
         """After a write that reached the high watermark: one bounded batch (at most
         ``sweep_batch`` shards) of the drain to the low watermark; shards evicted (0 when
@@ -1136,7 +1141,13 @@ class ShardStore:
         ):
             self.flush_touches()
         if self.now_ms() >= self._next_sweep_ms:
-            more |= self.sweep(limit=self._sweep_batch) >= self._sweep_batch
+            try:
+                more |= self.sweep(limit=self._sweep_batch) >= self._sweep_batch
+            except BaseException:
+                # Tried again in a second, not on every turn of a loop that wakes when a
+                # sweep is due (seconds_to_sweep).
+                self._next_sweep_ms = self.now_ms() + 1000
+                raise
         if self.book.used > self._high:
             self._draining = True
         if self._draining:
