@@ -92,6 +92,11 @@ _HEADER = struct.Struct("<2sBBHHQIIQ16s")
 HEADER_BYTES = _HEADER.size  # 48
 #: The header's traffic-class field when the message names no class.
 _NO_CLASS = bytes(1 + MAX_CLASS_NAME)
+#: Class fields already found valid, with the names they carry: a daemon sees the same few
+#: on every request, and a field is checked (decode, pattern) once. Bounded: a peer that
+#: sends many names fills it once and is checked in full ever after.
+_VALID_CLASS_FIELDS: dict[bytes, str] = {}
+_MAX_VALID_CLASS_FIELDS = 256
 
 
 def _class_field(name: str) -> bytes:
@@ -405,13 +410,19 @@ class Header:
             raise ProtocolError(f"a pin is only for PUT and TOUCH requests, not op {op}")
         name = ""
         if cls_field != _NO_CLASS:
-            name_len = cls_field[0]
-            if name_len > MAX_CLASS_NAME or cls_field[1 + name_len :].strip(b"\x00"):
-                raise ProtocolError("malformed traffic class field")
-            try:
-                name = check_class_name(cls_field[1 : 1 + name_len].decode("ascii"))
-            except (UnicodeDecodeError, ShardFormatError) as exc:
-                raise ProtocolError(f"bad traffic class in header: {exc}") from None
+            cached = _VALID_CLASS_FIELDS.get(cls_field)
+            if cached is not None:
+                name = cached
+            else:
+                name_len = cls_field[0]
+                if name_len > MAX_CLASS_NAME or cls_field[1 + name_len :].strip(b"\x00"):
+                    raise ProtocolError("malformed traffic class field")
+                try:
+                    name = check_class_name(cls_field[1 : 1 + name_len].decode("ascii"))
+                except (UnicodeDecodeError, ShardFormatError) as exc:
+                    raise ProtocolError(f"bad traffic class in header: {exc}") from None
+                if len(_VALID_CLASS_FIELDS) < _MAX_VALID_CLASS_FIELDS:
+                    _VALID_CLASS_FIELDS[cls_field] = name
         header = cls(
             op=op_value,
             request_id=request_id,

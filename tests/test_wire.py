@@ -367,3 +367,36 @@ def test_misplaced_retention_hints_are_protocol_errors(
     raw[20:24] = ttl.to_bytes(4, "little")
     with pytest.raises(ProtocolError, match=needle):
         Header.unpack(bytes(raw))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=0, max_size=20),
+    damage=st.one_of(st.none(), st.tuples(st.integers(0, 15), st.integers(1, 255))),
+)
+def test_a_class_field_unpacks_the_same_the_first_time_and_after(
+    name: str, damage: tuple[int, int] | None
+) -> None:
+    """Headers remember the class fields they found valid; a field unpacks to the same
+    name, or fails the same way, however often it is seen."""
+    raw = bytearray(join(encode(Header(op=Op.HAS, request_id=1, count=0)))[:HEADER_BYTES])
+    field_at = HEADER_BYTES - 16
+    field = bytearray(16)
+    encoded = name.encode("ascii")
+    field[0] = min(len(encoded), 255)
+    field[1 : 1 + min(len(encoded), 15)] = encoded[:15]
+    if damage is not None:
+        field[damage[0]] ^= damage[1]
+    raw[field_at:] = field
+
+    def outcome() -> str:
+        try:
+            return "ok:" + Header.unpack(bytes(raw)).traffic_class
+        except ProtocolError as exc:
+            return "refused:" + str(exc)
+
+    first = outcome()
+    assert outcome() == first == outcome()
+    if first.startswith("ok:"):  # what was taken is a valid name, never a damaged one
+        got = first[3:]
+        assert got == "" or (len(got) <= 15 and got == got.strip() and got[0].isalnum())
