@@ -569,6 +569,26 @@ class MessageReader:
         """No partial message is buffered."""
         return self._header is None and self._start == self._end
 
+    def release(self) -> bytes | None:
+        """Hand the stream over (to a daemon's native data plane): the bytes received past
+        the last whole message, the reader then empty; None, reader untouched, while a
+        message is partly parsed (its header is in)."""
+        if self._header is not None or self._data is not None:
+            return None
+        rest = bytes(self._buf[self._start : self._end])
+        self._start = self._end = 0
+        return rest
+
+    def prime(self, data: bytes | bytearray | memoryview) -> None:
+        """Take over a stream whose first bytes another reader received: ``data`` as if
+        received here. Only when nothing is buffered (raises ValueError otherwise)."""
+        if not self.idle:
+            raise ValueError("prime() of a reader that holds bytes")
+        if len(data) > len(self._buf):
+            self._buf = bytearray(len(data))
+        self._buf[: len(data)] = data
+        self._start, self._end = 0, len(data)
+
     def recv_buffer(self) -> memoryview:
         """Where the next received bytes go (never empty)."""
         if self._data is not None:

@@ -9,4 +9,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$site:$(pwd)"
 export LD_LIBRARY_PATH="$(pwd)/.whl/lib:${LD_LIBRARY_PATH:-}"
 export KVCACHE_NATIVE=require KVCACHE_NATIVE_LIBRARY="$(pwd)/.whl/lib/libkvfast.so"
+# The daemons' native data plane, and the LMDB it links (beside it: rpath $ORIGIN).
+export KVCACHE_SERVE_LIBRARY="$(pwd)/.whl/lib/libkvserve.so"
 export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Build kvcache's native helpers (kvcache/native/libkvfast.so) from kvcache/native/*.c.
-# Needs gcc and xxHash's header (Debian: libxxhash-dev; XXHASH_INCLUDE points elsewhere).
-# The library is self-contained (xxHash is compiled in) and needs only libc at run time,
-# so one built here also runs on another x86_64 Linux host with the same or a newer glibc.
+# Build kvcache's native code from kvcache/native/*.c:
+#   libkvfast.so   the data path's per-batch helpers (client and daemon). Needs gcc and
+#                  xxHash's header (Debian: libxxhash-dev; XXHASH_INCLUDE points elsewhere).
+#                  Self-contained (xxHash is compiled in): it needs only libc at run time,
+#                  so one built here also runs on another x86_64 Linux host with the same or
+#                  a newer glibc.
+#   libkvserve.so  the daemon's native data plane (kvcache/server/native_plane.py). Links
+#                  LMDB (Debian: liblmdb-dev); it finds liblmdb.so.0 beside itself first
+#                  (rpath $ORIGIN), so a host without LMDB gets the one copied there here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=kvcache/native
@@ -22,3 +27,13 @@ trap 'rm -rf "$tmp"' EXIT
 "$cc" -shared -o "$out.tmp" "$tmp"/*.o
 mv "$out.tmp" "$out"
 echo "built $out"
+
+serve=$dir/libkvserve.so
+"$cc" "${flags[@]}" -shared -o "$serve.tmp" "$dir/kvserve.c" -llmdb -Wl,-rpath,'$ORIGIN'
+mv "$serve.tmp" "$serve"
+# The LMDB it links, beside it, for hosts that have none (the GPU host gets this directory).
+lmdb=$(ldd "$serve" | awk '/liblmdb\.so/ {print $3}')
+if [ -n "$lmdb" ] && [ "$(dirname "$(readlink -f "$lmdb")")" != "$(readlink -f "$dir")" ]; then
+  cp -L "$lmdb" "$dir/"
+fi
+echo "built $serve"

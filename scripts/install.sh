@@ -9,8 +9,9 @@ need=()
 # systemd: systemd-analyze verifies deploy/kvcache-server.service (tests/test_deploy.py);
 # etcd-server: membership (`kvcache up --etcd`, tests/test_membership_*.py start their own etcd);
 # iproute2: the multi-host test's network namespaces (tests/test_multihost.py).
-# gcc + libxxhash-dev: kvcache/native's helpers (scripts/build-native.sh, below).
-for pkg in gcc libxxhash-dev libisal2 redis-server chromium chromium-driver systemd etcd-server iproute2; do
+# gcc + libxxhash-dev + liblmdb-dev: kvcache/native's helpers and the daemon's native data
+# plane (scripts/build-native.sh, below).
+for pkg in gcc libxxhash-dev liblmdb-dev libisal2 redis-server chromium chromium-driver systemd etcd-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)

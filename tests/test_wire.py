@@ -165,6 +165,53 @@ def test_reader_cuts_any_byte_stream_into_the_same_messages(
     assert reader.idle
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    cuts=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    handovers=st.lists(st.booleans(), min_size=1, max_size=40),
+)
+def test_a_stream_handed_between_readers_yields_the_same_messages(
+    sizes: list[int], cuts: list[int], handovers: list[bool]
+) -> None:
+    """A daemon hands a connection between its Python reader and its native data plane
+    (kvcache.server.native_plane): whatever a reader releases, primed into a fresh one,
+    continues the stream exactly; a reader in the middle of a message releases nothing."""
+    msgs = [_message(Op.PUT, False, n, seed) for seed, n in enumerate(sizes)]
+    stream = b"".join(raw for raw, _i, _d in msgs)
+    reader = MessageReader(limits=Limits(), chunk=64)
+    got = []
+    pos = 0
+    turn = 0
+    while pos < len(stream):
+        buf = reader.recv_buffer()
+        step = min(len(buf), cuts[turn % len(cuts)], len(stream) - pos)
+        buf[:step] = stream[pos : pos + step]
+        reader.commit(step)
+        pos += step
+        while (message := reader.next_message()) is not None:
+            got.append(message)
+        if handovers[turn % len(handovers)]:
+            rest = reader.release()
+            if rest is not None:
+                assert reader.idle
+                reader = MessageReader(limits=Limits(), chunk=64)
+                reader.prime(rest)
+                while (message := reader.next_message()) is not None:
+                    got.append(message)
+        turn += 1
+    assert [m.items.tobytes() for m in got] == [items.tobytes() for _r, items, _d in msgs]
+    assert [bytes(m.data) for m in got] == [data for _r, _i, data in msgs]
+    assert reader.idle
+
+
+def test_a_reader_that_holds_bytes_cannot_be_primed() -> None:
+    reader = MessageReader(limits=Limits())
+    reader.prime(b"KV")
+    with pytest.raises(ValueError, match="holds bytes"):
+        reader.prime(b"more")
+
+
 def test_reader_refuses_a_reply_where_a_request_belongs() -> None:
     raw, _items, _data = _message(Op.HAS, True, 1, 0)
     reader = MessageReader(limits=Limits(), replies=False)

@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -55,6 +56,10 @@ class OffsetClock:
 
     def __call__(self) -> float:
         return self._base() + self.offset_s
+
+    def realtime_offset_s(self) -> float | None:
+        """The offset from wall time, when the base is wall time (else None)."""
+        return self.offset_s if self._base is time.time else None
 
 
 def build_app(

@@ -85,6 +85,14 @@ def register(subparsers: Any) -> None:
         "e.g. 64KiB (the default; 0: never)",
     )
     parser.add_argument(
+        "--no-native-plane",
+        dest="native_plane",
+        action="store_const",
+        const=False,
+        help="answer every request in Python (default: quiet GETs and HAS in the native "
+        "data plane, where it is built)",
+    )
+    parser.add_argument(
         "--events-listen",
         help="publish the event stream for routers here, e.g. tcp://127.0.0.1:7490 "
         "(default: off; docs/spec/events.md)",
@@ -121,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "scrub_rate_bytes": args.scrub_rate_bytes,
         "scrub_interval_s": args.scrub_interval_s,
         "sendfile_min_bytes": args.sendfile_min_bytes,
+        "native_plane": args.native_plane,
         "events_listen": args.events_listen,
         "events_replay_listen": args.events_replay_listen,
     }

@@ -127,6 +127,9 @@ class ServerConfig:
     #: sent with ``sendfile`` from the segment file (no copy through the daemon); shorter
     #: runs, and every reply under TLS, are sent from the file's mapping. 0: never.
     sendfile_min_bytes: int = 64 << 10
+    #: Answer quiet GETs and HAS of plain-TCP connections in the native data plane
+    #: (kvcache.server.native_plane) when it is built; off: every request in Python.
+    native_plane: bool = True
     #: Most data-path connections at once; more are closed as they arrive.
     max_connections: int = 1024
     #: Seconds a new connection has to finish the session handshake.

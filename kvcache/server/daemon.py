@@ -183,6 +183,7 @@ def run_daemon(
             limits=config.limits,
             ssl_context=ssl_context,
             send_timeout_s=config.send_timeout_s,
+            native_plane=config.native_plane,
             admission=AdmissionLimits(
                 max_inflight_bytes=config.max_inflight_bytes,
                 tenant_inflight_bytes=config.tenant_inflight_bytes,

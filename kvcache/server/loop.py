@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -35,11 +36,24 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvcache import native
 from kvcache.credentials import Credentials
-from kvcache.errors import ProtocolError, StorageError
+from kvcache.errors import ConfigError, KVCacheError, ProtocolError, StorageError
 from kvcache.net_loop import SendQueue, WakePipe, accept_ready, bind_listener, watch
+from kvcache.server import native_plane
 from kvcache.server.admission import Admission, AdmissionLimits
 from kvcache.server.handler import Reply, Request, RequestHandler
+from kvcache.server.native_plane import (
+    CLOSE_REASONS,
+    EV_CLOSED,
+    EV_HANDOFF,
+    HANDOFF_REASONS,
+    NativeEvent,
+    NativePlane,
+    PlaneLimits,
+    PlaneSelector,
+    class_field,
+)
 from kvcache.session import AUTH_BYTES, ServerHandshake
 from kvcache.wire import Limits, MessageReader, Op, Status
 
@@ -71,6 +85,7 @@ class _Conn:
         "events",
         "handshake",
         "last_progress",
+        "native",
         "opened",
         "out",
         "peer",
@@ -110,6 +125,8 @@ class _Conn:
         #: When the request now arriving started, and how many bytes of it arrived.
         self.request_started = now
         self.request_bytes = 0
+        #: The native data plane owns the connection now (reads and answers it).
+        self.native = False
 
 
 class DataServer:
@@ -128,6 +145,7 @@ class DataServer:
         send_timeout_s: float = 30.0,
         max_inflight_bytes: int = 1 << 30,
         admission: AdmissionLimits | None = None,
+        native_plane: bool = True,
     ) -> None:
         self.handler = handler
         self.metrics = handler.metrics
@@ -146,7 +164,23 @@ class DataServer:
         self._paused: dict[int, _Conn] = {}
         self._authenticated = 0
         self._last_expire = 0.0
-        self._selector = selectors.DefaultSelector()
+        #: The native data plane (kvcache.server.native_plane) and what it was told: the
+        #: policy its class table is for, each class name given (or refused: False), and
+        #: the label of each counter slot.
+        self._plane: NativePlane | None = None
+        self._plane_selector: PlaneSelector | None = None
+        self._plane_policy: object = None
+        self._plane_classes: dict[str, bool] = {}
+        self._plane_slots: dict[tuple[str, str], int] = {}
+        self._plane_labels: list[str] = []
+        if native_plane and ssl_context is None:
+            self._plane = self._open_plane(limits_)
+        self._selector: selectors.BaseSelector
+        if self._plane is not None:
+            self._plane_selector = PlaneSelector(self._plane, self._plane_settings)
+            self._selector = self._plane_selector
+        else:
+            self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
         self._ready: list[tuple[_Conn, Request]] = []
@@ -187,6 +221,9 @@ class DataServer:
                         self._wake.drain()
                     else:
                         self._event(key.data, mask)
+                if self._plane_selector is not None:
+                    for event in self._plane_selector.native_events():
+                        self._native_event(event)
                 self._pump()
                 self._run_calls()
                 now = time.monotonic()
@@ -225,6 +262,122 @@ class DataServer:
             self._listener = None
         self._wake.close()
         self._selector.close()
+
+    # ------------------------------------------------------------------ native data plane
+
+    def _open_plane(self, limits: AdmissionLimits) -> NativePlane | None:
+        """The native data plane over this daemon's store, if it applies (see
+        :mod:`kvcache.server.native_plane`); None: every request is answered here."""
+        store = self.handler.store
+        if not native_plane.AVAILABLE or store.realtime_offset_s() is None:
+            return None
+        try:
+            plane = NativePlane(
+                lmdb_dir=store.path,
+                map_size=store.map_size,
+                segment_dir=store.segments.directory,
+                limits=PlaneLimits(
+                    max_items=self._limits.max_items,
+                    max_reply_bytes=self._limits.max_data_bytes,
+                    send_timeout_s=self._send_timeout,
+                    request_timeout_s=limits.request_timeout_s,
+                    request_grace_s=limits.request_grace_s,
+                    min_request_rate=limits.min_request_rate,
+                ),
+            )
+        except KVCacheError as exc:
+            if os.environ.get(native.ENV, "").strip().lower() == "require":
+                raise ConfigError(f"{native.ENV}=require: {exc}") from exc
+            log.warning("%s; every request is answered by the Python loop", exc)
+            return None
+        store.segments.still_sending = plane.forget_segment
+        self.metrics.attach_native(plane.stats, self._plane_label, HANDOFF_REASONS)
+        return plane
+
+    def _plane_label(self, slot: int) -> str:
+        labels = self._plane_labels
+        return labels[slot] if slot < len(labels) else "unlabelled"
+
+    def _plane_settings(self) -> tuple[float, bool, bool]:
+        """What the plane needs before each step: the clock's offset from wall time, whether
+        it may answer requests now (else it hands every one to this loop), and whether hits
+        wait to be written."""
+        store = self.handler.store
+        if store.policy is not self._plane_policy:
+            self._plane_policy = store.policy
+            self._plane_classes = {}
+            assert self._plane is not None
+            self._plane.clear_classes()
+            for name in ("", *sorted(store.policy.classes)):
+                self._plane_class(name)
+        offset = store.realtime_offset_s()
+        answer = (
+            offset is not None and store.damaged is None and not self.metrics.request_log.enabled()
+        )
+        return offset or 0.0, answer, store.touches_pending
+
+    def _plane_class(self, name: str) -> None:
+        """Let the plane answer GETs and HASes naming traffic class ``name`` ("": none)."""
+        if name in self._plane_classes or self._plane is None:
+            return
+        store = self.handler.store
+        label = store.policy.resolve(name) if name else "unlabelled"
+        slot = self._plane_slots.get((name, label))
+        if slot is None:
+            if len(self._plane_labels) >= native_plane.MAX_CLASSES:
+                self._plane_classes[name] = False
+                return
+            slot = self._plane_slots[(name, label)] = len(self._plane_labels)
+            self._plane_labels.append(label)
+        self._plane_classes[name] = self._plane.set_class(
+            class_field(name), store.quiet_delta_ms(name), slot
+        )
+
+    def _adopt(self, conn: _Conn) -> bool:
+        """Hand an idle, authenticated plain-TCP connection to the native plane."""
+        plane, selector = self._plane, self._plane_selector
+        if plane is None or selector is None or conn.state != _READY or conn.busy or conn.out:
+            return False
+        prefix = conn.reader.release()
+        if prefix is None:
+            return False  # a request is half parsed here: this loop finishes it
+        fd = conn.sock.fileno()
+        registered = selector.forget_key(fd)
+        if not plane.adopt(fd, conn.tenant.id, prefix):
+            conn.reader.prime(prefix)
+            if registered is not None:
+                selector.restore_key(registered)
+            return False
+        conn.events = 0
+        conn.native = True
+        return True
+
+    def _native_event(self, event: NativeEvent) -> None:
+        """A native connection's request is handed back, or the plane closed it."""
+        assert self._plane is not None
+        conn = self._conns.get(event.fd)
+        if event.kind == EV_HANDOFF:
+            data = self._plane.take(event.fd)
+            if conn is None:  # pragma: no cover - the plane only holds connections of ours
+                return
+            conn.native = False
+            conn.events = 0
+            now = time.monotonic()
+            conn.last_progress = conn.request_started = now
+            conn.request_bytes = len(data)
+            conn.reader.prime(data)
+            parsed = self._parse(conn)
+            self._recount(conn)
+            if not parsed:
+                self._watch(conn, selectors.EVENT_READ)
+        elif event.kind == EV_CLOSED and conn is not None:
+            why, kind = CLOSE_REASONS.get(event.aux, ("closed", None))
+            if kind is not None:
+                self.metrics.error(kind)
+                log.warning("closing %s (tenant %s): %s", conn.addr, conn.tenant.name, why)
+            conn.native = False
+            conn.events = 0
+            self._close(conn, why)
 
     # ------------------------------------------------------------------ connections
 
@@ -299,7 +452,7 @@ class DataServer:
 
     def _read(self, conn: _Conn) -> None:
         """Receive what is there; hand over at most one complete request."""
-        while conn.state in (_AUTH, _READY) and not conn.out and not conn.busy:
+        while conn.state in (_AUTH, _READY) and not conn.out and not conn.busy and not conn.native:
             if conn.state == _AUTH:
                 want = AUTH_BYTES - len(conn.auth_buf)
                 buf = memoryview(bytearray(want))
@@ -411,7 +564,10 @@ class DataServer:
                 answers = []
                 self._drain_after_writes()
             for conn, request in batch:
-                if request.message.header.op is not Op.PUT:
+                header = request.message.header
+                if header.op is not Op.PUT:
+                    if self._plane is not None and header.op in (Op.GET, Op.HAS):
+                        self._plane_class(header.traffic_class)
                     answers.append((conn, self.handler.handle(request)))
             self._answer(answers)
         if self._paused:
@@ -478,8 +634,11 @@ class DataServer:
         if conn.state == _CLOSING:
             self._close(conn, "refused")
             return
-        # Requests already buffered come first; then wait for more.
+        # Requests already buffered come first; then the native plane takes the connection,
+        # or this loop waits for more.
         if conn.state == _READY and self._parse(conn):
+            return
+        if self._plane is not None and self._adopt(conn):
             return
         self._watch(conn, selectors.EVENT_READ)
         if conn.state == _READY and isinstance(sock, ssl.SSLSocket) and sock.pending():
@@ -496,6 +655,9 @@ class DataServer:
         conn.out.clear()
         fd = conn.sock.fileno()
         if fd >= 0:
+            if self._plane is not None:
+                self._plane.forget(fd)
+                conn.native = False
             if conn.events:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(conn.sock)

@@ -13,7 +13,7 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,6 +87,15 @@ class Metrics:
         #: peer, or by the daemon after a protocol or auth error). Loop thread only.
         self.connections = 0
         self.disconnects = 0
+        #: The native data plane's cumulative counters (kvcache.server.native_plane), folded
+        #: into these on every read: see :meth:`attach_native`.
+        self._native: Callable[[], npt.NDArray[np.void]] | None = None
+        self._native_label: Callable[[int], str] = str
+        self._native_seen: npt.NDArray[np.void] | None = None
+        #: Requests the plane answered, by op, and the ones it handed to Python, by reason.
+        self._native_requests = {"get": 0, "has": 0}
+        self._native_handed: dict[str, int] = {}
+        self._handoff_reasons: tuple[str, ...] = ()
 
     def observe(
         self,
@@ -126,6 +135,63 @@ class Metrics:
                 bytes_out=bytes_out,
             )
 
+    def attach_native(
+        self,
+        read: Callable[[], npt.NDArray[np.void]],
+        label: Callable[[int], str],
+        handoff_reasons: Sequence[str],
+    ) -> None:
+        """Count what the native data plane answers: ``read`` gives its cumulative counters
+        (:data:`kvcache.server.native_plane.STATS_DTYPE`, any thread), ``label`` the class
+        label of a counter slot; folded in whenever these metrics are read."""
+        with self._lock:
+            self._native = read
+            self._native_label = label
+            self._handoff_reasons = tuple(handoff_reasons)
+            self._native_seen = None
+
+    def _fold_native(self) -> None:
+        """Add what the native plane counted since the last fold (holding the lock)."""
+        if self._native is None:
+            return
+        now = self._native()[0]
+        last = self._native_seen
+        self._native_seen = now
+        for op in ("get", "has"):
+            cur = now[op] if op == "get" else now[op][None]
+            prev = None if last is None else (last[op] if op == "get" else last[op][None])
+            names = cur.dtype.names or ()
+            diff = {name: cur[name] if prev is None else cur[name] - prev[name] for name in names}
+            for slot in np.flatnonzero(diff["requests"]).tolist():
+                self._add_native(op, slot, {name: d[slot] for name, d in diff.items()})
+        self._native_handed = {
+            reason: int(n)
+            for reason, n in zip(self._handoff_reasons, now["handed"].tolist(), strict=True)
+        }
+
+    def _add_native(self, op: str, slot: int, delta: Mapping[str, Any]) -> None:
+        n = int(delta["requests"])
+        self._requests[op] += n
+        self._native_requests[op] += n
+        self._bytes_in[op] += int(delta["bytes_in"])
+        self._bytes_out[op] += int(delta["bytes_out"])
+        hist = self._latency[op]
+        for b, count in enumerate(delta["buckets"].tolist()):
+            hist.buckets[b] += count
+        hist.count += n
+        hist.sum += float(delta["latency_sum"])
+        items = int(delta["items_ok"])
+        if items:
+            self._items[op][Status.OK] += items
+            key = (op, self._native_label(slot))
+            self._hits[key] = self._hits.get(key, 0) + items
+
+    def native(self) -> dict[str, Any]:
+        """Requests the native data plane answered (by op) and handed to Python (by why)."""
+        with self._lock:
+            self._fold_native()
+            return {"requests": dict(self._native_requests), "handed": dict(self._native_handed)}
+
     def error(self, kind: str, count: int = 1) -> None:
         """Count a failure of ``kind`` (bad_request, unauthorized, too_large, internal, ...)."""
         with self._lock:
@@ -155,7 +221,12 @@ class Metrics:
     def snapshot(self) -> dict[str, Any]:
         """Plain counters for ``/stats`` and the STATS op."""
         with self._lock:
+            self._fold_native()
             return {
+                "native": {
+                    "requests": dict(self._native_requests),
+                    "handed": dict(self._native_handed),
+                },
                 "uptime_s": round(time.time() - self.started, 3),
                 "requests": dict(self._requests),
                 "bytes_in": dict(self._bytes_in),
@@ -187,6 +258,7 @@ class Metrics:
     def render(self, extra_errors: Mapping[str, int] | None = None) -> list[str]:
         """Prometheus lines for the request metrics (``extra_errors``: counted elsewhere)."""
         with self._lock:
+            self._fold_native()
             errors = dict(self._errors)
             for kind, n in (extra_errors or {}).items():
                 errors[kind] = errors.get(kind, 0) + n
@@ -242,6 +314,19 @@ class Metrics:
                     (f'kind="{kind}",class="{_esc(cls)}"', n)
                     for (kind, cls), n in sorted(self._misses.items())
                 ),
+            )
+            lines += _family(
+                "native_requests_total",
+                "counter",
+                "Requests the native data plane answered without Python, by op (also in "
+                "requests_total).",
+                ((f'op="{op}"', n) for op, n in self._native_requests.items()),
+            )
+            lines += _family(
+                "native_handoffs_total",
+                "counter",
+                "Requests the native data plane handed to the Python loop, by why.",
+                ((f'reason="{r}"', n) for r, n in sorted(self._native_handed.items())),
             )
             lines += _family(
                 "connections", "gauge", "Connected data-path peers.", [("", self.connections)]

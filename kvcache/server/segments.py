@@ -47,7 +47,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,6 +226,9 @@ class SegmentFiles:
         self.writing = threading.Lock()
         #: Files of dropped segments kept for reuse (see _roll), at most _SPARES.
         self._spares: list[Path] = []
+        #: Told of every dropped segment; True while a reader other than this object's maps
+        #: (the daemon's native data plane) still sends from it, so its file is not reused.
+        self.still_sending: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -422,11 +425,14 @@ class SegmentFiles:
 
     def drop(self, seg: int) -> None:
         """Forget and unlink segment ``seg`` (nothing in the index points into it)."""
+        held = self.still_sending is not None and self.still_sending(seg)
         with self._lock:
             found = self._open.pop(seg, None)
             if found is None and self.path_of(seg).exists():
                 found = _Segment(self.path_of(seg), create=False)
-            reusable = found is not None and len(self._spares) < _SPARES and found.unmapped()
+            reusable = (
+                found is not None and not held and len(self._spares) < _SPARES and found.unmapped()
+            )
             if found is not None:
                 found.close()
             self._dirty.discard(seg)

@@ -384,6 +384,37 @@ class ShardStore:
         """The injected clock, in milliseconds."""
         return int(self._clock() * 1000)
 
+    # ------------------------------------------------------------------ native reads
+
+    @property
+    def map_size(self) -> int:
+        """The LMDB map size (a second, read-only handle on the file must map as much)."""
+        return self._lmdb.map_size
+
+    def realtime_offset_s(self) -> float | None:
+        """Seconds the store's clock runs ahead of wall time (``time.time``), or None when
+        it is some other clock (a test's): the native data plane reads wall time itself and
+        answers only while this is known."""
+        clock = self._clock
+        if clock is time.time:
+            return 0.0
+        offset = getattr(clock, "realtime_offset_s", None)
+        return offset() if callable(offset) else None
+
+    @property
+    def touches_pending(self) -> bool:
+        """Whether hits wait to be written. Their slides only ever move an expiry later, so
+        a row live by its own expiry is live either way; a row past it may be alive by one
+        (what a read from the index rows alone must not decide)."""
+        return bool(self._pending)
+
+    def quiet_delta_ms(self, traffic_class: str) -> int:
+        """How far past now a shard's expiry must lie for a GET naming ``traffic_class``
+        (no TTL hint) to be a plain read, with no slide due: :meth:`get`'s quiet bound."""
+        hit = self._hit(traffic_class)
+        reach = hit.ttl_s if hit is not None else self.policy.max_ttl_s
+        return decide.quiet_above(self.policy, 0, self._resolution_ms, reach_s=reach)
+
     # ------------------------------------------------------------------ policy
 
     def set_policy(self, policy: RetentionPolicy) -> None:
