@@ -11,6 +11,7 @@ expiry, metrics, and the switch that turns the plane off.
 
 from __future__ import annotations
 
+import resource
 import socket
 import struct
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixtures import DaemonProcess, block_records, http, wait_until
 
+from kvcache.errors import NodeError
 from kvcache.server import native_plane
 from kvcache.server.probe import Probe, fake_shard
 from kvcache.shard import HEADER_BYTES, ShardHeader, new_stripe_id
@@ -498,3 +500,74 @@ def test_a_new_stripe_replaces_what_the_plane_serves(tmp_path: Path) -> None:
         assert (p.put(second, expect=[old] * 12) == Status.OK).all()
         assert p.get([(KEYS[10], 3)])[1] == [second[3][2]]
         assert p.get([(KEYS[10], 3)], stripe=[old])[0].tolist() == [Status.NOT_FOUND]
+
+
+def test_out_of_descriptors_the_daemon_goes_on_serving_and_recovers(tmp_path: Path) -> None:
+    """accept() failing with EMFILE leaves the listener ready; the engine must still serve
+    the connections it has, notice closed ones, and take new ones once descriptors free."""
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (80, 80))
+
+    with DaemonProcess(tmp_path, preexec=few_descriptors) as d:
+        with d.probe() as p:
+            assert (p.put(block_records(KEYS[11], body_len=BODY)) == Status.OK).all()
+        probes: list[Probe] = []
+        while True:  # open connections until the daemon runs out of descriptors
+            try:
+                q = d.probe(timeout_s=1.0)
+                assert q.get([(KEYS[11], 0)])[0].tolist() == [Status.OK]
+            except (NodeError, OSError, AssertionError):
+                break
+            probes.append(q)
+        assert len(probes) > 10
+        # Connections waiting in the backlog keep the listener ready while accept() fails
+        # (the admin port cannot accept either: the stats come at the end).
+        waiting = [socket.create_connection(_address(d.data)) for _ in range(3)]
+        for q in probes[:5]:  # the connections it has are still served
+            assert q.get([(KEYS[11], 1)])[0].tolist() == [Status.OK]
+        for q in probes[5:15]:
+            q.close()
+        for sock in waiting:
+            sock.close()
+
+        def new_connection_works() -> bool:
+            try:
+                with d.probe(timeout_s=2.0) as q:
+                    return q.get([(KEYS[11], 2)])[0].tolist() == [Status.OK]
+            except (NodeError, OSError):
+                return False
+
+        wait_until(new_connection_works, timeout_s=20, what="a new connection once some closed")
+        for q in probes[15:]:
+            q.close()
+        assert d.stats()["errors"]["accept"] >= 1
+
+
+def test_a_put_handed_over_waits_while_its_tenant_holds_its_share(tmp_path: Path) -> None:
+    """Admission holds for requests the engine hands over: a PUT whose tenant already holds
+    its in-flight share is not read on (inflight_paused), as on the Python path."""
+    mib = 1 << 20
+    server = {"max_inflight_bytes": mib, "tenant_inflight_bytes": mib}
+    with DaemonProcess(tmp_path, server=server) as d:
+        conns = [d.probe() for _ in range(3)]
+        for q in conns:  # each connection the plane's: a HAS answered natively
+            assert q.has([KEYS[0]]) == {KEYS[0]: {}}
+        items = make_items(Op.PUT, 1, reply=False)
+        items["length"] = 64 * mib
+        head = Header(op=Op.PUT, request_id=1, count=1, data_len=64 * mib).pack()
+        conns[0].send_raw(head + items.tobytes() + bytes(4 * mib))
+        wait_until(lambda: d.stats()["inflight_bytes"] >= 2 * mib, what="the first PUT's bytes")
+        for n, q in enumerate(conns[1:], 1):
+            q.send_raw(head + items.tobytes() + bytes(mib))
+            wait_until(lambda n=n: d.stats()["errors"].get("inflight_paused", 0) >= n,
+                       what=f"PUT {n + 1} paused")  # fmt: skip
+        assert d.stats()["native"]["handed"]["op"] >= 3
+        for q in conns:
+            q.close()
+        wait_until(lambda: d.stats()["inflight_bytes"] == 0, what="the bytes released")
+
+
+def _address(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)

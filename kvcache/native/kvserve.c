@@ -48,7 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define KVS_ABI 1
+#define KVS_ABI 2
 
 /* The wire (docs/spec/wire.md). */
 #define HDR 48
@@ -96,6 +96,12 @@ enum {
 enum { OWN_NONE = 0, OWN_NATIVE = 1, OWN_FOREIGN = 2, OWN_HANDED = 3 };
 /* kvs_step's flags. */
 enum { KVS_ANSWER = 1, KVS_PENDING = 2 };
+/* kvs_watch's events: EPOLLIN / EPOLLOUT, and this bit for the loop's wake pipe (see kvs_step). */
+#define KVS_PRIORITY 0x40000000u
+/* A connection's buffers are given back once a request is done if they grew past this. */
+#define KEEP_BUFFER (1u << 20)
+/* recv calls one readable connection gets per wake-up (then the others get their turn). */
+#define RECV_BUDGET 4
 
 typedef struct {
     uint64_t requests, items_ok, bytes_in, bytes_out;
@@ -133,6 +139,7 @@ typedef struct {
 
 typedef struct {
     int owner;
+    int priority;    /* the loop's wake pipe: handled before any native request */
     uint32_t events; /* registered with epoll (0: not registered) */
     uint8_t tenant[TENANT];
     uint8_t *in;
@@ -240,8 +247,8 @@ static int grow(void **buf, size_t *cap, size_t need, size_t unit) {
     return 0;
 }
 
+/* kvs_step reserves room for an event per descriptor first, so this never fails. */
 static void emit(kvs_engine *e, int fd, int kind, uint32_t aux) {
-    if (grow((void **)&e->ev, &e->ev_cap, e->nev + 1, sizeof(kvs_event)) < 0) return;
     e->ev[e->nev++] = (kvs_event){fd, kind, aux, 0};
 }
 
@@ -500,8 +507,11 @@ int kvs_watch(kvs_engine *e, int fd, uint32_t events) {
     kvs_conn *c = conn_at(e, fd);
     if (!c) return -ENOMEM;
     if (c->owner == OWN_NATIVE || c->owner == OWN_HANDED) return -EBUSY; /* take it first */
+    int priority = (events & KVS_PRIORITY) != 0;
+    events &= ~KVS_PRIORITY;
     if (set_events(e, fd, c, events) < 0) return -errno;
     c->owner = events ? OWN_FOREIGN : OWN_NONE;
+    c->priority = events ? priority : 0;
     if (c->in) { /* what a hand-off left: Python has taken it */
         free(c->in);
         c->in = NULL;
@@ -511,11 +521,28 @@ int kvs_watch(kvs_engine *e, int fd, uint32_t events) {
 }
 
 /* Python's loop hands an authenticated, idle plain-TCP connection to the engine; ``prefix``
- * holds bytes it already received past its last request. */
-int kvs_adopt(kvs_engine *e, int fd, const uint8_t *tenant, const uint8_t *prefix, size_t len) {
+ * holds bytes it already received past its last request (that request began arriving at
+ * ``started``, monotonic seconds, and ``received`` bytes of it came). On failure the
+ * connection stays Python's, as it was. */
+int kvs_adopt(kvs_engine *e, int fd, const uint8_t *tenant, const uint8_t *prefix, size_t len,
+              double started, uint64_t received) {
     kvs_conn *c = conn_at(e, fd);
     if (!c) return -ENOMEM;
-    if (c->owner == OWN_NATIVE) return -EBUSY;
+    if (c->owner == OWN_NATIVE || c->owner == OWN_HANDED) return -EBUSY;
+    if (grow((void **)&e->ready_fds, &e->ready_cap, e->nready + 1, sizeof(int)) < 0) return -ENOMEM;
+    uint8_t *in = NULL;
+    size_t cap = 0;
+    if (len) {
+        cap = len < 65536 ? 65536 : len;
+        in = malloc(cap);
+        if (!in) return -ENOMEM;
+        memcpy(in, prefix, len);
+    }
+    if (set_events(e, fd, c, EPOLLIN) < 0) {
+        int err = errno;
+        free(in);
+        return -err;
+    }
     uint32_t registered = c->events;
     conn_reset(c);
     c->events = registered;
@@ -524,26 +551,13 @@ int kvs_adopt(kvs_engine *e, int fd, const uint8_t *tenant, const uint8_t *prefi
     double now = mono_s();
     c->last_progress = now;
     if (len) {
-        c->cap = len < 65536 ? 65536 : len;
-        c->in = malloc(c->cap);
-        if (!c->in) {
-            conn_reset(c);
-            c->events = registered;
-            return -ENOMEM;
-        }
-        memcpy(c->in, prefix, len);
+        c->in = in;
+        c->cap = cap;
         c->end = len;
-        c->request_started = now;
-        c->request_bytes = len;
-        if (grow((void **)&e->ready_fds, &e->ready_cap, e->nready + 1, sizeof(int)) == 0) {
-            e->ready_fds[e->nready++] = fd;
-            c->ready = 1;
-        }
-    }
-    if (set_events(e, fd, c, EPOLLIN) < 0) {
-        int err = errno;
-        conn_reset(c);
-        return -err;
+        c->request_started = started > 0 ? started : now;
+        c->request_bytes = received > len ? received : len;
+        e->ready_fds[e->nready++] = fd;
+        c->ready = 1;
     }
     return 0;
 }
@@ -551,10 +565,15 @@ int kvs_adopt(kvs_engine *e, int fd, const uint8_t *tenant, const uint8_t *prefi
 /* After EV_HANDOFF: the connection's buffered bytes (they start with the request Python
  * must answer). *data stays valid until the next call on this engine; the connection is
  * Python's from now on (not watched until it says so). */
-size_t kvs_take(kvs_engine *e, int fd, const uint8_t **data) {
+size_t kvs_take(kvs_engine *e, int fd, const uint8_t **data, double *started,
+                uint64_t *received) {
     *data = NULL;
+    *started = 0;
+    *received = 0;
     if (fd < 0 || fd >= e->nconns || !e->conns[fd] || e->conns[fd]->owner != OWN_HANDED) return 0;
     kvs_conn *c = e->conns[fd];
+    *started = c->request_started;
+    *received = c->request_bytes;
     size_t n = c->end - c->start;
     /* The bytes are moved to the front of the buffer and the buffer kept (freed on the next
      * adopt or forget of this descriptor). */
@@ -829,6 +848,33 @@ static int send_reply(kvs_conn *c, int fd) {
 
 static int sending(const kvs_conn *c) { return c->out_len > 0 || c->nruns > 0; }
 
+/* A reply is out: give back buffers a large request grew past KEEP_BUFFER (a thousand idle
+ * connections must not each keep the largest reply they ever built). */
+static void trim(kvs_conn *c) {
+    if (c->out_cap > KEEP_BUFFER) {
+        free(c->out);
+        c->out = NULL;
+        c->out_cap = 0;
+    }
+    if (c->runs_cap * sizeof(kvs_run) > KEEP_BUFFER) {
+        free(c->runs);
+        c->runs = NULL;
+        c->runs_cap = 0;
+    }
+    if (c->cap > KEEP_BUFFER && c->end - c->start <= 65536) {
+        size_t n = c->end - c->start;
+        uint8_t *in = malloc(65536);
+        if (in) {
+            memcpy(in, c->in + c->start, n);
+            free(c->in);
+            c->in = in;
+            c->cap = 65536;
+            c->start = 0;
+            c->end = n;
+        }
+    }
+}
+
 /* Whether the request header at ``h`` is one this engine answers; sets *item (its items'
  * size) and *cls (GET: its class entry). Anything else is Python's to check and answer. */
 static int native_request(const kvs_engine *e, const uint8_t *h, size_t *item,
@@ -922,12 +968,15 @@ static int process(kvs_engine *e, int fd, kvs_conn *c) {
             }
             return 1;
         }
+        trim(c);
     }
     return 0;
 }
 
 static void on_readable(kvs_engine *e, int fd, kvs_conn *c) {
-    for (;;) {
+    /* At most RECV_BUDGET receives, then the other ready connections get theirs: epoll,
+     * level-triggered, reports this one again while it has bytes. */
+    for (int budget = RECV_BUDGET; budget > 0; budget--) {
         if (c->end == c->cap) {
             if (c->start) {
                 memmove(c->in, c->in + c->start, c->end - c->start);
@@ -970,6 +1019,7 @@ static void on_writable(kvs_engine *e, int fd, kvs_conn *c) {
         return;
     }
     if (sent == 1) return;
+    trim(c);
     if (set_events(e, fd, c, EPOLLIN) < 0) {
         closed(e, fd, c, WHY_SEND);
         return;
@@ -1008,6 +1058,13 @@ long kvs_step(kvs_engine *e, int timeout_ms, double offset_s, int flags) {
     e->offset_s = offset_s;
     e->native_ok = flags & KVS_ANSWER;
     e->pending = flags & KVS_PENDING;
+    /* Room for every event this step can emit: one per ready descriptor, a close per
+     * connection past a deadline, one per connection adopted with buffered requests. */
+    if (grow((void **)&e->ev, &e->ev_cap, (size_t)e->nconns + 2 * EPOLL_BATCH + e->nready,
+             sizeof(kvs_event)) < 0) {
+        snprintf(e->error, sizeof e->error, "out of memory for events");
+        return -1;
+    }
     double start = mono_s();
     double deadline = timeout_ms < 0 ? -1.0 : start + timeout_ms / 1000.0;
     /* Connections adopted with buffered requests first. */
@@ -1040,17 +1097,20 @@ long kvs_step(kvs_engine *e, int timeout_ms, double offset_s, int flags) {
             snprintf(e->error, sizeof e->error, "epoll_wait: %s", strerror(errno));
             return -1;
         }
-        /* The Python loop's descriptors first, alone: if any is ready, the native ones wait
-         * for the next step (epoll reports them again). What Python does with its own may
-         * change what native requests get (the wake pipe of a clock or policy change, a
-         * hand-off finished), so no request that came after is answered before it. */
+        /* The Python loop's descriptors are reported. If its wake pipe is among them (a
+         * clock or policy change, a call from another thread), the native ones of this
+         * batch wait for the next step (epoll reports them again), so no request that came
+         * after the change is answered before Python has applied it. */
+        int woken = 0;
         for (int i = 0; i < n; i++) {
             int fd = evs[i].data.fd;
             kvs_conn *c = fd < e->nconns ? e->conns[fd] : NULL;
-            if (c && c->owner == OWN_FOREIGN) emit(e, fd, EV_FOREIGN, evs[i].events);
+            if (c && c->owner == OWN_FOREIGN) {
+                emit(e, fd, EV_FOREIGN, evs[i].events);
+                woken |= c->priority;
+            }
         }
-        if (e->nev) return (long)e->nev;
-        for (int i = 0; i < n; i++) {
+        for (int i = 0; i < n && !woken; i++) {
             int fd = evs[i].data.fd;
             uint32_t mask = evs[i].events;
             kvs_conn *c = fd < e->nconns ? e->conns[fd] : NULL;
@@ -1068,7 +1128,6 @@ long kvs_step(kvs_engine *e, int timeout_ms, double offset_s, int flags) {
         }
         if (e->nev) return (long)e->nev;
         if (deadline >= 0 && now >= deadline) return 0;
-        if (n == 0 && deadline < 0) continue;
     }
 }
 

@@ -115,7 +115,9 @@ def run_daemon(
     once both ports are bound. ``credentials`` default to :func:`load_credentials`.
     """
     tune_malloc()
-    _raise_fd_limit(config.max_connections + config.max_preauth + 256)
+    # Connections, handshakes, and the segment files (open twice: by the store and by the
+    # native data plane), LMDB, sockets of the admin and events servers.
+    _raise_fd_limit(config.max_connections + config.max_preauth + 1024)
     policy = policy or RetentionPolicy()
     offset_clock = OffsetClock(clock or time.time) if config.allow_clock_override else None
     ssl_context = tls_context(config)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 import queue
@@ -70,6 +71,8 @@ _GROUP_BYTES = 64 << 20
 #: Retention work runs at least this often, even under a steady request load.
 _MAINTAIN_EVERY_S = 0.05
 _IDLE_POLL_S = 0.2
+#: How long the listener is left unwatched after ``accept`` ran out of file descriptors.
+_ACCEPT_BACKOFF_S = 0.1
 
 _HANDSHAKE, _AUTH, _READY, _CLOSING = range(4)
 
@@ -164,6 +167,8 @@ class DataServer:
         self._paused: dict[int, _Conn] = {}
         self._authenticated = 0
         self._last_expire = 0.0
+        #: When the listener, unwatched after accept ran out of descriptors, is watched again.
+        self._listener_paused_until = 0.0
         #: The native data plane (kvcache.server.native_plane) and what it was told: the
         #: policy its class table is for, each class name given (or refused: False), and
         #: the label of each counter slot.
@@ -171,7 +176,7 @@ class DataServer:
         self._plane_selector: PlaneSelector | None = None
         self._plane_policy: object = None
         self._plane_classes: dict[str, bool] = {}
-        self._plane_slots: dict[tuple[str, str], int] = {}
+        self._plane_slots: dict[str, int] = {}
         self._plane_labels: list[str] = []
         if native_plane and ssl_context is None:
             self._plane = self._open_plane(limits_)
@@ -197,6 +202,8 @@ class DataServer:
         sock, self.endpoint = bind_listener(self.listen, backlog=512, what="data endpoint")
         self._listener = sock
         self._selector.register(sock, selectors.EVENT_READ, None)
+        if self._plane_selector is not None:
+            self._plane_selector.prioritize(self._wake)
         self._selector.register(self._wake, selectors.EVENT_READ, None)
         return self.endpoint
 
@@ -227,6 +234,9 @@ class DataServer:
                 self._pump()
                 self._run_calls()
                 now = time.monotonic()
+                if self._listener_paused_until and now >= self._listener_paused_until:
+                    self._listener_paused_until = 0.0
+                    self._selector.register(self._listener, selectors.EVENT_READ, None)
                 self._expire(now)
                 if (
                     more_work
@@ -278,7 +288,7 @@ class DataServer:
                 segment_dir=store.segments.directory,
                 limits=PlaneLimits(
                     max_items=self._limits.max_items,
-                    max_reply_bytes=self._limits.max_data_bytes,
+                    max_reply_bytes=store.max_reply_bytes,
                     send_timeout_s=self._send_timeout,
                     request_timeout_s=limits.request_timeout_s,
                     request_grace_s=limits.request_grace_s,
@@ -308,6 +318,8 @@ class DataServer:
             self._plane_classes = {}
             assert self._plane is not None
             self._plane.clear_classes()
+            # The policy's classes and none: a name it does not know (counted as its default
+            # class) stays with this loop, so no client can fill the engine's table.
             for name in ("", *sorted(store.policy.classes)):
                 self._plane_class(name)
         offset = store.realtime_offset_s()
@@ -322,12 +334,12 @@ class DataServer:
             return
         store = self.handler.store
         label = store.policy.resolve(name) if name else "unlabelled"
-        slot = self._plane_slots.get((name, label))
+        slot = self._plane_slots.get(label)
         if slot is None:
             if len(self._plane_labels) >= native_plane.MAX_CLASSES:
                 self._plane_classes[name] = False
                 return
-            slot = self._plane_slots[(name, label)] = len(self._plane_labels)
+            slot = self._plane_slots[label] = len(self._plane_labels)
             self._plane_labels.append(label)
         self._plane_classes[name] = self._plane.set_class(
             class_field(name), store.quiet_delta_ms(name), slot
@@ -343,7 +355,14 @@ class DataServer:
             return False  # a request is half parsed here: this loop finishes it
         fd = conn.sock.fileno()
         registered = selector.forget_key(fd)
-        if not plane.adopt(fd, conn.tenant.id, prefix):
+        adopted = plane.adopt(
+            fd,
+            conn.tenant.id,
+            prefix,
+            started=conn.request_started if prefix else 0.0,
+            received=conn.request_bytes if prefix else 0,
+        )
+        if not adopted:
             conn.reader.prime(prefix)
             if registered is not None:
                 selector.restore_key(registered)
@@ -357,19 +376,23 @@ class DataServer:
         assert self._plane is not None
         conn = self._conns.get(event.fd)
         if event.kind == EV_HANDOFF:
-            data = self._plane.take(event.fd)
+            data, started, received = self._plane.take(event.fd)
             if conn is None:  # pragma: no cover - the plane only holds connections of ours
                 return
             conn.native = False
             conn.events = 0
             now = time.monotonic()
-            conn.last_progress = conn.request_started = now
-            conn.request_bytes = len(data)
+            conn.last_progress = now
+            conn.request_started = started or now
+            conn.request_bytes = max(received, len(data))
             conn.reader.prime(data)
-            parsed = self._parse(conn)
-            self._recount(conn)
-            if not parsed:
-                self._watch(conn, selectors.EVENT_READ)
+            if not self._admission.may_start(conn.tenant.id):
+                # The request starts here, as far as admission goes: its tenant holds its
+                # share of in-flight bytes, so it waits, unread, like one that arrives here.
+                self.metrics.error("inflight_paused")
+                self._paused[event.fd] = conn
+                return
+            self._continue(conn)
         elif event.kind == EV_CLOSED and conn is not None:
             why, kind = CLOSE_REASONS.get(event.aux, ("closed", None))
             if kind is not None:
@@ -389,6 +412,12 @@ class DataServer:
         except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
             log.warning("accept failed: %s", exc)
             self.metrics.error("accept")
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # Out of descriptors: the waiting connection stays, so the listener stays
+                # ready; stop watching it for a while instead of being woken for it on
+                # every turn (the connections we have are served meanwhile).
+                self._selector.unregister(self._listener)
+                self._listener_paused_until = time.monotonic() + _ACCEPT_BACKOFF_S
         for sock, addr in ready:
             self._open(sock, addr)
 
@@ -564,10 +593,7 @@ class DataServer:
                 answers = []
                 self._drain_after_writes()
             for conn, request in batch:
-                header = request.message.header
-                if header.op is not Op.PUT:
-                    if self._plane is not None and header.op in (Op.GET, Op.HAS):
-                        self._plane_class(header.traffic_class)
+                if request.message.header.op is not Op.PUT:
                     answers.append((conn, self.handler.handle(request)))
             self._answer(answers)
         if self._paused:
@@ -594,7 +620,15 @@ class DataServer:
                 del self._paused[fd]
             elif self._admission.may_start(conn.tenant.id):
                 del self._paused[fd]
-                self._watch(conn, selectors.EVENT_READ)
+                self._continue(conn)
+
+    def _continue(self, conn: _Conn) -> None:
+        """Go on with a connection's request: answer it if its bytes are all in (a native
+        hand-off may have brought them all), else wait for more."""
+        parsed = self._parse(conn)
+        self._recount(conn)
+        if not parsed:
+            self._watch(conn, selectors.EVENT_READ)
 
     def _recount(self, conn: _Conn) -> None:
         """Charge ``conn``'s tenant with what its half-received request now holds."""
@@ -602,6 +636,7 @@ class DataServer:
         if held != conn.counted:
             self._admission.moved(conn.tenant.id, held - conn.counted)
             conn.counted = held
+            self.metrics.inflight_bytes = self._admission.inflight
 
     def _store_group(self, group: list[tuple[_Conn, Request]]) -> list[tuple[_Conn, Reply]]:
         replies = self.handler.handle_puts([r for _, r in group])
@@ -670,6 +705,7 @@ class DataServer:
                 self._admission.tenant_disconnected(conn.tenant.id)
                 self._admission.moved(conn.tenant.id, -conn.counted)
                 conn.counted = 0
+                self.metrics.inflight_bytes = self._admission.inflight
             self.metrics.connections = max(0, self.metrics.connections - 1)
             self.metrics.disconnects += 1
             log.debug("connection %s closed: %s", conn.addr, why)

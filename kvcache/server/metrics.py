@@ -87,6 +87,8 @@ class Metrics:
         #: peer, or by the daemon after a protocol or auth error). Loop thread only.
         self.connections = 0
         self.disconnects = 0
+        #: Bytes of half-received requests held now (admission's in-flight count).
+        self.inflight_bytes = 0
         #: The native data plane's cumulative counters (kvcache.server.native_plane), folded
         #: into these on every read: see :meth:`attach_native`.
         self._native: Callable[[], npt.NDArray[np.void]] | None = None
@@ -252,6 +254,7 @@ class Metrics:
                     },
                 },
                 "connections": self.connections,
+                "inflight_bytes": self.inflight_bytes,
                 "disconnects": self.disconnects,
             }
 
@@ -330,6 +333,12 @@ class Metrics:
             )
             lines += _family(
                 "connections", "gauge", "Connected data-path peers.", [("", self.connections)]
+            )
+            lines += _family(
+                "inflight_bytes",
+                "gauge",
+                "Bytes of half-received requests held (counted against max_inflight_bytes).",
+                [("", self.inflight_bytes)],
             )
             lines += _family(
                 "disconnects_total",

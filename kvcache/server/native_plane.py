@@ -35,6 +35,7 @@ import ctypes
 import logging
 import os
 import selectors
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 LIBRARY_ENV = "KVCACHE_SERVE_LIBRARY"
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(native.__file__).with_name("libkvserve.so"))
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 #: What a step reports for a descriptor (kvserve.c).
 EV_FOREIGN, EV_HANDOFF, EV_CLOSED = 1, 2, 3
@@ -80,6 +81,8 @@ CLOSE_REASONS: Mapping[int, tuple[str, str | None]] = {
 HANDOFF_REASONS = ("op", "class", "disabled", "get_not_quiet", "has", "segment")
 MAX_CLASSES = 256
 _EPOLLIN, _EPOLLOUT = 0x001, 0x004
+#: kvs_watch: the loop's wake pipe, handled before any native request of the same wake-up.
+_PRIORITY = 0x40000000
 #: kvs_step's flags.
 _ANSWER, _PENDING = 1, 2
 _NBUCKETS = len(LATENCY_BUCKETS_S) + 1
@@ -153,9 +156,15 @@ def _load() -> Any:
     lib.kvs_free.restype = None
     lib.kvs_watch.argtypes = [ptr, i32, u32]
     lib.kvs_watch.restype = i32
-    lib.kvs_adopt.argtypes = [ptr, i32, ptr, ptr, size]
+    lib.kvs_adopt.argtypes = [ptr, i32, ptr, ptr, size, dbl, u64]
     lib.kvs_adopt.restype = i32
-    lib.kvs_take.argtypes = [ptr, i32, ctypes.POINTER(ptr)]
+    lib.kvs_take.argtypes = [
+        ptr,
+        i32,
+        ctypes.POINTER(ptr),
+        ctypes.POINTER(dbl),
+        ctypes.POINTER(u64),
+    ]
     lib.kvs_take.restype = size
     lib.kvs_forget.argtypes = [ptr, i32]
     lib.kvs_forget.restype = None
@@ -224,38 +233,58 @@ class NativePlane:
         if not handle:
             raise KVCacheError(f"native data plane: {error.value.decode(errors='replace')}")
         self._handle: int | None = handle
-        self._stats = np.zeros(1, STATS_DTYPE)
-        self._stats_at = native.addresses_of(self._stats)
         self._closed_stats: npt.NDArray[np.void] | None = None
+        #: Held by stats() (any thread) and close() (the loop's): never a freed engine.
+        self._lock = threading.Lock()
 
     def _h(self) -> int:
         if self._handle is None:
             raise KVCacheError("native data plane closed")
         return self._handle
 
-    def watch(self, fd: int, read: bool, write: bool) -> None:
-        """The Python loop waits for ``fd`` to be readable / writable (neither: no longer)."""
+    def watch(self, fd: int, read: bool, write: bool, *, priority: bool = False) -> None:
+        """The Python loop waits for ``fd`` to be readable / writable (neither: no longer);
+        ``priority``: its readiness comes before any native request of the same wake-up (the
+        loop's wake pipe: a clock or policy change applies to every request after it)."""
         events = (_EPOLLIN if read else 0) | (_EPOLLOUT if write else 0)
+        if events and priority:
+            events |= _PRIORITY
         rc = _LIB.kvs_watch(self._h(), fd, events)
         if rc < 0:
             raise OSError(-rc, f"native data plane: cannot watch fd {fd}: {os.strerror(-rc)}")
 
-    def adopt(self, fd: int, tenant: bytes, prefix: bytes | bytearray | memoryview) -> bool:
+    def adopt(
+        self,
+        fd: int,
+        tenant: bytes,
+        prefix: bytes | bytearray | memoryview,
+        *,
+        started: float = 0.0,
+        received: int = 0,
+    ) -> bool:
         """Hand connection ``fd`` (authenticated ``tenant``, idle) to the engine, with the bytes
-        already received past its last request; False if the engine cannot take it."""
+        already received past its last request (a request that began arriving at
+        ``started``, monotonic, with ``received`` bytes so far); False if the engine cannot
+        take it (the connection is then the Python loop's, as it was)."""
         buf = (ctypes.c_char * len(prefix)).from_buffer_copy(prefix) if len(prefix) else None
-        rc = _LIB.kvs_adopt(self._h(), fd, tenant, buf, len(prefix))
+        rc = _LIB.kvs_adopt(self._h(), fd, tenant, buf, len(prefix), started, received)
         if rc < 0:
             log.warning("native data plane did not adopt fd %d: %s", fd, os.strerror(-rc))
             return False
         return True
 
-    def take(self, fd: int) -> bytes:
+    def take(self, fd: int) -> tuple[bytes, float, int]:
         """After a hand-off of ``fd``: the bytes the engine had received (the request Python
-        answers comes first). The connection is the Python loop's again, unwatched."""
+        answers comes first), when that request began arriving (monotonic) and its bytes
+        so far. The connection is the Python loop's again, unwatched."""
         data = ctypes.c_void_p()
-        n = _LIB.kvs_take(self._h(), fd, ctypes.byref(data))
-        return ctypes.string_at(data.value, n) if n and data.value else b""
+        started = ctypes.c_double()
+        received = ctypes.c_uint64()
+        n = _LIB.kvs_take(
+            self._h(), fd, ctypes.byref(data), ctypes.byref(started), ctypes.byref(received)
+        )
+        raw = ctypes.string_at(data.value, n) if n and data.value else b""
+        return raw, started.value, received.value
 
     def forget(self, fd: int) -> None:
         """The Python loop closes ``fd``: the engine drops whatever it holds of it."""
@@ -305,17 +334,22 @@ class NativePlane:
 
     def stats(self) -> npt.NDArray[np.void]:
         """A consistent copy of the engine's cumulative counters (any thread)."""
-        if self._handle is None:
-            assert self._closed_stats is not None
-            return self._closed_stats.copy()
-        out = np.zeros(1, STATS_DTYPE)
-        _LIB.kvs_stats_read(self._handle, native.addresses_of(out))
-        return out
+        with self._lock:
+            if self._handle is None:
+                assert self._closed_stats is not None
+                return self._closed_stats.copy()
+            out = np.zeros(1, STATS_DTYPE)
+            _LIB.kvs_stats_read(self._handle, native.addresses_of(out))
+            return out
 
     def close(self) -> None:
         """Free the engine (idempotent); its counters stay readable."""
-        if self._handle is not None:
-            self._closed_stats = self.stats()
+        with self._lock:
+            if self._handle is None:
+                return
+            out = np.zeros(1, STATS_DTYPE)
+            _LIB.kvs_stats_read(self._handle, native.addresses_of(out))
+            self._closed_stats = out
             handle, self._handle = self._handle, None
             _LIB.kvs_free(handle)
 
@@ -335,16 +369,29 @@ class PlaneSelector(selectors.BaseSelector):
         self._settings = settings
         self._keys: dict[int, selectors.SelectorKey] = {}
         self._native: list[NativeEvent] = []
+        self._priority: int | None = None
+
+    def prioritize(self, fileobj: Any) -> None:
+        """``fileobj`` (the loop's wake pipe) comes before native requests when it is ready
+        (register it after this)."""
+        self._priority = _fileno(fileobj)
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         fd = _fileno(fileobj)
         if fd in self._keys:
             raise KeyError(f"{fileobj!r} (fd {fd}) is already registered")
         key = selectors.SelectorKey(fileobj, fd, events, data)
-        self.plane.watch(fd, bool(events & selectors.EVENT_READ),
-                         bool(events & selectors.EVENT_WRITE))  # fmt: skip
+        self._watch(fd, events)
         self._keys[fd] = key
         return key
+
+    def _watch(self, fd: int, events: int) -> None:
+        self.plane.watch(
+            fd,
+            bool(events & selectors.EVENT_READ),
+            bool(events & selectors.EVENT_WRITE),
+            priority=fd == self._priority,
+        )
 
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
         fd = _fileno(fileobj)
@@ -357,8 +404,7 @@ class PlaneSelector(selectors.BaseSelector):
         fd = _fileno(fileobj)
         old = self._keys[fd]
         if events != old.events:
-            self.plane.watch(fd, bool(events & selectors.EVENT_READ),
-                             bool(events & selectors.EVENT_WRITE))  # fmt: skip
+            self._watch(fd, events)
         key = selectors.SelectorKey(fileobj, fd, events, data)
         self._keys[fd] = key
         return key

@@ -387,6 +387,11 @@ class ShardStore:
     # ------------------------------------------------------------------ native reads
 
     @property
+    def max_reply_bytes(self) -> int:
+        """The most bytes of records one GET reply may carry (else TOO_LARGE)."""
+        return self._max_reply
+
+    @property
     def map_size(self) -> int:
         """The LMDB map size (a second, read-only handle on the file must map as much)."""
         return self._lmdb.map_size
