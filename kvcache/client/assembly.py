@@ -170,6 +170,7 @@ class LoadAssembly:
         )  # fmt: skip
         self._accept_at: tuple[int, ...] = ()
         self._land_at: tuple[int, int, int] = (0, 0, 0)
+        self._burst_target: npt.NDArray[np.uint64] | None = None
         if native.AVAILABLE:
             self._land_at = (
                 native.addresses_of(self.sealed),
@@ -318,6 +319,26 @@ class LoadAssembly:
             addrs[rows, 3] = self._parity_at + parity_row * np.uint64(length)
             lens[rows, 3] = np.where(data, 0, length)
         return native.Segments.of(addrs, lens, (self, scratch))
+
+    def burst_target(self) -> int | None:
+        """The address of the tables a native burst lands and accepts replies with (those
+        of :meth:`land_reply`, then those of :meth:`accept_reply`: ``kv_burst_target`` in
+        kvfast.c), or None once the load is over (or without the native library). A reply a
+        burst lands but does not finish is then claimed with :meth:`claim_landing`."""
+        if not native.AVAILABLE:
+            return None
+        with self._lock:
+            if not self._live:
+                return None
+        if self._burst_target is None:
+            self._burst_target = np.array([*self._land_at, *self._accept_at[1:]], np.uint64)
+        return native.addresses_of(self._burst_target)
+
+    def claim_landing(self) -> None:
+        """A native burst landed a reply here (on the thread that drives this load, before
+        it verifies anything): counted as :meth:`land_reply` counts its own."""
+        with self._lock:
+            self._writers += 1
 
     def landed(self, writes: IntArray, writes_at: int = 0) -> None:
         """A claimed landing of ``writes`` blocks is over (received, or failed);

@@ -55,6 +55,10 @@ class ClientConfig:
     #: I/O thread receives everything and hands each batch of replies over, as until
     #: 2026-12-03; see kvcache.client.transport, "Who runs the loop").
     caller_drives: bool = True
+    #: A load's first GETs, one per node, go out and come back in one native call (the
+    #: transport's burst, kvcache/native/kvfast.c) when the native helpers are loaded and
+    #: the caller drives; off: each through the socket loop as any exchange.
+    burst: bool = True
     #: Worker processes that move the bytes of loads and stores (0: this process does).
     #: With N > 0, buffers from ``Client.alloc_buffer`` are written and read by the workers
     #: directly (shared memory); see kvcache.client.pool.

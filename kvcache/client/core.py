@@ -108,6 +108,7 @@ class ClientCore:
                 connections_per_node=config.connections_per_node,
                 connect_timeout_s=config.timeout_s,
                 caller_drives=config.caller_drives,
+                burst=config.burst,
             )
             transport, add_node = tcp, tcp.add
         self.transport = transport

@@ -24,7 +24,7 @@ from kvcache import native
 from kvcache.client.assembly import LoadAssembly
 from kvcache.client.health import NodeHealth
 from kvcache.client.rounds import Send
-from kvcache.client.transport import Exchange, RemoteStatusError, Transport
+from kvcache.client.transport import BurstLanding, Exchange, RemoteStatusError, Transport
 from kvcache.errors import AuthError, KVCacheError, NodeError
 from kvcache.native import Segments
 from kvcache.net import open_session
@@ -100,6 +100,8 @@ class GetExchange(PumpedExchange):
         self.native_landing: native.GetLanding | None = None
         #: The reply's data went into the assembly (only then may its shards be accepted).
         self.landed_in_assembly = False
+        #: Its shards' verdicts, when a native burst landed and accepted the reply itself.
+        self.accepted: npt.NDArray[np.bool_] | None = None
 
     def landing(self, header: Header, items: npt.NDArray[np.void]) -> Segments | None:
         if len(items) != len(self.send.blocks):
@@ -113,6 +115,21 @@ class GetExchange(PumpedExchange):
             return claim.segments
         views, self._writes = claim
         return views
+
+    def burst_landing(self) -> BurstLanding | None:
+        if not len(self.send.blocks):
+            return None
+        target = self.assembly.burst_target()
+        return None if target is None else BurstLanding(self.shards_at, target)
+
+    def burst_done(self, accepted: npt.NDArray[np.bool_]) -> None:
+        self.accepted = accepted
+        self.landed_in_assembly = True
+
+    def landed_natively(self, landing: native.GetLanding) -> None:
+        self.assembly.claim_landing()
+        self.native_landing = landing
+        self._writes, self._writes_at = landing.writes, landing.writes_at
 
     def finish(self, reply: Message | None, error: BaseException | None) -> None:
         if self._writes is not None:
@@ -145,6 +162,20 @@ class Pump:
         self.outstanding[exchange.ticket] = exchange
         # The caller waits through wait(), which runs the loop itself when it can.
         getattr(self.transport, "submit_then_drive", self.transport.submit)(exchange)
+
+    def submit_burst(self, exchanges: Sequence[PumpedExchange], until: float | None) -> None:
+        """Send ``exchanges`` (GETs of one load, one per node) and receive what comes back by
+        ``until`` in one native burst where the transport offers one (else as
+        :meth:`submit`); their outcomes come back from :meth:`wait`."""
+        now = self.clock()
+        for exchange in exchanges:
+            exchange.submitted = now
+            self.outstanding[exchange.ticket] = exchange
+        burst = getattr(self.transport, "burst", None)
+        rest = burst(exchanges, until) if burst is not None else exchanges
+        submit = getattr(self.transport, "submit_then_drive", self.transport.submit)
+        for exchange in rest:
+            submit(exchange)
 
     def deliver(self, event: Event) -> None:
         """Called on an I/O thread when an exchange finished."""

@@ -134,14 +134,19 @@ def load_keys(
     pump = Pump(core.transport, core.health, core.clock)
     sent: list[Exchange] = []
 
-    def submit(sends: list[Send]) -> None:
+    def exchanges(sends: list[Send]) -> list[GetExchange]:
+        out = []
         for send in sends:
             items = make_items(Op.GET, len(send.blocks), reply=False)
             items["key"] = key_words[send.blocks]
             items["index"] = send.indices
             items["stripe"] = stripes[send.blocks]
-            exchange = GetExchange(pump, send, items, assembly, cls, Retain(ttl_s=retain.ttl_s))
-            sent.append(exchange)
+            out.append(GetExchange(pump, send, items, assembly, cls, Retain(ttl_s=retain.ttl_s)))
+        sent.extend(out)
+        return out
+
+    def submit(sends: list[Send]) -> None:
+        for exchange in exchanges(sends):
             pump.submit(exchange)
 
     # Per block: verified good, rebuilt, examined at all; shards found bad, where any.
@@ -154,7 +159,9 @@ def load_keys(
     end = total  # the first block known to fail ends the prefix
     good = 0
     try:
-        submit(round_.start(core.clock()))
+        # The first asks, one per node, go out and come back in one native burst (until the
+        # hedge time at most); anything unusual carries on through the pump as usual.
+        pump.submit_burst(exchanges(round_.start(core.clock())), round_.next_wakeup())
         while good < end:
             for event in pump.wait(round_.next_wakeup()):
                 now = core.clock()
@@ -239,6 +246,8 @@ def load_keys(
 def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
     exchange: GetExchange = event.exchange  # type: ignore[attr-defined]
     reply: Message = event.reply  # type: ignore[attr-defined]
+    if exchange.accepted is not None:  # landed and accepted by a native burst
+        return exchange.accepted
     send = exchange.send
     items = reply.items
     if len(items) != len(send.blocks):

@@ -44,8 +44,11 @@ __all__ = [
     "LIBRARY",
     "LIBRARY_ENV",
     "Segments",
+    "BURST_DTYPE",
+    "Burst",
     "accept_items",
     "addresses_of",
+    "get_burst",
     "get_keys",
     "get_quiet",
     "landing_segments",
@@ -63,7 +66,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -102,6 +105,8 @@ def _load() -> Any:
     lib.kv_land_get_reply.argtypes = [ptr, size, *[ptr] * 9]
     lib.kv_land_get_reply.restype = size
     lib.kv_add_at.argtypes = [ptr, ptr, size, ctypes.c_int64]
+    lib.kv_get_burst.argtypes = [ptr, size, ptr, ctypes.c_int64, u64]
+    lib.kv_get_burst.restype = ctypes.c_int64
     lib.kv_add_at.restype = None
     lib.kv_recv_hashed.argtypes = [
         ctypes.c_int, ptr, u64, u64, ptr, u64, ctypes.c_double, ptr, ptr
@@ -414,6 +419,67 @@ def accept_get_reply(
         _LIB.kv_accept_get_reply(items_at, count, blocks_at, indices_at, *tables_at, accepted_at)
 
 
+#: One exchange of :func:`get_burst` (``kv_burst_ex`` in kvfast.c): inputs, then progress.
+BURST_DTYPE = np.dtype(
+    [
+        ("fd", "<i8"),
+        ("req_addr", "<u8", (2,)),
+        ("req_len", "<u8", (2,)),
+        ("expect_id", "<u8"),
+        ("count", "<u8"),
+        ("blocks_at", "<u8"),
+        ("indices_at", "<u8"),
+        ("header_at", "<u8"),
+        ("items_at", "<u8"),
+        ("table_at", "<u8"),
+        ("cap", "<u8"),
+        ("sent", "<u8"),
+        ("got", "<u8"),
+        ("used", "<u8"),
+        ("state", "<i8"),
+        ("error", "<i8"),
+    ]
+)
+
+
+class Burst:
+    """States of a :func:`get_burst` exchange."""
+
+    SEND, HEAD, ITEMS, DATA, DONE = 0, 1, 2, 3, 4
+    #: The reply's header is in and is not the expected one: the Python transport reads on.
+    STOP_HEADER = 5
+    #: Header and items are in, no native landing: the Python transport lands the data.
+    STOP_LANDING = 6
+    FAILED = -1
+
+
+def get_burst(
+    exchanges: npt.NDArray[np.void], target_at: int, timeout_s: float, max_data: int
+) -> int:
+    """Run ``exchanges`` (:data:`BURST_DTYPE`, filled in by the caller, every buffer alive for
+    the call) until each is done, stopped or failed, or ``timeout_s`` passed: GETs sent and
+    their replies received, landed and read whole, in the assembly whose tables'
+    addresses are at ``target_at`` (``LoadAssembly.burst_target``). A done reply is also
+    accepted (its verdicts after its landing buffer's counts) and its blocks no longer
+    counted as being written. Returns how many are still under way; each one's ``state``
+    says where it stands (:class:`Burst`)."""
+    assert _LIB is not None
+    if not len(exchanges):
+        return 0
+    left = int(
+        _LIB.kv_get_burst(
+            _address_of_writable(exchanges),
+            len(exchanges),
+            target_at,
+            max(0, int(timeout_s * 1000)),
+            max_data,
+        )
+    )
+    if left < 0:
+        raise OSError(-left, os.strerror(-left))
+    return left
+
+
 def add_at(table_at: int, idx_at: int, count: int, delta: int) -> None:
     """``table[idx[j]] += delta`` for the ``count`` C-contiguous int64 indices at
     ``idx_at``, into the int64 table at ``table_at`` (``np.add.at`` without its per-call
@@ -450,13 +516,7 @@ def land_get_reply(
     (``kv_land_get_reply``); None, with nothing counted, when a record must go to scratch
     (the general path)."""
     assert _LIB is not None
-    cap = 3 * count
-    # One buffer, one address: the segment table (2 cap + 3 words), the blocks written
-    # (count), the (writes, bytes) counts (2), then a byte per item for the verdicts.
-    words = 2 * cap + 3 + count + 2
-    buf = np.empty(words + (count + 7) // 8, np.uint64)
-    table = buf[: 2 * cap + 3]
-    table[2 * cap :] = 0
+    buf, cap = landing_buffer(count)
     at = _address_of_writable(buf)
     writes_at = at + 8 * (2 * cap + 3)
     used = int(
@@ -476,12 +536,34 @@ def land_get_reply(
     )
     if used == _SIZE_MAX:
         return None
+    return landing_of(buf, cap, used, count, keepalive, at=at)
+
+
+def landing_buffer(count: int) -> tuple[U64Array, int]:
+    """The one buffer of a :class:`GetLanding` for a reply of ``count`` items, and its
+    segment capacity: the segment table (2 cap + 3 words, its state zeroed), the blocks
+    written (count), the (writes, bytes) counts (2), then a byte per item for the verdicts
+    (``kv_land_get_reply`` and ``kv_get_burst`` fill it in)."""
+    cap = 3 * count
+    words = 2 * cap + 3 + count + 2
+    buf = np.empty(words + (count + 7) // 8, np.uint64)
+    buf[2 * cap : 2 * cap + 3] = 0
+    return buf, cap
+
+
+def landing_of(
+    buf: U64Array, cap: int, used: int, count: int, keepalive: Any, *, at: int | None = None
+) -> GetLanding:
+    """The :class:`GetLanding` a :func:`landing_buffer` holds once landed (``used``
+    segments)."""
+    at = _address_of_writable(buf) if at is None else at
+    words = 2 * cap + 3 + count + 2
     counts = buf[2 * cap + 3 + count : words]
     w, nbytes = int(counts[0]), int(counts[1])
     writes = buf[2 * cap + 3 : 2 * cap + 3 + w].view(np.int64)
     accepted = buf[words:].view(np.bool_)[:count]
-    segments = Segments(table, cap, used, keepalive, at=at, nbytes=nbytes)
-    return GetLanding(segments, writes, writes_at, accepted, at + 8 * words)
+    segments = Segments(buf[: 2 * cap + 3], cap, used, keepalive, at=at, nbytes=nbytes)
+    return GetLanding(segments, writes, at + 8 * (2 * cap + 3), accepted, at + 8 * words)
 
 
 def landing_segments(

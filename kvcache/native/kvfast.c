@@ -9,16 +9,20 @@
  * at run time), bit-identical to the Python xxhash package.
  */
 #include <errno.h>
+#include <poll.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #define KV_IOV_MAX 1024
+/* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
+#define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 6; }
+int kv_abi_version(void) { return 7; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -490,4 +494,263 @@ int64_t kv_get_quiet(const uint8_t *items, const uint8_t *keys, size_t n, const 
     }
     *total = sum;
     return m + 1;
+}
+
+/* ---------------------------------------------------------------- the client's GET burst
+ *
+ * A load's first GETs, one per node, sent and received in one call on the caller's thread
+ * (kvcache.client.transport.TcpTransport.burst): what the Python transport does per
+ * exchange (build and send the request, read the reply's header and items, land its data
+ * with kv_land_get_reply, receive it) with no Python step per exchange. Each exchange runs
+ * on an idle connection of its own until its reply is whole, or it stops at the first thing
+ * the burst does not handle alone, its state left for the Python transport to go on from:
+ * a reply that is not the expected shape (another status, op, count, id or flag: Python
+ * reads and judges the header), item lengths that do not add up, or a landing
+ * kv_land_get_reply declines (a record for scratch). A closed or failed connection ends its
+ * exchange FAILED; the deadline ends the call with the rest where they are. */
+enum {
+    BURST_SEND = 0,
+    BURST_HEAD = 1,
+    BURST_ITEMS = 2,
+    BURST_DATA = 3,
+    BURST_DONE = 4,
+    BURST_STOP_HEADER = 5,  /* the header is in, not the expected one: Python's from here */
+    BURST_STOP_LANDING = 6, /* header and items in, no native landing: Python's from here */
+    BURST_FAILED = -1,
+};
+#define BURST_HDR 48
+#define BURST_REPLY_ITEM 8
+
+/* One exchange (kvcache.native.BURST_DTYPE): inputs, then progress. */
+typedef struct {
+    int64_t fd;
+    uint64_t req_addr[2], req_len[2]; /* the request: header and items */
+    uint64_t expect_id, count;        /* its request id, items asked */
+    uint64_t blocks_at, indices_at;   /* the shards asked: int64 blocks and indices */
+    uint64_t header_at, items_at;     /* where the reply's header (48) and items go */
+    uint64_t table_at, cap;           /* the landing buffer (see land_get_reply), 3*count */
+    uint64_t sent, got, used;         /* request bytes sent; of the section being read */
+    int64_t state, error;             /* BURST_*; errno (FAILED) */
+} kv_burst_ex;
+
+/* The assembly a burst lands in: kv_land_get_reply's tables, then kv_accept_get_reply's
+ * (sealed, unknown, got, rejected, not_found, header rows, identities, geometry). */
+typedef struct {
+    const uint8_t *sealed;
+    int64_t *writing;
+    const uint64_t *land_geom;
+    const uint8_t *unknown;
+    uint8_t *got, *rejected, *not_found;
+    const uint8_t *header_rows, *identities;
+    const uint64_t *accept_geom;
+} kv_burst_target;
+
+/* A reply landed whole: its verdicts (after the landing buffer's counts, a byte per item)
+ * and its blocks no longer counted as being written. */
+static void burst_done(kv_burst_ex *x, const kv_burst_target *t) {
+    uint64_t *table = (uint64_t *)(uintptr_t)x->table_at;
+    int64_t *writes = (int64_t *)(table + 2 * x->cap + 3);
+    uint64_t *counts = (uint64_t *)(writes + x->count);
+    uint8_t *accepted = (uint8_t *)(counts + 2);
+    const int64_t *blocks = (const int64_t *)(uintptr_t)x->blocks_at;
+    const int64_t *indices = (const int64_t *)(uintptr_t)x->indices_at;
+    kv_accept_get_reply((const uint8_t *)(uintptr_t)x->items_at, x->count, blocks, indices,
+                        t->sealed, t->unknown, t->got, t->rejected, t->not_found,
+                        t->header_rows, t->identities, t->accept_geom, accepted);
+    kv_add_at(t->writing, writes, counts[0], -1);
+    x->state = BURST_DONE;
+}
+
+static int burst_header_ok(const kv_burst_ex *x, const uint8_t *h, uint64_t max_data) {
+    uint16_t flags, status;
+    uint32_t count, ttl;
+    uint64_t id, data_len;
+    memcpy(&flags, h + 4, 2);
+    memcpy(&status, h + 6, 2);
+    memcpy(&id, h + 8, 8);
+    memcpy(&count, h + 16, 4);
+    memcpy(&ttl, h + 20, 4);
+    memcpy(&data_len, h + 24, 8);
+    static const uint8_t no_class[16] = {0};
+    return h[0] == 'K' && h[1] == 'V' && h[2] == 2 && h[3] == 2 /* GET */ && flags == 1 &&
+           status == 0 && id == x->expect_id && count == x->count && ttl == 0 &&
+           data_len <= max_data && memcmp(h + 32, no_class, 16) == 0;
+}
+
+/* Read as far as the socket allows. Returns 1 while the exchange waits for more bytes. */
+static int burst_recv(kv_burst_ex *x, const kv_burst_target *t, uint64_t max_data) {
+    int fd = (int)x->fd;
+    for (;;) {
+        if (x->state == BURST_HEAD || x->state == BURST_ITEMS) {
+            int head = x->state == BURST_HEAD;
+            uint8_t *buf = (uint8_t *)(uintptr_t)(head ? x->header_at : x->items_at);
+            uint64_t want = head ? BURST_HDR : x->count * BURST_REPLY_ITEM;
+            ssize_t r = recv(fd, buf + x->got, want - x->got, MSG_DONTWAIT);
+            if (r == 0) {
+                x->state = BURST_FAILED;
+                x->error = ECONNRESET;
+                return 0;
+            }
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                if (errno == EAGAIN || errno == EWOULDBLOCK) return 1;
+                x->error = errno;
+                x->state = BURST_FAILED;
+                return 0;
+            }
+            x->got += (uint64_t)r;
+            if (x->got < want) continue;
+            if (head) {
+                if (!burst_header_ok(x, buf, max_data)) {
+                    x->state = BURST_STOP_HEADER;
+                    return 0;
+                }
+                x->state = BURST_ITEMS;
+                x->got = 0;
+                continue;
+            }
+            /* Items in: their lengths must add up to the data section, and land. */
+            const uint8_t *items = buf;
+            uint64_t data_len, total = 0;
+            memcpy(&data_len, (uint8_t *)(uintptr_t)x->header_at + 24, 8);
+            for (uint64_t j = 0; j < x->count; j++) total += reply_length(items, j);
+            if (total != data_len) {
+                x->state = BURST_STOP_LANDING;
+                return 0;
+            }
+            uint64_t *table = (uint64_t *)(uintptr_t)x->table_at;
+            uint64_t cap = x->cap;
+            int64_t *writes = (int64_t *)(table + 2 * cap + 3);
+            uint64_t *counts = (uint64_t *)(writes + x->count);
+            size_t used = kv_land_get_reply(
+                items, x->count, (const int64_t *)(uintptr_t)x->blocks_at,
+                (const int64_t *)(uintptr_t)x->indices_at, t->sealed, t->writing, t->land_geom,
+                table, table + cap, writes, counts);
+            if (used == SIZE_MAX) {
+                x->state = BURST_STOP_LANDING;
+                return 0;
+            }
+            if (counts[1] != data_len) { /* cannot be: kv_land_get_reply lands every byte */
+                x->state = BURST_STOP_LANDING;
+                return 0;
+            }
+            x->used = used;
+            x->got = 0;
+            if (!data_len) {
+                burst_done(x, t);
+                return 0;
+            }
+            x->state = BURST_DATA;
+            continue;
+        }
+        if (x->state == BURST_DATA) {
+            uint64_t *table = (uint64_t *)(uintptr_t)x->table_at;
+            uint64_t *state = table + 2 * x->cap;
+            int64_t r = transfer(fd, table, table + x->cap, x->used, state, 0);
+            if (r < 0) {
+                if (r == -EAGAIN || r == -EWOULDBLOCK) return 1;
+                x->error = -r;
+                x->state = BURST_FAILED;
+                return 0;
+            }
+            if (state[2]) {
+                x->error = ECONNRESET;
+                x->state = BURST_FAILED;
+                return 0;
+            }
+            if (state[0] >= x->used) {
+                burst_done(x, t);
+                return 0;
+            }
+            return 1;
+        }
+        return 0;
+    }
+}
+
+static int burst_send(kv_burst_ex *x) {
+    uint64_t total = x->req_len[0] + x->req_len[1];
+    while (x->sent < total) {
+        struct iovec iov[2];
+        int c = 0;
+        uint64_t skip = x->sent;
+        for (int j = 0; j < 2; j++) {
+            if (skip >= x->req_len[j]) {
+                skip -= x->req_len[j];
+                continue;
+            }
+            iov[c].iov_base = (void *)(uintptr_t)(x->req_addr[j] + skip);
+            iov[c].iov_len = (size_t)(x->req_len[j] - skip);
+            skip = 0;
+            c++;
+        }
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)c;
+        ssize_t r = sendmsg((int)x->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 1;
+            x->error = errno;
+            x->state = BURST_FAILED;
+            return 0;
+        }
+        x->sent += (uint64_t)r;
+    }
+    x->state = BURST_HEAD;
+    x->got = 0;
+    return 0;
+}
+
+static int64_t burst_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Run the n exchanges until each is DONE, stopped or FAILED, or timeout_ms passed, landing
+ * in (and accepting into) the assembly t; a reply's data section is at most max_data. A DONE
+ * reply is landed, its verdicts in its landing buffer, its blocks no longer counted as being
+ * written. Returns how many are still under way (their state says where each stands), or
+ * -errno when poll failed. */
+int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_t timeout_ms,
+                     uint64_t max_data) {
+    struct pollfd fds[KV_BURST_MAX];
+    int where[KV_BURST_MAX];
+    uint8_t ready[KV_BURST_MAX]; /* worth a syscall: polled ready (or not polled yet) */
+    if (n > KV_BURST_MAX) return -EINVAL;
+    int64_t deadline = burst_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    memset(ready, 1, n);
+    for (;;) {
+        int nf = 0;
+        for (size_t j = 0; j < n; j++) {
+            kv_burst_ex *x = &ex[j];
+            if (x->state == BURST_SEND) {
+                if (ready[j]) burst_send(x);
+                if (x->state == BURST_SEND) {
+                    fds[nf] = (struct pollfd){.fd = (int)x->fd, .events = POLLOUT};
+                    where[nf++] = (int)j;
+                    continue;
+                }
+                ready[j] = 0; /* sent: its reply is not there yet */
+            }
+            if (x->state == BURST_HEAD || x->state == BURST_ITEMS || x->state == BURST_DATA) {
+                if (!ready[j] || burst_recv(x, t, max_data)) {
+                    fds[nf] = (struct pollfd){.fd = (int)x->fd, .events = POLLIN};
+                    where[nf++] = (int)j;
+                }
+            }
+        }
+        if (!nf) return 0;
+        int64_t left = deadline - burst_now_ms();
+        if (left <= 0) return nf;
+        int r = poll(fds, (nfds_t)nf, (int)left);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -(int64_t)errno;
+        }
+        if (r == 0) return nf;
+        for (int f = 0; f < nf; f++) ready[where[f]] = fds[f].revents != 0;
+    }
 }

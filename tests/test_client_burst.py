@@ -1,0 +1,138 @@
+"""The client's native burst (TcpTransport.burst, kv_get_burst in kvcache/native/kvfast.c).
+
+A load's first GETs, one per node, are sent and received in one native call. Loads must
+come back byte for byte the same with it and without it, and a reply the burst cannot
+finish (here: held back by a proxy inside its header, its items or its data, or a daemon
+stopped outright) must be carried on by the socket loop from where the burst left it:
+the load completes, its landings are all accounted for (a miscount would hang the load's
+close), and the next load works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stall_proxy import StallProxy
+
+from kvcache import native
+from kvcache.client import Client, ClientConfig
+from kvcache.cluster import read_cluster_file
+from kvcache.testing.localcluster import LocalCluster
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="needs the native helpers")
+
+P = 114_688  # DeepSeek V4.1 Flash's prefix-cacheable block
+N = 64
+
+
+def _blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    keys = [rng.integers(0, 256, 16, dtype=np.uint8).tobytes() for _ in range(n)]
+    return keys, rng.integers(0, 256, (n, P), dtype=np.uint8)
+
+
+def _counters(client: Client) -> dict[str, int]:
+    return dict(client._core.transport.counters)  # type: ignore[attr-defined]
+
+
+def test_loads_are_the_same_with_and_without_the_burst(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 1)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    outs = []
+    for burst in (True, False):
+        with Client(cluster.client_config(burst=burst)) as client:
+            out = np.zeros((N, P), np.uint8)
+            for _ in range(3):
+                out[:] = 0
+                loaded = client.load_keys(keys, payload_len=P, out=out)
+                assert loaded.blocks == N
+            outs.append(out.copy())
+            counters = _counters(client)
+            if burst:  # every load but the first, which opened the connections
+                assert counters["burst_taken"] == 2 * 12
+                assert counters["burst_done"] == counters["burst_taken"]
+            else:
+                assert counters["burst_taken"] == 0
+    assert np.array_equal(outs[0], payloads) and np.array_equal(outs[1], payloads)
+
+
+def _proxied_config(cluster: LocalCluster, node: int, proxy: StallProxy, tmp: Path) -> ClientConfig:
+    """The cluster's client config with node ``node`` reached through ``proxy``."""
+    cmap, _etcd = read_cluster_file(cluster.cluster_file)
+    assert cmap is not None
+    nodes = list(cmap.nodes)
+    nodes[node] = replace(nodes[node], data=proxy.endpoint)
+    path = tmp / "proxied-cluster.toml"
+    path.write_text(replace(cmap, nodes=tuple(nodes)).to_toml())
+    return replace(cluster.client_config(), cluster_file=path)
+
+
+def _address(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.mark.parametrize(
+    ("stall_at", "left"),
+    [(0, "head"), (20, "head"), (48 + 100, "items"), (48 + 8 * 59 + 30_000, "data")],
+    ids=["before-header", "in-header", "in-items", "in-data"],
+)
+def test_a_reply_held_back_is_carried_on_by_the_socket_loop(
+    cluster_factory: Callable[..., LocalCluster], tmp_path: Path, stall_at: int, left: str
+) -> None:
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 2)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
+        config = _proxied_config(cluster, 0, proxy, tmp_path)
+        with Client(replace(config, hedge_ms=50.0, timeout_s=1.0)) as client:
+            out = np.zeros((N, P), np.uint8)
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N  # connections up
+            before = _counters(client)
+            proxy.hold_after(stall_at)
+            out[:] = 0
+            loaded = client.load_keys(keys, payload_len=P, out=out)
+            assert loaded.blocks == N
+            assert np.array_equal(out, payloads)
+            after = _counters(client)
+            taken = after["burst_taken"] - before["burst_taken"]
+            done = after["burst_done"] - before["burst_done"]
+            assert taken == 12 and done == 11  # the proxied node's reply was left to the loop
+            assert after[f"burst_left_{left}"] == before[f"burst_left_{left}"] + 1
+            assert proxy.wait_held()
+            proxy.release()
+            for _ in range(2):
+                out[:] = 0
+                assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+                assert np.array_equal(out, payloads)
+
+
+def test_a_stopped_daemon_s_exchange_is_left_to_the_loop(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 3)
+    config = replace(cluster.client_config(), hedge_ms=50.0, timeout_s=1.0)
+    with Client(config) as client:
+        assert client.store_keys(keys, payloads, payload_len=P).written == N
+        out = np.zeros((N, P), np.uint8)
+        assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+        cluster.pause(3)
+        try:
+            out[:] = 0
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+            assert np.array_equal(out, payloads)
+        finally:
+            cluster.resume(3)
+        out[:] = 0
+        assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+        assert np.array_equal(out, payloads)
