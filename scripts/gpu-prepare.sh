@@ -2,7 +2,8 @@
 # Fill .whl/ (git-ignored) with what the lent GPU host needs to run kvcache, then carry it
 # (carry=[".whl", ...]) to scripts/engine-gpu.sh, bench-gpu.sh, peers-gpu.sh or cost-gpu.sh:
 #   .whl/kvcache-*.whl        this tree, as a wheel (installed with --no-deps there)
-#   .whl/lmdb-*, xxhash-*     cp312 manylinux wheels the host lacks (it has no network)
+#   .whl/lmdb-*, xxhash-*, msgspec-*, pyzmq-*  cp312 manylinux wheels the host lacks (it has no
+#                             network; the daemons import msgspec and zmq for the event stream)
 #   .whl/lib/                 libkvfast.so, libkvserve.so and the liblmdb.so.0 it links, built
 #                             here by scripts/build-native.sh; libisal.so.2 from Debian
 # Usage: bash scripts/gpu-prepare.sh   (after scripts/install.sh; needs PyPI)
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 mkdir -p .whl/lib
 rm -f .whl/kvcache-*.whl
 .venv/bin/python -m pip wheel -q --no-deps -w .whl .
-.venv/bin/python -m pip download -q lmdb xxhash --only-binary=:all: --python-version 3.12 \
+.venv/bin/python -m pip download -q lmdb xxhash msgspec pyzmq --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .whl
 bash scripts/build-native.sh
 cp -L kvcache/native/libkvfast.so kvcache/native/libkvserve.so kvcache/native/liblmdb.so.0 \

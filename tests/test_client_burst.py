@@ -64,6 +64,29 @@ def test_loads_are_the_same_with_and_without_the_burst(
     assert np.array_equal(outs[0], payloads) and np.array_equal(outs[1], payloads)
 
 
+@pytest.mark.parametrize("connections", [1, 2])
+def test_several_chunks_at_once_take_one_exchange_per_connection(
+    cluster_factory: Callable[..., LocalCluster], connections: int
+) -> None:
+    """With several chunks open at once a node is asked several times: the burst takes one
+    exchange per idle connection and the others go through the loop, pipelined behind it."""
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 5)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    config = cluster.client_config(chunk_bytes=8 * P, window=4, connections_per_node=connections)
+    with Client(config) as client:
+        out = np.zeros((N, P), np.uint8)
+        for _ in range(3):
+            out[:] = 0
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+            assert np.array_equal(out, payloads)
+        counters = _counters(client)
+        # Four chunks of 8 blocks open at once: 4 asks per node, one per connection burst.
+        assert counters["burst_taken"] == 2 * 12 * connections
+        assert counters["burst_done"] == counters["burst_taken"]
+
+
 def _proxied_config(cluster: LocalCluster, node: int, proxy: StallProxy, tmp: Path) -> ClientConfig:
     """The cluster's client config with node ``node`` reached through ``proxy``."""
     cmap, _etcd = read_cluster_file(cluster.cluster_file)

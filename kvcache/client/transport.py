@@ -547,12 +547,14 @@ class TcpTransport:
     def _burst(self, exchanges: Sequence[Exchange], until: float | None) -> list[Exchange]:
         taken: list[tuple[Exchange, _Conn, BurstLanding, int]] = []
         rest: list[Exchange] = []
+        busy: set[int] = set()  # connections this burst already uses: one exchange each
         for exchange in exchanges:
             how = exchange.burst_landing()
-            conn = self._idle_bulk(exchange.node) if how is not None else None
+            conn = self._idle_bulk(exchange.node, busy) if how is not None else None
             if how is None or conn is None or (taken and how.target_at != taken[0][2].target_at):
                 rest.append(exchange)
                 continue
+            busy.add(id(conn))
             taken.append((exchange, conn, how, next(conn.ids)))
         if not taken:
             return rest
@@ -641,11 +643,13 @@ class TcpTransport:
             self._after_burst(conn, exchange, table[j], bufs)
         return rest
 
-    def _idle_bulk(self, node: int) -> _Conn | None:
-        """A connected plain-TCP bulk connection of ``node`` with nothing on it."""
+    def _idle_bulk(self, node: int, busy: set[int]) -> _Conn | None:
+        """A connected plain-TCP bulk connection of ``node`` with nothing on it, and none
+        of ``busy`` (ids of connections a burst has given an exchange already)."""
         for conn in self._bulk[node]:
             if (
-                conn.sock is not None
+                id(conn) not in busy
+                and conn.sock is not None
                 and not conn.tls
                 and not conn.queue
                 and not conn.sent
