@@ -39,6 +39,12 @@ def _counters(client: Client) -> dict[str, int]:
     return dict(client._core.transport.counters)  # type: ignore[attr-defined]
 
 
+def _accounted(counters: dict[str, int]) -> bool:
+    """Every exchange a burst took was finished by it or left to the loop, counted once."""
+    left = sum(v for name, v in counters.items() if name.startswith("burst_left_"))
+    return counters["burst_done"] + left == counters["burst_taken"]
+
+
 def test_loads_are_the_same_with_and_without_the_burst(
     cluster_factory: Callable[..., LocalCluster],
 ) -> None:
@@ -58,7 +64,10 @@ def test_loads_are_the_same_with_and_without_the_burst(
             counters = _counters(client)
             if burst:  # every load but the first, which opened the connections
                 assert counters["burst_taken"] == 2 * 12
-                assert counters["burst_done"] == counters["burst_taken"]
+                # A burst returns once every block has k = 10 shards, from 10 nodes at least:
+                # a straggler is finished by the loop.
+                assert counters["burst_done"] >= 2 * 10
+                assert _accounted(counters)
             else:
                 assert counters["burst_taken"] == 0
     assert np.array_equal(outs[0], payloads) and np.array_equal(outs[1], payloads)
@@ -84,7 +93,8 @@ def test_several_chunks_at_once_take_one_exchange_per_connection(
         counters = _counters(client)
         # Four chunks of 8 blocks open at once: 4 asks per node, one per connection burst.
         assert counters["burst_taken"] == 2 * 12 * connections
-        assert counters["burst_done"] == counters["burst_taken"]
+        assert counters["burst_done"] >= 2 * 10
+        assert _accounted(counters)
 
 
 def _proxied_config(cluster: LocalCluster, node: int, proxy: StallProxy, tmp: Path) -> ClientConfig:
@@ -130,7 +140,12 @@ def test_a_reply_held_back_is_carried_on_by_the_socket_loop(
             taken = after["burst_taken"] - before["burst_taken"]
             done = after["burst_done"] - before["burst_done"]
             assert taken == 12 and done == 11  # the proxied node's reply was left to the loop
-            assert after[f"burst_left_{left}"] == before[f"burst_left_{left}"] + 1
+            # Where it was left: at the hold, or (the burst returns once every block has k
+            # shards, which the other nodes give) short of it if its bytes came late.
+            order = ["head", "items", "data"]
+            moved = [s for s in order if after[f"burst_left_{s}"] != before[f"burst_left_{s}"]]
+            assert len(moved) == 1 and order.index(moved[0]) <= order.index(left)
+            assert _accounted(after)
             assert proxy.wait_held()
             proxy.release()
             for _ in range(2):

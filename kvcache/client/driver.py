@@ -120,7 +120,11 @@ class GetExchange(PumpedExchange):
         if not len(self.send.blocks):
             return None
         target = self.assembly.burst_target()
-        return None if target is None else BurstLanding(self.shards_at, target)
+        if target is None:
+            return None
+        blocks = self.shards[0]
+        span = (int(blocks.min()), int(blocks.max()) + 1)
+        return BurstLanding(self.shards_at, target, span, self.assembly.k)
 
     def burst_done(self, accepted: npt.NDArray[np.bool_]) -> None:
         self.accepted = accepted

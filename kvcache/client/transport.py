@@ -190,6 +190,10 @@ class BurstLanding:
 
     shards_at: tuple[int, int]
     target_at: int
+    #: The blocks asked, [first, end), and how many shards of each a load needs (k): a
+    #: burst returns once every block of its exchanges has k (stragglers are the loop's).
+    span: tuple[int, int] = (0, 0)
+    k: int = 0
 
 
 class Transport(Protocol):
@@ -607,8 +611,13 @@ class TcpTransport:
             exchange.attempts += 1
             conn.sent.append(_Sent(exchange, request_id, now))
         wait = 0.0 if until is None else max(0.0, until - self.clock())
+        hows = [t[2] for t in taken]
+        k = hows[0].k if all(h.k == hows[0].k for h in hows) else 0
+        enough = (min(h.span[0] for h in hows), max(h.span[1] for h in hows), k)
         try:
-            native.get_burst(table, taken[0][2].target_at, wait, self.limits.max_data_bytes)
+            native.get_burst(
+                table, hows[0].target_at, wait, self.limits.max_data_bytes, enough=enough
+            )
         except OSError as exc:  # poll() failed: each connection reports on its own next
             log.warning("native burst failed: %s", exc)
         states = table["state"].tolist()

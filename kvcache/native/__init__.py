@@ -105,7 +105,7 @@ def _load() -> Any:
     lib.kv_land_get_reply.argtypes = [ptr, size, *[ptr] * 9]
     lib.kv_land_get_reply.restype = size
     lib.kv_add_at.argtypes = [ptr, ptr, size, ctypes.c_int64]
-    lib.kv_get_burst.argtypes = [ptr, size, ptr, ctypes.c_int64, u64]
+    lib.kv_get_burst.argtypes = [ptr, size, ptr, ctypes.c_int64, u64, u64, u64, u64]
     lib.kv_get_burst.restype = ctypes.c_int64
     lib.kv_add_at.restype = None
     lib.kv_recv_hashed.argtypes = [
@@ -454,15 +454,22 @@ class Burst:
 
 
 def get_burst(
-    exchanges: npt.NDArray[np.void], target_at: int, timeout_s: float, max_data: int
+    exchanges: npt.NDArray[np.void],
+    target_at: int,
+    timeout_s: float,
+    max_data: int,
+    *,
+    enough: tuple[int, int, int] = (0, 0, 0),
 ) -> int:
     """Run ``exchanges`` (:data:`BURST_DTYPE`, filled in by the caller, every buffer alive for
     the call) until each is done, stopped or failed, or ``timeout_s`` passed: GETs sent and
     their replies received, landed and read whole, in the assembly whose tables'
     addresses are at ``target_at`` (``LoadAssembly.burst_target``). A done reply is also
     accepted (its verdicts after its landing buffer's counts) and its blocks no longer
-    counted as being written. Returns how many are still under way; each one's ``state``
-    says where it stands (:class:`Burst`)."""
+    counted as being written. ``enough`` = (first block, end block, k): return as soon as
+    every block of that range has k shards accepted (the load can go on without the rest).
+    Returns how many are still under way; each one's ``state`` says where it stands
+    (:class:`Burst`)."""
     assert _LIB is not None
     if not len(exchanges):
         return 0
@@ -473,6 +480,7 @@ def get_burst(
             target_at,
             max(0, int(timeout_s * 1000)),
             max_data,
+            *enough,
         )
     )
     if left < 0:

@@ -709,13 +709,27 @@ static int64_t burst_now_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Run the n exchanges until each is DONE, stopped or FAILED, or timeout_ms passed, landing
- * in (and accepting into) the assembly t; a reply's data section is at most max_data. A DONE
- * reply is landed, its verdicts in its landing buffer, its blocks no longer counted as being
- * written. Returns how many are still under way (their state says where each stands), or
- * -errno when poll failed. */
+/* Run the n exchanges until each is DONE, stopped or FAILED, or timeout_ms passed, or (k
+ * nonzero) every block in [lo, hi) has k shards accepted, landing in (and accepting into) the
+ * assembly t; a reply's data section is at most max_data. A DONE reply is landed, its
+ * verdicts in its landing buffer, its blocks no longer counted as being written. Returns how
+ * many are still under way (their state says where each stands), or -errno when poll
+ * failed. */
+/* Whether every block in [lo, hi) has k shards accepted (the load's round would find its
+ * chunks complete: stragglers are then its business, as a hedge's late answers are). */
+static int burst_enough(const kv_burst_target *t, uint64_t lo, uint64_t hi, uint64_t k) {
+    uint64_t width = t->accept_geom[0];
+    for (uint64_t b = lo; b < hi; b++) {
+        const uint8_t *row = t->got + b * width;
+        uint64_t have = 0;
+        for (uint64_t i = 0; i < width; i++) have += row[i];
+        if (have < k) return 0;
+    }
+    return 1;
+}
+
 int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_t timeout_ms,
-                     uint64_t max_data) {
+                     uint64_t max_data, uint64_t lo, uint64_t hi, uint64_t k) {
     struct pollfd fds[KV_BURST_MAX];
     int where[KV_BURST_MAX];
     uint8_t ready[KV_BURST_MAX]; /* worth a syscall: polled ready (or not polled yet) */
@@ -743,6 +757,7 @@ int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_
             }
         }
         if (!nf) return 0;
+        if (k && burst_enough(t, lo, hi, k)) return nf; /* k of every block: the rest later */
         int64_t left = deadline - burst_now_ms();
         if (left <= 0) return nf;
         int r = poll(fds, (nfds_t)nf, (int)left);
