@@ -30,6 +30,9 @@ class StallProxy:
         self.held = 0
         self._closed = False
         self._socks: list[socket.socket] = []
+        self._cut_next = False
+        #: Connections cut by :meth:`cut_next`.
+        self.cut = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def hold_after(self, nbytes: int) -> None:
@@ -37,6 +40,12 @@ class StallProxy:
         with self._cond:
             self._budget = nbytes
             self.held = 0
+
+    def cut_next(self) -> None:
+        """Close the next connection a client request arrives on, both ways, instead of
+        passing the request (a daemon dying under one of a client's connections)."""
+        with self._cond:
+            self._cut_next = True
 
     def release(self) -> None:
         """Let everything through again."""
@@ -87,6 +96,12 @@ class StallProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                if not replies:
+                    with self._cond:
+                        cut, self._cut_next = self._cut_next, False
+                        self.cut += cut
+                    if cut:
+                        break
                 for chunk in self._chunks(data) if replies else [data]:
                     dst.sendall(chunk)
         except OSError:

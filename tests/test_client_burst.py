@@ -154,6 +154,39 @@ def test_a_reply_held_back_is_carried_on_by_the_socket_loop(
                 assert np.array_equal(out, payloads)
 
 
+@pytest.mark.parametrize("attempt", range(3))
+def test_one_of_a_node_s_connections_failing_leaves_its_other_exchange_whole(
+    cluster_factory: Callable[..., LocalCluster], tmp_path: Path, attempt: int
+) -> None:
+    """Two exchanges of one node in a burst (two connections, several chunks open); one
+    connection is cut. The node's reset must not take the other exchange's bookkeeping
+    with it, whatever order the two come back in: the load completes, every landing is
+    released (else the load's close would hang) and the next loads work."""
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 6 + attempt)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
+        config = _proxied_config(cluster, 0, proxy, tmp_path)
+        config = replace(config, chunk_bytes=8 * P, window=4, connections_per_node=2)
+        with Client(replace(config, hedge_ms=50.0, timeout_s=1.0)) as client:
+            out = np.zeros((N, P), np.uint8)
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N  # connections up
+            before = _counters(client)
+            proxy.cut_next()
+            out[:] = 0
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+            assert np.array_equal(out, payloads)
+            assert proxy.cut == 1
+            after = _counters(client)
+            assert after["burst_taken"] - before["burst_taken"] == 2 * 12
+            assert _accounted(after)
+            for _ in range(2):
+                out[:] = 0
+                assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+                assert np.array_equal(out, payloads)
+
+
 def test_a_stopped_daemon_s_exchange_is_left_to_the_loop(
     cluster_factory: Callable[..., LocalCluster],
 ) -> None:

@@ -104,6 +104,7 @@ class GetExchange(PumpedExchange):
         self.accepted: npt.NDArray[np.bool_] | None = None
 
     def landing(self, header: Header, items: npt.NDArray[np.void]) -> Segments | None:
+        assert self._writes is None, "a second landing claimed for one reply"
         if len(items) != len(self.send.blocks):
             return None
         claim = self.assembly.land_reply(*self.shards, self.shards_at, items)
@@ -124,13 +125,14 @@ class GetExchange(PumpedExchange):
             return None
         blocks = self.shards[0]
         span = (int(blocks.min()), int(blocks.max()) + 1)
-        return BurstLanding(self.shards_at, target, span, self.assembly.k)
+        return BurstLanding(self.shards_at, target, span, self.assembly.k, blocks)
 
     def burst_done(self, accepted: npt.NDArray[np.bool_]) -> None:
         self.accepted = accepted
         self.landed_in_assembly = True
 
     def landed_natively(self, landing: native.GetLanding) -> None:
+        assert self._writes is None, "a second landing claimed for one reply"
         self.assembly.claim_landing()
         self.native_landing = landing
         self._writes, self._writes_at = landing.writes, landing.writes_at

@@ -190,10 +190,12 @@ class BurstLanding:
 
     shards_at: tuple[int, int]
     target_at: int
-    #: The blocks asked, [first, end), and how many shards of each a load needs (k): a
-    #: burst returns once every block of its exchanges has k (stragglers are the loop's).
+    #: The blocks asked, [first, end), how many shards of each a load needs (k), and the
+    #: block of each shard asked: a burst returns once every block has k shards, or all its
+    #: own exchanges ask of it (stragglers are the loop's).
     span: tuple[int, int] = (0, 0)
     k: int = 0
+    blocks: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 class Transport(Protocol):
@@ -542,7 +544,10 @@ class TcpTransport:
             self.counters["caller_turns"] += 1
         try:
             # Idle connections their daemon closed are dropped first (as drive() does).
-            if not self._events(0.0) or not self._drain():
+            if not self._events(0.0):
+                return list(exchanges)
+            if not self._drain():
+                self._stop_loop()
                 return list(exchanges)
             return self._burst(exchanges, until)
         finally:
@@ -610,47 +615,92 @@ class TcpTransport:
         for exchange, conn, _how, request_id in taken:
             exchange.attempts += 1
             conn.sent.append(_Sent(exchange, request_id, now))
+        # The rest go out now, on connections the burst does not use (else they would wait
+        # for it); those of a node whose every connection it uses are handed back.
+        later: list[Exchange] = []
+        for exchange in rest:
+            spare = self._free_bulk(exchange.node, busy)
+            if spare is None:
+                later.append(exchange)
+            else:
+                spare.queue.append(exchange)
+                self._pump(spare)
+        first, need = _burst_need(taken)
         wait = 0.0 if until is None else max(0.0, until - self.clock())
-        hows = [t[2] for t in taken]
-        k = hows[0].k if all(h.k == hows[0].k for h in hows) else 0
-        enough = (min(h.span[0] for h in hows), max(h.span[1] for h in hows), k)
         try:
             native.get_burst(
-                table, hows[0].target_at, wait, self.limits.max_data_bytes, enough=enough
+                table,
+                taken[0][2].target_at,
+                wait,
+                self.limits.max_data_bytes,
+                first_block=first,
+                need=need,
+                wake_fd=self._wake_r.fileno(),
             )
         except OSError as exc:  # poll() failed: each connection reports on its own next
             log.warning("native burst failed: %s", exc)
         states = table["state"].tolist()
         self.counters["burst_taken"] += n
         reply_dtype = item_dtype(Op.GET, reply=True)
+        # First, with no I/O (nothing here can reset a node): finish what is done, and
+        # claim the landings of what is left half landed.
+        left: list[tuple[int, native.GetLanding | None, _BurstBuffers]] = []
+        pumps: list[_Conn] = []
         for j, (exchange, conn, _how, request_id) in enumerate(taken):
             a, c = int(reply_at[j]), int(counts[j])
             items = replies[a + HEADER_BYTES : a + HEADER_BYTES + 8 * c].view(reply_dtype)
             w, cap = int(land_at[j]), int(caps[j])
-            landing = lands[w : w + int(words[j])]
-            if states[j] == native.Burst.DONE:
+            landing_buf = lands[w : w + int(words[j])]
+            state = states[j]
+            if state == native.Burst.DONE:
                 self.counters["burst_done"] += 1
                 sent = conn.sent.popleft()
                 assert sent.exchange is exchange
-                accepted = landing[2 * cap + 3 + c + 2 :].view(np.bool_)[:c]
+                accepted = landing_buf[2 * cap + 3 + c + 2 :].view(np.bool_)[:c]
                 exchange.burst_done(accepted)
                 data_len = int(replies[a + 24 : a + 32].view("<u8")[0])
                 header = Header(op=Op.GET, request_id=request_id, count=c, data_len=data_len,
                                 flags=FLAG_REPLY)  # fmt: skip
                 _finish(exchange, Message(header, items, _EMPTY), None)
                 if conn.queue:
-                    self._pump(conn)
+                    pumps.append(conn)
                 continue
+            self.counters[f"burst_left_{_BURST_LEFT[state]}"] += 1
+            landing: native.GetLanding | None = None
+            if state == native.Burst.DATA or (
+                state == native.Burst.FAILED and int(table[j]["used"])
+            ):
+                landing = native.landing_of(landing_buf, cap, int(table[j]["used"]), c, exchange)
+                exchange.landing_asked = True
+                exchange.landed_natively(landing)
             bufs = _BurstBuffers(
                 heads[HEADER_BYTES * j : HEADER_BYTES * (j + 1)].data,
                 items_sent[j].view(np.uint8).data,
                 items,
                 replies[a : a + HEADER_BYTES],
-                landing,
+                landing_buf,
                 cap,
             )
-            self._after_burst(conn, exchange, table[j], bufs)
-        return rest
+            left.append((j, landing, bufs))
+        # Then each exchange left goes back to its connection where it stands, unless a
+        # reset of its node (one of these steps failing) took it already.
+        for j, landing, bufs in left:
+            exchange, conn = taken[j][0], taken[j][1]
+            if not (conn.sent and conn.sent[0].exchange is exchange):
+                continue
+            try:
+                self._after_burst(conn, exchange, int(states[j]), table[j], bufs, landing)
+            except (OSError, ssl.SSLError, KVCacheError) as exc:
+                self._failed(conn, exc)
+        for conn in pumps:
+            if conn.sock is not None and conn.queue:
+                self._pump(conn)
+        return later
+
+    def _free_bulk(self, node: int, busy: set[int]) -> _Conn | None:
+        """The least loaded bulk connection of ``node`` a burst does not use, if any."""
+        free = [conn for conn in self._bulk[node] if id(conn) not in busy]
+        return min(free, key=_load) if free else None
 
     def _idle_bulk(self, node: int, busy: set[int]) -> _Conn | None:
         """A connected plain-TCP bulk connection of ``node`` with nothing on it, and none
@@ -670,20 +720,17 @@ class TcpTransport:
         return None
 
     def _after_burst(
-        self, conn: _Conn, exchange: Exchange, row: np.void, bufs: _BurstBuffers
+        self,
+        conn: _Conn,
+        exchange: Exchange,
+        state: int,
+        row: np.void,
+        bufs: _BurstBuffers,
+        landing: native.GetLanding | None,
     ) -> None:
-        """Hand an exchange the burst ran back to this loop: finished, or where it stands."""
-        state = int(row["state"])
-        self.counters[f"burst_left_{_BURST_LEFT[state]}"] += 1
-        landing: native.GetLanding | None = None
-        if state in (native.Burst.DATA, native.Burst.DONE) or (
-            state == native.Burst.FAILED and int(row["used"])
-        ):
-            landing = native.landing_of(
-                bufs.landing, bufs.cap, int(row["used"]), len(bufs.items), exchange
-            )
-            exchange.landing_asked = True
-            exchange.landed_natively(landing)
+        """Hand an exchange the burst left back to this loop, where it stands on ``conn``
+        (its landing, if it has one, already claimed). Raises what a step of _receive
+        would: the caller fails the connection then."""
         if state == native.Burst.FAILED:
             node = self.node_id(conn.node)
             code = int(row["error"])
@@ -726,8 +773,6 @@ class TcpTransport:
         conn.rstate, conn.index = _DATA, 0
         conn.landing = True
         conn.segments = landing.segments
-        if state == native.Burst.DONE:
-            self._resume(conn, lambda: self._complete(conn))
 
     def _resume(self, conn: _Conn, step: Callable[[], None]) -> None:
         """Run one step of ``conn``'s reply where a burst left it, with the errors
@@ -1250,6 +1295,21 @@ class _BurstBuffers(NamedTuple):
     header: npt.NDArray[np.uint8]
     landing: npt.NDArray[np.uint64]
     cap: int
+
+
+def _burst_need(
+    taken: Sequence[tuple[Exchange, _Conn, BurstLanding, int]],
+) -> tuple[int, npt.NDArray[np.uint8] | None]:
+    """(first block, shards per block from it on) a burst may return at: k of each block,
+    or as many as the burst's own exchanges ask of it (the rest ask elsewhere)."""
+    hows = [t[2] for t in taken]
+    k = hows[0].k
+    if not k or any(h.k != k for h in hows):
+        return 0, None
+    first = min(h.span[0] for h in hows)
+    end = max(h.span[1] for h in hows)
+    asked = np.bincount(np.concatenate([h.blocks for h in hows]) - first, minlength=end - first)
+    return first, np.minimum(asked, k).astype(np.uint8)
 
 
 _EMPTY = memoryview(b"")

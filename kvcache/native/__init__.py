@@ -66,7 +66,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -105,7 +105,7 @@ def _load() -> Any:
     lib.kv_land_get_reply.argtypes = [ptr, size, *[ptr] * 9]
     lib.kv_land_get_reply.restype = size
     lib.kv_add_at.argtypes = [ptr, ptr, size, ctypes.c_int64]
-    lib.kv_get_burst.argtypes = [ptr, size, ptr, ctypes.c_int64, u64, u64, u64, u64]
+    lib.kv_get_burst.argtypes = [ptr, size, ptr, ctypes.c_int64, u64, u64, ptr, u64, ctypes.c_int]
     lib.kv_get_burst.restype = ctypes.c_int64
     lib.kv_add_at.restype = None
     lib.kv_recv_hashed.argtypes = [
@@ -459,17 +459,19 @@ def get_burst(
     timeout_s: float,
     max_data: int,
     *,
-    enough: tuple[int, int, int] = (0, 0, 0),
+    first_block: int = 0,
+    need: npt.NDArray[np.uint8] | None = None,
+    wake_fd: int = -1,
 ) -> int:
     """Run ``exchanges`` (:data:`BURST_DTYPE`, filled in by the caller, every buffer alive for
     the call) until each is done, stopped or failed, or ``timeout_s`` passed: GETs sent and
     their replies received, landed and read whole, in the assembly whose tables'
     addresses are at ``target_at`` (``LoadAssembly.burst_target``). A done reply is also
     accepted (its verdicts after its landing buffer's counts) and its blocks no longer
-    counted as being written. ``enough`` = (first block, end block, k): return as soon as
-    every block of that range has k shards accepted (the load can go on without the rest).
-    Returns how many are still under way; each one's ``state`` says where it stands
-    (:class:`Burst`)."""
+    counted as being written. ``need``: return as soon as each block ``first_block + j`` has
+    ``need[j]`` shards accepted (the load can go on without the rest). ``wake_fd``: return
+    as soon as it is readable (the transport's wake socket). Returns how many are still
+    under way; each one's ``state`` says where it stands (:class:`Burst`)."""
     assert _LIB is not None
     if not len(exchanges):
         return 0
@@ -480,7 +482,10 @@ def get_burst(
             target_at,
             max(0, int(timeout_s * 1000)),
             max_data,
-            *enough,
+            first_block,
+            None if need is None else addresses_of(need),
+            0 if need is None else len(need),
+            wake_fd,
         )
     )
     if left < 0:

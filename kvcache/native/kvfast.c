@@ -22,7 +22,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 7; }
+int kv_abi_version(void) { return 8; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -630,7 +630,10 @@ static int burst_recv(kv_burst_ex *x, const kv_burst_target *t, uint64_t max_dat
                 x->state = BURST_STOP_LANDING;
                 return 0;
             }
-            if (counts[1] != data_len) { /* cannot be: kv_land_get_reply lands every byte */
+            if (counts[1] != data_len) {
+                /* Bytes the landing does not place (a non-OK item with a length): undo its
+                 * counts, and the Python transport judges the reply. */
+                kv_add_at(t->writing, writes, counts[0], -1);
                 x->state = BURST_STOP_LANDING;
                 return 0;
             }
@@ -709,31 +712,35 @@ static int64_t burst_now_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Run the n exchanges until each is DONE, stopped or FAILED, or timeout_ms passed, or (k
- * nonzero) every block in [lo, hi) has k shards accepted, landing in (and accepting into) the
- * assembly t; a reply's data section is at most max_data. A DONE reply is landed, its
- * verdicts in its landing buffer, its blocks no longer counted as being written. Returns how
- * many are still under way (their state says where each stands), or -errno when poll
- * failed. */
-/* Whether every block in [lo, hi) has k shards accepted (the load's round would find its
- * chunks complete: stragglers are then its business, as a hedge's late answers are). */
-static int burst_enough(const kv_burst_target *t, uint64_t lo, uint64_t hi, uint64_t k) {
+/* Run the n exchanges until each is DONE, stopped or FAILED, or timeout_ms passed, or (need
+ * given) every block lo + j, j < count, has need[j] shards accepted, or wake_fd (>= 0) is
+ * readable; landing in (and accepting into) the assembly t; a reply's data section is at
+ * most max_data. A DONE reply is landed, its verdicts in its landing buffer, its blocks no
+ * longer counted as being written. Returns how many are still under way (their state says
+ * where each stands), or -errno when poll failed. */
+/* Whether every block b in [lo, lo + count) has need[b - lo] shards accepted (the load's
+ * round would find its chunks complete: stragglers are then its business, as a hedge's late
+ * answers are). */
+static int burst_enough(const kv_burst_target *t, uint64_t lo, const uint8_t *need,
+                        uint64_t count) {
     uint64_t width = t->accept_geom[0];
-    for (uint64_t b = lo; b < hi; b++) {
-        const uint8_t *row = t->got + b * width;
+    for (uint64_t j = 0; j < count; j++) {
+        const uint8_t *row = t->got + (lo + j) * width;
         uint64_t have = 0;
         for (uint64_t i = 0; i < width; i++) have += row[i];
-        if (have < k) return 0;
+        if (have < need[j]) return 0;
     }
     return 1;
 }
 
 int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_t timeout_ms,
-                     uint64_t max_data, uint64_t lo, uint64_t hi, uint64_t k) {
-    struct pollfd fds[KV_BURST_MAX];
+                     uint64_t max_data, uint64_t lo, const uint8_t *need, uint64_t count,
+                     int wake_fd) {
+    struct pollfd fds[KV_BURST_MAX + 1];
     int where[KV_BURST_MAX];
     uint8_t ready[KV_BURST_MAX]; /* worth a syscall: polled ready (or not polled yet) */
     if (n > KV_BURST_MAX) return -EINVAL;
+    if (timeout_ms > 3600000) timeout_ms = 3600000;
     int64_t deadline = burst_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
     memset(ready, 1, n);
     for (;;) {
@@ -757,15 +764,20 @@ int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_
             }
         }
         if (!nf) return 0;
-        if (k && burst_enough(t, lo, hi, k)) return nf; /* k of every block: the rest later */
+        if (need && burst_enough(t, lo, need, count)) return nf; /* enough: the rest later */
         int64_t left = deadline - burst_now_ms();
         if (left <= 0) return nf;
-        int r = poll(fds, (nfds_t)nf, (int)left);
+        /* The transport's wake socket too: another thread posted work for the loop (a
+         * submit, a watchdog's reset), which the loop takes as soon as this returns. */
+        int polled = nf;
+        if (wake_fd >= 0) fds[polled++] = (struct pollfd){.fd = wake_fd, .events = POLLIN};
+        int r = poll(fds, (nfds_t)polled, (int)left);
         if (r < 0) {
             if (errno == EINTR) continue;
             return -(int64_t)errno;
         }
         if (r == 0) return nf;
+        if (polled > nf && fds[nf].revents) return nf;
         for (int f = 0; f < nf; f++) ready[where[f]] = fds[f].revents != 0;
     }
 }
