@@ -12,7 +12,10 @@ functions of the data path (``time.thread_time_ns`` around each call: a wrapper 
 about a microsecond a call, so small stages read slightly high). Nested stages overlap:
 ``receive`` contains ``recv_scatter`` and ``landing``.
 
-Usage: python bench/profile_load.py [--seconds S] [--blocks N] [--top N] [--stages]
+``--kill N`` kills N daemons after the stores, so the loads take the degraded path (every
+block that lost a data shard is rebuilt).
+
+Usage: python bench/profile_load.py [--seconds S] [--blocks N] [--top N] [--stages] [--kill N]
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1024, help="blocks stored and loaded")
     parser.add_argument("--top", type=int, default=45, help="rows of each profile table")
     parser.add_argument("--stages", action="store_true", help="per-call stage times instead")
+    parser.add_argument(
+        "--kill", type=int, default=0, metavar="N",
+        help="kill N daemons after the stores (the degraded load's path)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.stages:
         install_stage_timers()
@@ -108,6 +115,8 @@ def main() -> None:
         keys = [BlockKey(os.urandom(16)) for _ in range(n)]
         for lo in range(0, n, BATCH):
             client.store_keys(keys[lo : lo + BATCH], blocks[lo : lo + BATCH], payload_len=PAYLOAD)
+        for node in range(args.kill):
+            cluster.kill(node)
 
         def loop(seconds: float) -> tuple[float, float]:
             start, cpu, moved = time.monotonic(), time.process_time(), 0

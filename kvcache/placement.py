@@ -384,11 +384,11 @@ def write_targets_many(
         domains = np.asarray(domain_of, np.int64)
         dom_ids = np.unique(domains, return_inverse=True)[1].reshape(-1)
         n_dom = int(dom_ids.max()) + 1 if len(dom_ids) else 1
+        # first_seen[r, x]: the first position of node x in row r's order.
         first_seen = np.full((len(rows), nodes), positions, np.int64)
-        for p in range(positions - 1, -1, -1):
-            col = order[rows, p]
-            valid = (col >= 0) & (col < nodes)
-            first_seen[np.flatnonzero(valid), col[valid]] = p
+        cols = order[rows]
+        r_at, p_at = np.nonzero((cols >= 0) & (cols < nodes))
+        np.minimum.at(first_seen, (r_at, cols[r_at, p_at]), p_at)
         node_ids = np.arange(nodes, dtype=np.int64)
         failed = np.zeros(len(rows), bool)
         while left.any():

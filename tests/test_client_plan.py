@@ -177,15 +177,20 @@ def test_payload_rows_are_checked_before_any_io() -> None:
 # ---------------------------------------------------------------------- assembly
 
 
-def assembly_for(ks: list[BlockKey], stripe_ids: np.ndarray, out: np.ndarray) -> LoadAssembly:
+def assembly_for(
+    ks: list[BlockKey],
+    stripe_ids: np.ndarray,
+    out: np.ndarray,
+    backend: Backend = Backend.NUMPY,
+) -> LoadAssembly:
     return LoadAssembly(
         key_words=np.frombuffer(b"".join(ks), "V16"),
         stripes=stripe_ids,
         out=out,
         k=K,
         n=N,
-        payload_len=P,
-        codec=get_codec(ErasureParams(k=K, m=N - K), Backend.NUMPY),
+        payload_len=out.shape[1],
+        codec=get_codec(ErasureParams(k=K, m=N - K), backend),
     )
 
 
@@ -249,16 +254,28 @@ def test_assembly_round_trip(lost: tuple[int, ...]) -> None:
         assert np.array_equal(out[b], payloads[b])
 
 
+def _backends() -> list[Backend]:
+    from kvcache.erasure import isal_available
+
+    return [Backend.NUMPY, *([Backend.ISAL] if isal_available() else [])]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("payload_len", [P, 1000, 640])
 @settings(derandomize=True, max_examples=25, deadline=None)
 @given(st.lists(st.sets(st.integers(0, N - 1), max_size=3), min_size=1, max_size=8), st.data())
 def test_assembly_rebuilds_blocks_with_different_losses_in_one_pass(
-    lost: list[set[int]], data: st.DataObject
+    backend: Backend, payload_len: int, lost: list[set[int]], data: st.DataObject
 ) -> None:
     """Each block loses its own shards (a node down holds a different index of every
     key), one may also carry a corrupt body: every block with k sound shards comes out
-    byte-identical, the others are not good, and nothing else is touched."""
+    byte-identical, the others are not good, and nothing else is touched. The payload
+    lengths put the data row that crosses the payload's end at different rows (or none),
+    and ISA-L rebuilds the whole batch in one native call."""
     count = len(lost)
-    ks, records, stripe_ids, payloads = encoded(count, seed=len(lost))
+    ks, records, stripe_ids, payloads = encoded(
+        count, backend, payload_len=payload_len, seed=len(lost)
+    )
     corrupt = data.draw(st.sampled_from([None, *range(count)]))
     for b, gone in enumerate(lost):
         for i in gone:
@@ -268,8 +285,8 @@ def test_assembly_rebuilds_blocks_with_different_losses_in_one_pass(
         body = bytearray(records[(corrupt, index)])
         body[HEADER_BYTES + 7] ^= 0x40
         records[(corrupt, index)] = bytes(body)
-    out = np.zeros((count, P), np.uint8)
-    asm = assembly_for(ks, stripe_ids, out)
+    out = np.zeros((count, payload_len), np.uint8)
+    asm = assembly_for(ks, stripe_ids, out, backend)
     deliver(asm, records, count)
     searched: list[int] = []  # blocks that needed the shard-by-shard search
     locate = asm._locate

@@ -420,6 +420,29 @@ def test_metrics_count_what_the_plane_answered(tmp_path: Path) -> None:
         assert 'kvcache_server_native_handoffs_total{reason="op"}' in text
 
 
+def test_misses_are_answered_by_the_plane_and_counted(tmp_path: Path) -> None:
+    """A GET with misses (an unknown key, a shard index the node lacks, another stripe
+    than the one stored) is what a load sends to the node standing in for a dead holder:
+    the plane answers it, with Python's statuses, and counts the misses per class."""
+    with DaemonProcess(tmp_path, retention=RETENTION) as d, d.probe() as p:
+        recs = block_records(KEYS[8], body_len=BODY, traffic_class="chat")
+        assert (p.put(recs[:6]) == Status.OK).all()  # shards 0-5 only
+        before = d.stats()
+        wanted = [(KEYS[8], 1), (UNKNOWN[0], 1), (KEYS[8], 7), (KEYS[8], 2)]
+        statuses, records = p.get(wanted, traffic_class="chat")
+        assert statuses.tolist() == [Status.OK, Status.NOT_FOUND, Status.NOT_FOUND, Status.OK]
+        assert records == [recs[1][2], None, None, recs[2][2]]
+        all_missed, _ = p.get([(UNKNOWN[1], 0), (UNKNOWN[2], 3)], traffic_class="chat")
+        assert all_missed.tolist() == [Status.NOT_FOUND] * 2
+        after = d.stats()
+    native = {k: after["native"]["requests"][k] - before["native"]["requests"][k] for k in ("get",)}
+    assert native == {"get": 2}
+    assert after["native"]["handed"] == before["native"]["handed"]
+    assert after["misses"]["get"]["chat"] - before["misses"]["get"].get("chat", 0) == 4
+    assert after["hits"]["get"]["chat"] - before["hits"]["get"].get("chat", 0) == 2
+    assert after["items"]["get"]["not_found"] - before["items"]["get"].get("not_found", 0) == 4
+
+
 def test_the_plane_can_be_turned_off(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path, server={"native_plane": False}) as d, d.probe() as p:
         recs = block_records(KEYS[7], body_len=BODY)

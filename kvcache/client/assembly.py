@@ -500,17 +500,14 @@ class LoadAssembly:
         bad.update(self._wrong_claims(fast, digests))
         if good.all():
             return Verdicts(good, rebuilt, bad)
-        # Rebuild, grouped by erasure pattern: one codec call per pattern.
-        patterns: dict[tuple[int, ...], list[int]] = {}
+        # Rebuild every block that lost a data shard, whatever its erasure pattern, in one
+        # codec call.
         got = self.got[idx]
-        degraded = ~good & ~got[:, :k].all(axis=1) & (got.sum(axis=1) >= k)
-        for j in np.flatnonzero(degraded).tolist():
-            present = tuple(np.flatnonzero(got[j])[:k].tolist())
-            patterns.setdefault(present, []).append(j)
-        for present, group in patterns.items():
-            ok = np.array(self._rebuild(idx[group].tolist(), present), bool)
-            good[group] = ok
-            rebuilt[group] = ok
+        degraded = np.flatnonzero(~good & ~got[:, :k].all(axis=1) & (got.sum(axis=1) >= k))
+        if len(degraded):
+            ok = self._rebuild(idx[degraded])
+            good[degraded] = ok
+            rebuilt[degraded] = ok
         # What is left either failed its check or is short of shards.
         for j in np.flatnonzero(~good).tolist():
             b = int(idx[j])
@@ -666,35 +663,39 @@ class LoadAssembly:
         if self.pad_len:
             self.pad[b, : self.pad_len] = flat[self.payload_len :]
 
-    def _rebuild(self, group: list[int], present: tuple[int, ...]) -> list[bool]:
-        """Rebuild the missing data rows of ``group`` (one erasure pattern) where they are
-        read from, then check each block's payload hash; a verdict per block."""
+    def _rebuild(self, idx: IntArray) -> npt.NDArray[np.bool_]:
+        """Rebuild the missing data rows of blocks ``idx`` (each from its k lowest received
+        shards) where they are read from, then check each block's payload hash; a verdict
+        per block."""
         k, length, payload = self.k, self.length, self.payload_len
-        idx = np.asarray(group, np.int64)
         rows = self._row_addresses(idx)
+        present = self.got[idx]
         # The data row that crosses the payload's end is split between out and the pad:
         # the codec gets a contiguous copy of it (and it is split back if rebuilt).
         cut = self.inside if self.inside < k and self.inside * length < payload else None
         scratch = None
+        head = 0
         if cut is not None:
             head = payload - cut * length
             scratch = np.zeros((len(idx), length), np.uint8)
-            if cut in present:
-                scratch[:, :head] = self.out[idx, cut * length :]
-                scratch[:, head:] = self.pad[idx, : length - head]
+            have = idx[present[:, cut]]
+            scratch[present[:, cut], :head] = self.out[have, cut * length :]
+            scratch[present[:, cut], head:] = self.pad[have, : length - head]
             rows[:, cut] = np.uint64(native.addresses_of(scratch)) + np.arange(
                 len(idx), dtype=np.uint64
             ) * np.uint64(length)
         try:
-            written = self.codec.reconstruct_rows(rows, length, present, keepalive=(self, scratch))
+            written = self.codec.reconstruct_rows_many(rows, length, present)
         except ErasureError:
-            return [False] * len(group)
-        if cut is not None and cut in written and scratch is not None:
-            head = payload - cut * length
-            self.out[idx, cut * length :] = scratch[:, :head]
-            self.pad[idx, : length - head] = scratch[:, head:]
-        ok: list[bool] = self._hash_matches(idx).tolist()
-        return ok
+            return np.zeros(len(idx), bool)
+        if cut is not None and scratch is not None:
+            back = written[:, cut]
+            if back.any():
+                again = idx[back]
+                self.out[again, cut * length :] = scratch[back, :head]
+                self.pad[again, : length - head] = scratch[back, head:]
+        ok: npt.NDArray[np.bool_] = self._hash_matches(idx)
+        return ok & (written.any(axis=1) | present[:, :k].all(axis=1))
 
     def _row_addresses(self, idx: IntArray) -> npt.NDArray[np.uint64]:
         """(blocks, n) addresses of each shard row where a load keeps it: data rows in

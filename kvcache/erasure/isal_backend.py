@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvcache import native
 from kvcache.erasure import gf
 from kvcache.erasure.codec import Backend, Codec, RebuildPlan, StripeArray
 from kvcache.erasure.isal_lib import IsalLib
@@ -55,6 +56,19 @@ class _Program:
     outputs: int
 
 
+@dataclass(frozen=True, slots=True)
+class _MaskPlan:
+    """The rebuild of one erasure pattern, as rows of a batch's tables: the stripe rows in
+    the order ec_encode_data takes them (k inputs, outputs, then padding), its tables and
+    output count (0: nothing to rebuild), and which rows it writes."""
+
+    program: _Program | None  # keeps the tables alive while the plan is cached
+    order: tuple[int, ...]
+    tables_address: int
+    outputs: int
+    written: tuple[bool, ...]
+
+
 class IsalCodec(Codec):
     """Reed–Solomon over GF(2^8) through Intel ISA-L (see the module docstring)."""
 
@@ -69,6 +83,7 @@ class IsalCodec(Codec):
         )
         self._rebuild_program = functools.lru_cache(maxsize=256)(self._plan)
         self._offsets = functools.lru_cache(maxsize=64)(self._row_offsets)
+        self._mask_plan = functools.lru_cache(maxsize=1024)(self._plan_mask)
         logger.debug("ISA-L erasure codec ready for %s (%s)", params, lib.path)
 
     def _compile(
@@ -167,6 +182,46 @@ class IsalCodec(Codec):
             stride=len(program.rows) * _POINTER,
             coding_offset=self._params.k * _POINTER,
         )
+
+    def reconstruct_rows_many(
+        self,
+        rows: npt.NDArray[np.uint64],
+        length: int,
+        present: npt.NDArray[np.bool_],
+    ) -> npt.NDArray[np.bool_]:
+        """See :meth:`Codec.reconstruct_rows_many`: the blocks' patterns are found with numpy,
+        each pattern's tables come from a cache, and one native call decodes every block
+        with its own tables."""
+        self._check_many(rows, present)
+        blocks, n = rows.shape
+        if length > _MAX_LEN:
+            raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
+        if not blocks or not length:
+            return np.zeros(present.shape, bool)
+        masks = present.astype(np.int64) @ (np.int64(1) << np.arange(n, dtype=np.int64))
+        unique, inverse = np.unique(masks, return_inverse=True)
+        plans = [self._mask_plan(mask) for mask in unique.tolist()]
+        at = inverse.reshape(-1)
+        order = np.array([p.order for p in plans], np.int64)[at]
+        io = np.take_along_axis(rows, order, axis=1)
+        tables = np.array([p.tables_address for p in plans], np.uint64)[at]
+        outputs = np.array([p.outputs for p in plans], np.int32)[at]
+        native.ec_run_many(self._lib.encode_address, length, self._params.k, tables, io, outputs)
+        written: npt.NDArray[np.bool_] = np.array([p.written for p in plans], bool)[at]
+        del plans  # held until here: the tables the native call read
+        return written
+
+    def _plan_mask(self, mask: int) -> _MaskPlan:
+        """What a block whose present rows are the bits of ``mask`` needs rebuilt, and how."""
+        k, n = self._params.k, self._params.n
+        have = [i for i in range(n) if mask >> i & 1]
+        targets = tuple(i for i in range(k) if not mask >> i & 1)
+        written = tuple(i in targets for i in range(n))
+        if len(have) < k or not targets:
+            return _MaskPlan(None, tuple(range(n)), 0, 0, tuple(False for _ in range(n)))
+        program = self._rebuild_program(tuple(have[:k]), targets)
+        order = program.rows + tuple(0 for _ in range(n - len(program.rows)))
+        return _MaskPlan(program, order, program.tables_address, program.outputs, written)
 
     def _rebuild_blocks(
         self, stripes: StripeArray, plan: RebuildPlan, blocks: npt.NDArray[np.int64]

@@ -42,6 +42,9 @@ class IsalLib:
     ec_init_tables: InitTablesFn
     ec_encode_data: Callable[..., None]
     """Declared without argtypes: see :meth:`encode_blocks`."""
+    encode_address: int
+    """The address of ``ec_encode_data``, for native loops that call it themselves
+    (:func:`kvcache.native.ec_run_many`)."""
 
     def encode_blocks(
         self,
@@ -88,7 +91,10 @@ def _bind(path: str) -> IsalLib:
                 f"{path}: gf_mul({a:#x}, {b:#x}) = {gf_mul(a, b):#x}, expected "
                 f"{gf.gf_mul(a, b):#x} in the field 0x{gf.PRIM:x}"
             )
-    return IsalLib(path=path, ec_init_tables=init, ec_encode_data=encode)
+    address = ctypes.cast(encode, ctypes.c_void_p).value
+    if not address:
+        raise AttributeError(f"{path}: ec_encode_data has no address")
+    return IsalLib(path=path, ec_init_tables=init, ec_encode_data=encode, encode_address=address)
 
 
 class _WrongFieldError(Exception):

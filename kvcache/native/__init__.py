@@ -48,6 +48,7 @@ __all__ = [
     "Burst",
     "accept_items",
     "addresses_of",
+    "ec_run_many",
     "get_burst",
     "get_keys",
     "get_quiet",
@@ -66,7 +67,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -108,6 +109,8 @@ def _load() -> Any:
     lib.kv_get_burst.argtypes = [ptr, size, ptr, ctypes.c_int64, u64, u64, ptr, u64, ctypes.c_int]
     lib.kv_get_burst.restype = ctypes.c_int64
     lib.kv_add_at.restype = None
+    lib.kv_ec_run_many.argtypes = [u64, ctypes.c_int, ctypes.c_int, size, ptr, ptr, size, ptr]
+    lib.kv_ec_run_many.restype = None
     lib.kv_recv_hashed.argtypes = [
         ctypes.c_int, ptr, u64, u64, ptr, u64, ctypes.c_double, ptr, ptr
     ]  # fmt: skip
@@ -500,6 +503,41 @@ def add_at(table_at: int, idx_at: int, count: int, delta: int) -> None:
     assert _LIB is not None
     if count:
         _LIB.kv_add_at(table_at, idx_at, count, delta)
+
+
+def ec_run_many(
+    encode: int,
+    length: int,
+    k: int,
+    tables: U64Array,
+    io: U64Array,
+    outputs: npt.NDArray[np.int32],
+) -> None:
+    """ISA-L's ``ec_encode_data`` (at address ``encode``) over a batch of blocks, each with
+    its own tables (``tables[i]``, an address): block i reads the k rows whose addresses
+    are ``io[i, :k]`` and writes ``outputs[i]`` rows at the addresses after them. One
+    native call for a batch whose blocks need different decode tables; without the
+    library, one ctypes call per block."""
+    count = len(tables)
+    if not count:
+        return
+    table = np.ascontiguousarray(io, np.uint64)
+    outs = np.ascontiguousarray(outputs, np.int32)
+    tabs = np.ascontiguousarray(tables, np.uint64)
+    if _LIB is not None:
+        _LIB.kv_ec_run_many(
+            encode, length, k, count, _at(tabs), _at(table), table.shape[1], _at(outs)
+        )
+        return
+    fn = ctypes.CFUNCTYPE(
+        None, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p,
+    )(encode)  # fmt: skip
+    base, stride = _at(table), table.shape[1] * 8
+    for i in range(count):
+        if outs[i] > 0:
+            row = base + i * stride
+            fn(length, k, int(outs[i]), int(tabs[i]), row, row + k * 8)
 
 
 class GetLanding(NamedTuple):

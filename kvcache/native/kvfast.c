@@ -22,7 +22,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 8; }
+int kv_abi_version(void) { return 9; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -407,6 +407,25 @@ size_t kv_land_get_reply(const uint8_t *items, size_t count, const int64_t *bloc
  * blocks a landing writes, counted in and out (LoadAssembly.landed). */
 void kv_add_at(int64_t *table, const int64_t *idx, size_t count, int64_t delta) {
     for (size_t j = 0; j < count; j++) table[idx[j]] += delta;
+}
+
+/* ISA-L's ec_encode_data, whose address the caller passes (kvcache.erasure loads ISA-L;
+ * this library stays free of it). */
+typedef void (*kv_ec_encode_fn)(int len, int k, int rows, unsigned char *tables,
+                                unsigned char **data, unsigned char **coding);
+
+/* ec_encode_data over `count` blocks, each with its own tables: block i reads the k row
+ * pointers at io[i * stride] and writes outputs[i] rows through the pointers after them
+ * (none if outputs[i] is 0). A degraded load rebuilds a batch whose blocks lost different
+ * shards, so each may have its own decode tables (IsalCodec.reconstruct_rows_many). */
+void kv_ec_run_many(uint64_t encode, int length, int k, size_t count, const uint64_t *tables,
+                    const uint64_t *io, size_t stride, const int32_t *outputs) {
+    kv_ec_encode_fn fn = (kv_ec_encode_fn)(uintptr_t)encode;
+    for (size_t i = 0; i < count; i++) {
+        if (outputs[i] <= 0) continue;
+        unsigned char **rows = (unsigned char **)(uintptr_t)(io + i * stride);
+        fn(length, k, outputs[i], (unsigned char *)(uintptr_t)tables[i], rows, rows + k);
+    }
 }
 
 /* ---------------------------------------------------------------- the daemon's GET

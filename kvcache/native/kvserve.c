@@ -6,13 +6,15 @@
  * back. Authenticated plain-TCP connections the loop "adopts" are native: their requests are
  * read here, and the two that are pure lookups in the index are answered here without Python:
  *
- *   GET whose every item is a live hit of the wanted stripe with no expiry slide due (the
- *       "quiet" GET of kvcache.server.records.quiet_get): header and items with send(), the
- *       records straight from the segment files with sendfile();
+ *   GET whose every item is either a live hit of the wanted stripe with no expiry slide due
+ *       (the "quiet" GET of kvcache.server.records.quiet_get) or a plain miss (no such
+ *       shard, or a shard of another stripe than the one named): header and items with
+ *       send(), the records straight from the segment files with sendfile(). Misses are
+ *       what a degraded load sends: a client whose holder is down asks the node that stands
+ *       in for it, which holds the shard only once it has been repaired there;
  *   HAS (which shards of these keys are live).
  *
- * Anything else (another op, a flag, a class this engine was not given, a miss, a stripe
- * mismatch, an expiry to slide, a shard index out of range, a reply too large) is handed back
+ * Anything else (another op, a flag, a class this engine was not given, an expiry to slide, a shard index out of range, a reply too large) is handed back
  * whole: the connection becomes foreign again and Python takes its buffered bytes
  * (kvs_take) and answers as it always did. So the engine never decides what Python would
  * decide differently; it only skips Python where the answer is a plain read.
@@ -48,7 +50,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define KVS_ABI 2
+#define KVS_ABI 3
 
 /* The wire (docs/spec/wire.md). */
 #define HDR 48
@@ -59,6 +61,7 @@
 #define GET_REPLY_ITEM 8
 #define HAS_REPLY_ITEM 16
 #define FLAG_REPLY 1
+#define STATUS_NOT_FOUND 1 /* kvcache.wire.Status.NOT_FOUND */
 #define CLASS_FIELD 16
 /* The index (kvcache/server/records.py): tenant 8 | block key 16 -> 36-byte rows. */
 #define TENANT 8
@@ -104,7 +107,7 @@ enum { KVS_ANSWER = 1, KVS_PENDING = 2 };
 #define RECV_BUDGET 4
 
 typedef struct {
-    uint64_t requests, items_ok, bytes_in, bytes_out;
+    uint64_t requests, items_ok, items_missed, bytes_in, bytes_out;
     uint64_t buckets[NBUCKETS];
     double latency_sum;
 } kvs_opstats;
@@ -263,12 +266,13 @@ static void count_hand(kvs_engine *e, int why) {
 }
 
 static void observe(kvs_engine *e, kvs_opstats *s, double seconds, uint64_t items_ok,
-                    uint64_t bytes_in, uint64_t bytes_out) {
+                    uint64_t items_missed, uint64_t bytes_in, uint64_t bytes_out) {
     int b = 0;
     while (b < NBUCKETS - 1 && seconds > e->bounds[b]) b++;
     stats_begin(e);
     s->requests++;
     s->items_ok += items_ok;
+    s->items_missed += items_missed;
     s->bytes_in += bytes_in;
     s->bytes_out += bytes_out;
     s->buckets[b]++;
@@ -655,7 +659,7 @@ static int begin_read(kvs_engine *e) {
 /* The quiet GET (see the top of this file): 1 if the reply is queued on ``c``, 0 if Python
  * must answer, -1 out of memory. */
 static int answer_get(kvs_engine *e, kvs_conn *c, const uint8_t *hdr, const uint8_t *items,
-                      uint32_t n, int64_t delta_ms, int *why) {
+                      uint32_t n, int64_t delta_ms, int *why, uint32_t *missed) {
     size_t out_len = HDR + (size_t)n * GET_REPLY_ITEM;
     if (grow((void **)&c->out, &c->out_cap, out_len, 1) < 0 ||
         grow((void **)&c->runs, &c->runs_cap, n, sizeof(kvs_run)) < 0)
@@ -683,14 +687,25 @@ static int answer_get(kvs_engine *e, kvs_conn *c, const uint8_t *hdr, const uint
         search[0] = (uint8_t)(index >> 8);
         search[1] = (uint8_t)index;
         MDB_val k = {BLOCK_KEY, key}, v = {ROW, search};
-        if (mdb_cursor_get(e->cur, &k, &v, MDB_GET_BOTH_RANGE) != 0 || v.mv_size != ROW) {
+        int rc = mdb_cursor_get(e->cur, &k, &v, MDB_GET_BOTH_RANGE);
+        if (rc != 0 && rc != MDB_NOTFOUND) {
             ok = 0;
             break;
         }
         const uint8_t *row = v.mv_data;
         uint64_t want = le64(item + 24);
-        if (be16(row) != index || be64(row + 8) <= quiet_above ||
-            (want != 0 && want != be64(row + 16))) {
+        if (rc == 0 && v.mv_size != ROW) {
+            ok = 0;
+            break;
+        }
+        if (rc == MDB_NOTFOUND || be16(row) != index || (want != 0 && want != be64(row + 16))) {
+            /* A miss, as Python answers it: NOT_FOUND, no length, nothing to slide. */
+            memset(reply + (size_t)i * GET_REPLY_ITEM, 0, GET_REPLY_ITEM);
+            reply[(size_t)i * GET_REPLY_ITEM] = STATUS_NOT_FOUND;
+            (*missed)++;
+            continue;
+        }
+        if (be64(row + 8) <= quiet_above) {
             ok = 0;
             break;
         }
@@ -929,7 +944,8 @@ static int process(kvs_engine *e, int fd, kvs_conn *c) {
             return 0;
         }
         double t0 = mono_s();
-        int rc = h[3] == OP_GET ? answer_get(e, c, h, h + HDR, n, cls->delta_ms, &why)
+        uint32_t missed = 0;
+        int rc = h[3] == OP_GET ? answer_get(e, c, h, h + HDR, n, cls->delta_ms, &why, &missed)
                                 : answer_has(e, c, h, h + HDR, n, &why);
         if (rc < 0) {
             closed(e, fd, c, WHY_NOMEM);
@@ -953,9 +969,9 @@ static int process(kvs_engine *e, int fd, kvs_conn *c) {
          * counters after the reply arrived sees it. */
         double took = mono_s() - t0;
         if (item == GET_ITEM)
-            observe(e, &e->stats.get[slot], took, n, need, out_bytes);
+            observe(e, &e->stats.get[slot], took, n - missed, missed, need, out_bytes);
         else
-            observe(e, &e->stats.has, took, 0, need, out_bytes);
+            observe(e, &e->stats.has, took, 0, 0, need, out_bytes);
         int sent = send_reply(c, fd);
         if (sent < 0) {
             closed(e, fd, c, WHY_SEND);

@@ -183,10 +183,14 @@ class Metrics:
         hist.count += n
         hist.sum += float(delta["latency_sum"])
         items = int(delta["items_ok"])
+        key = (op, self._native_label(slot))
         if items:
             self._items[op][Status.OK] += items
-            key = (op, self._native_label(slot))
             self._hits[key] = self._hits.get(key, 0) + items
+        missed = int(delta["items_missed"])
+        if missed:
+            self._items[op][Status.NOT_FOUND] += missed
+            self._misses[key] = self._misses.get(key, 0) + missed
 
     def native(self) -> dict[str, Any]:
         """Requests the native data plane answered (by op) and handed to Python (by why)."""

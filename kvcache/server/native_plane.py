@@ -8,7 +8,10 @@ samples in the daemons' user space against 11 % in their kernel time; per-phase 
 time in ``docs/benchmarks.md``, eighth pass of issue 17). With 13 processes taking turns on
 2 cores every one of those Python steps runs with cold caches. The two requests that are
 plain reads of the index, the quiet GET (every asked shard a live hit of the wanted stripe,
-no expiry slide due) and HAS, need none of it.
+no expiry slide due, or a plain miss) and HAS, need none of it. Misses count: a load whose
+holder is down asks the node that stands in for it, which usually lacks the shard; handed
+to Python, those GETs cost the 10 surviving daemons of a 12-node cluster 1.09 CPU-s per GB
+loaded, against 0.21 healthy (``bench/profile_load.py --kill 2``).
 
 So ``libkvserve.so`` (``kvcache/native/kvserve.c``) runs the loop's ``epoll``: every
 descriptor of the loop is registered with it. The ones the Python loop owns (listener, wake
@@ -20,7 +23,7 @@ there (index rows through a read-only LMDB handle of the engine's own, records w
 ``sendfile``), and any other request is *handed back* whole: the connection is the Python
 loop's again, with the bytes the engine had buffered, and Python answers it as before. The
 engine decides nothing Python would decide otherwise; it skips Python where the answer is a
-read. Its counters (requests, bytes, latency, hits per class) are folded into the daemon's
+read. Its counters (requests, bytes, latency, hits and misses per class) are folded into the daemon's
 :class:`~kvcache.server.metrics.Metrics`.
 
 The engine is used where it applies: native helpers loaded (``KVCACHE_NATIVE`` not 0),
@@ -62,7 +65,7 @@ log = logging.getLogger(__name__)
 
 LIBRARY_ENV = "KVCACHE_SERVE_LIBRARY"
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(native.__file__).with_name("libkvserve.so"))
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 #: What a step reports for a descriptor (kvserve.c).
 EV_FOREIGN, EV_HANDOFF, EV_CLOSED = 1, 2, 3
@@ -91,6 +94,7 @@ _OPSTATS = np.dtype(
     [
         ("requests", "<u8"),
         ("items_ok", "<u8"),
+        ("items_missed", "<u8"),
         ("bytes_in", "<u8"),
         ("bytes_out", "<u8"),
         ("buckets", "<u8", (_NBUCKETS,)),
