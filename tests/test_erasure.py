@@ -625,6 +625,28 @@ def test_reconstruct_rows_many_rebuilds_each_block_by_its_own_pattern(
             assert np.array_equal(cells[b][i], want), (b, i)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reconstruct_rows_many_with_more_rows_than_a_mask_holds(backend: Backend) -> None:
+    """Stripes of more than 62 rows (k + m may reach 255) are rebuilt one call per pattern."""
+    params = ErasureParams(k=60, m=10)
+    codec = get_codec(params, backend)
+    original = encoded(codec, 6, 16, seed=3)
+    rng = np.random.default_rng(3)
+    stripes = original.copy()
+    present = np.ones((6, params.n), bool)
+    for b in range(6):
+        lost = rng.choice(params.n, size=10, replace=False)
+        present[b, lost] = False
+        stripes[b, lost] = 0
+    base = stripes.ctypes.data
+    rows = base + (np.arange(6)[:, None] * params.n + np.arange(params.n)[None, :]).astype(
+        np.uint64
+    ) * np.uint64(16)
+    written = codec.reconstruct_rows_many(rows.astype(np.uint64), 16, present)
+    assert (written == (~present & (np.arange(params.n) < params.k))).all()
+    assert np.array_equal(stripes[:, : params.k], original[:, : params.k])
+
+
 def test_reconstruct_rows_many_checks_its_arguments() -> None:
     codec = get_codec(ErasureParams(k=3, m=2), Backend.NUMPY)
     rows = np.zeros((2, 5), np.uint64)

@@ -257,6 +257,8 @@ class Codec(abc.ABC):
         """
         self._check_many(rows, present)
         written = np.zeros(present.shape, bool)
+        if not length:
+            return written
         patterns: dict[bytes, list[int]] = {}
         for b, row in enumerate(present):
             patterns.setdefault(row.tobytes(), []).append(b)

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_LEN = 2**31 - 1  # ec_encode_data takes the row length as a C int
 _POINTER = 8  # bytes per entry of the uint64 pointer table
+_MASK_BITS = 62  # rows per stripe an erasure pattern's int64 bit mask holds
 
 
 def _address(array: npt.NDArray[np.generic]) -> int:
@@ -198,6 +199,8 @@ class IsalCodec(Codec):
             raise ErasureError(f"ISA-L handles shard rows up to {_MAX_LEN} bytes, got {length}")
         if not blocks or not length:
             return np.zeros(present.shape, bool)
+        if n > _MASK_BITS:  # a pattern no longer fits an int64 mask: one call per pattern
+            return super().reconstruct_rows_many(rows, length, present)
         masks = present.astype(np.int64) @ (np.int64(1) << np.arange(n, dtype=np.int64))
         unique, inverse = np.unique(masks, return_inverse=True)
         plans = [self._mask_plan(mask) for mask in unique.tolist()]
