@@ -36,6 +36,7 @@ __all__ = [
     "FLAG_PIN",
     "FLAG_REPLY",
     "FLAG_TTL",
+    "GET_REFRESHED",
     "HEADER_BYTES",
     "LIST_INCLUSIVE",
     "LIST_MAX_PAGE",
@@ -172,6 +173,10 @@ DIR_RECORD_DTYPE: np.dtype[np.void] = np.dtype(
 DIR_ANSWER_DTYPE: np.dtype[np.void] = np.dtype(
     [("ordinal", "<u4"), ("pad", "V4"), ("record", DIR_RECORD_DTYPE)]
 )
+#: A GET reply item's flag: this hit moved the shard's expiry (a slide was due). The reader
+#: then refreshes the block's shards it did not ask for (``kvcache.client.loading``), so every
+#: shard of a block that is read keeps the block's expiry, not only the ones read.
+GET_REFRESHED = 1
 #: Record type per (op, is_reply).
 ITEM_DTYPES: dict[tuple[Op, bool], np.dtype[np.void]] = {
     # expect: the stripe id the writer saw stored (0: none); see docs/spec/wire.md, PUT.
@@ -181,7 +186,10 @@ ITEM_DTYPES: dict[tuple[Op, bool], np.dtype[np.void]] = {
     (Op.PUT, True): np.dtype([("status", "u1")]),
     # stripe: the stripe id wanted (0: any).
     (Op.GET, False): np.dtype([_KEY, ("index", "<u2"), ("pad", "V6"), ("stripe", "<u8")]),
-    (Op.GET, True): np.dtype([("status", "u1"), ("pad", "V3"), ("length", "<u4")]),
+    # flags: GET_REFRESHED when this hit moved the shard's expiry (see docs/spec/wire.md).
+    (Op.GET, True): np.dtype(
+        [("status", "u1"), ("flags", "u1"), ("pad", "V2"), ("length", "<u4")]
+    ),
     (Op.HAS, False): np.dtype([_KEY]),
     # One record per shard held: which request item (ordinal), shard index, stripe id.
     (Op.HAS, True): np.dtype(

@@ -18,7 +18,7 @@ from kvcache.retention import DAY_S, RetentionPolicy
 from kvcache.server.eviction import Quota
 from kvcache.server.store import PutBatch, ReplyTooLargeError, ShardStore
 from kvcache.shard import split_shard
-from kvcache.wire import NO_INDEX, Op, Status, make_items
+from kvcache.wire import GET_REFRESHED, NO_INDEX, Op, Status, make_items
 
 HOUR = 3600
 T = tenant_id("default")
@@ -227,6 +227,29 @@ def test_hits_within_the_resolution_write_nothing(store: ShardStore, clock: Fake
     clock.step(120)
     get(store, [(key(1), 0)])
     assert store.flush_touches() == 1
+
+
+def test_a_hit_that_moves_an_expiry_is_flagged_in_its_reply(
+    store: ShardStore, clock: FakeClock
+) -> None:
+    """GET_REFRESHED marks exactly the items whose expiry this hit moved: the reader then
+    refreshes the block's shards it did not ask for."""
+    put(store, block_records(key(1), indices=[0, 1]))
+    put(store, block_records(key(2), indices=[0]))
+
+    def flags(wanted: list[tuple[bytes, int]]) -> list[int]:
+        result = store.get(T, get_items(wanted))  # type: ignore[arg-type]
+        try:
+            return result.items["flags"].tolist()  # type: ignore[no-any-return]
+        finally:
+            result.release()
+
+    clock.step(5)  # within the resolution: nothing moves, nothing flagged
+    assert flags([(key(1), 0), (key(2), 0)]) == [0, 0]
+    clock.step(120)
+    assert flags([(key(1), 0), (key(3), 0), (key(2), 0)]) == [GET_REFRESHED, 0, GET_REFRESHED]
+    # The slide is pending now: the next hit moves nothing and is not flagged.
+    assert flags([(key(1), 0), (key(1), 1)]) == [0, GET_REFRESHED]
 
 
 def test_two_classes_keep_the_longer_expiry(store: ShardStore, clock: FakeClock) -> None:

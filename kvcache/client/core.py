@@ -57,6 +57,7 @@ COUNTERS = (
     "blocks_corrupt",
     "bad_shards_found",
     "shards_repaired",
+    "blocks_refreshed",
     "stripes_dropped",
     "escalations",
     "shards_redirected",

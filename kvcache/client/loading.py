@@ -28,7 +28,7 @@ from kvcache.client.rounds import LoadRound, Send
 from kvcache.client.transport import Exchange
 from kvcache.errors import ArgumentError
 from kvcache.shard import HEADER_BYTES
-from kvcache.wire import NO_INDEX, NO_RETAIN, Message, Op, Retain, make_items
+from kvcache.wire import GET_REFRESHED, NO_INDEX, NO_RETAIN, Message, Op, Retain, make_items
 
 __all__ = ["LoadResult", "load_keys"]
 
@@ -121,9 +121,10 @@ def load_keys(
     holders = np.where(guessed, placement_rows, match.holders[:total])
     # A guessed stand-in (the holder is down, and the match did not see the shard on the
     # node a writer would use instead) rarely has it: ask the known holders first.
+    node_up = core.node_up_mask(view=view)
     round_ = LoadRound(
         holders,
-        core.node_up_mask(view=view),
+        node_up,
         k=config.k,
         chunk_blocks=config.chunk_blocks(payload_len),
         window=config.window,
@@ -154,6 +155,9 @@ def load_keys(
     rebuilt = np.zeros(total, bool)
     examined = np.zeros(total, bool)
     bad: dict[int, tuple[int, ...]] = {}
+    # Blocks whose expiry some holder moved on this hit (GET_REFRESHED): their shards not
+    # asked for are refreshed after the load.
+    refreshed = np.zeros(total, bool)
     escalated: set[int] = set()
     sealing: list[int] = []  # chunks over whose blocks a late reply is still landing
     end = total  # the first block known to fail ends the prefix
@@ -168,7 +172,7 @@ def load_keys(
                 if event.reply is None or not isinstance(event.exchange, GetExchange):
                     submit(round_.on_failure(event.ticket, now))
                     continue
-                submit(round_.on_reply(event.ticket, _accept(assembly, event), now))
+                submit(round_.on_reply(event.ticket, _accept(assembly, event, refreshed), now))
             now = core.clock()
             submit(round_.tick(now))
             for chunk in [*sealing, *round_.ready_chunks()]:
@@ -220,6 +224,10 @@ def load_keys(
                 break
     finally:
         assembly.close(gather_abort(core.transport, [*pump.abandon(core.config.timeout_s), *sent]))
+    if refreshed[:good].any():
+        _refresh_unasked(
+            core, key_words, holders, round_.asked, refreshed[:good], node_up, cls, retain
+        )
     core.count("node_errors", pump.node_errors)
     core.count("hedges", round_.hedges)
     core.count("blocks_loaded", good)
@@ -243,15 +251,20 @@ def load_keys(
     )
 
 
-def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
+def _accept(
+    assembly: LoadAssembly, event: object, refreshed: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.bool_]:
     exchange: GetExchange = event.exchange  # type: ignore[attr-defined]
     reply: Message = event.reply  # type: ignore[attr-defined]
-    if exchange.accepted is not None:  # landed and accepted by a native burst
-        return exchange.accepted
     send = exchange.send
     items = reply.items
     if len(items) != len(send.blocks):
         return np.zeros(len(send.blocks), bool)
+    flags = items["flags"]
+    if flags.any():
+        refreshed[send.blocks[(flags & GET_REFRESHED) != 0]] = True
+    if exchange.accepted is not None:  # landed and accepted by a native burst
+        return exchange.accepted
     if reply.header.data_len and not exchange.landed_in_assembly:
         # Its shards went to scratch (the load was closing): only its NOT_FOUNDs count.
         statuses = np.where(items["status"] == 0, 255, items["status"]).astype(np.uint8)
@@ -262,6 +275,50 @@ def _accept(assembly: LoadAssembly, event: object) -> npt.NDArray[np.bool_]:
     return assembly.accept_reply(
         blocks, indices, exchange.shards_at, items, exchange.native_landing
     )
+
+
+def _refresh_unasked(
+    core: ClientCore,
+    key_words: npt.NDArray[np.void],
+    holders: npt.NDArray[np.int64],
+    asked: npt.NDArray[np.bool_],
+    refreshed: npt.NDArray[np.bool_],
+    node_up: npt.NDArray[np.bool_],
+    cls: str,
+    retain: Retain,
+) -> None:
+    """TOUCH, without waiting, the holders of the shards this load did not ask for, of the
+    blocks whose expiry a holder moved on this hit (``refreshed``, one per loaded block).
+
+    A load reads k + 1 of a block's n shards, and a daemon slides the expiry only of the
+    shards it is asked for: the others kept the expiry of the block's last write, so a
+    block read every hour for days still lost those shards (its redundancy) one TTL after
+    it was written, and under capacity pressure the daemons evicted a block's shards in
+    different orders. A daemon flags a hit that moved an expiry (at most once per touch
+    resolution per shard), so this runs for hot blocks about once a minute, not per load.
+    """
+    rows = holders[: len(refreshed)]
+    blocks, index = np.nonzero(refreshed[:, None] & ~asked[: len(refreshed)] & (rows >= 0))
+    if not len(blocks):
+        return
+    nodes = rows[blocks, index]
+    keep = node_up[nodes]
+    blocks, nodes = blocks[keep], nodes[keep]
+    for node in np.unique(nodes).tolist():
+        mine = np.unique(blocks[nodes == node])
+        items = make_items(Op.TOUCH, len(mine), reply=False)
+        items["key"] = key_words[mine]
+        core.transport.submit(
+            _Background(
+                core,
+                "blocks_refreshed",
+                node,
+                Op.TOUCH,
+                items,
+                traffic_class=cls,
+                retain=Retain(ttl_s=retain.ttl_s),
+            )
+        )
 
 
 class _Background(Exchange):

@@ -97,7 +97,7 @@ from kvcache.server.records import (
 from kvcache.server.removals import RemovalBook
 from kvcache.server.segments import LOCATION, SegmentFiles, SegmentState, default_segment_bytes
 from kvcache.shard import HEADER_DTYPE
-from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
+from kvcache.wire import GET_REFRESHED, NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 __all__ = ["COUNTERS", "Clock", "GetResult", "PutBatch", "ReplyTooLargeError", "ShardStore"]
 
@@ -114,6 +114,8 @@ _PAYLOAD_LEN = struct.Struct("<I")
 _PAYLOAD_LEN_AT: int = HEADER_DTYPE.fields["payload_len"][1]  # type: ignore[index]
 _second = operator.itemgetter(1)
 _LOC = struct.Struct(">IIII")
+#: ShardStore._alive's answers for a live shard: no expiry moved, or this hit moved it.
+_LIVE, _SLID = 1, 2
 #: Where a record's header check sits (the last 4 bytes of the 104-byte header).
 _CHECK_AT: int = HEADER_DTYPE.fields["header_check"][1]  # type: ignore[index]
 #: A sealed segment whose live bytes fall below this fraction of it may be compacted.
@@ -763,8 +765,10 @@ class ShardStore:
 
         An item whose ``stripe`` is nonzero and differs from the stored one is
         NOT_FOUND. A hit slides the shard's expiry to ``now + ttl(class)`` (the
-        shard's own class when none is given); an expired shard is NOT_FOUND
-        even before the sweeper removes it. The caller must release the result.
+        shard's own class when none is given) when a slide is due, and its reply
+        item then carries :data:`~kvcache.wire.GET_REFRESHED` (the reader
+        refreshes the block's other shards); an expired shard is NOT_FOUND even
+        before the sweeper removes it. The caller must release the result.
         """
         raw_keys = get_key_rows(tenant, items)
         n = len(items)
@@ -793,6 +797,7 @@ class ShardStore:
             wanted = stripes.tolist()
             locations: list[bytes] = []
             hits: list[int] = []
+            slid: list[int] = []
             rows = self._rows_of(txn, keys)
             unpack = ROW.unpack
             for i, key in enumerate(keys):
@@ -802,10 +807,12 @@ class ShardStore:
                 _index, cid, size, expiry, stripe, _written, seg, off = unpack(raw)
                 if wanted[i] and stripe != wanted[i]:
                     continue
-                if expiry <= quiet_above and not self._alive(
-                    key, expiry, cid, size, now, hit, ttl_hint
-                ):
-                    continue
+                if expiry <= quiet_above:
+                    live = self._alive(key, expiry, cid, size, now, hit, ttl_hint)
+                    if not live:
+                        continue
+                    if live == _SLID:
+                        slid.append(i)
                 locations.append(_LOC.pack(seg, off, size, 0))
                 hits.append(i)
         found = np.frombuffer(b"".join(locations), LOCATION)
@@ -815,6 +822,8 @@ class ShardStore:
             reply["status"] = Status.NOT_FOUND
             reply["status"][hits] = Status.OK
         reply["length"][hits] = sizes
+        if slid:
+            reply["flags"][slid] = GET_REFRESHED
         return GetResult(reply, self.segments.views(found), None)
 
     def _check_reply_size(self, sizes: list[int], positions: list[int] | None = None) -> None:
@@ -1451,17 +1460,18 @@ class ShardStore:
         hit: Applied | None,
         ttl_hint: int = 0,
         pin_budget: list[int] | None = None,
-    ) -> bool:
-        """Whether the shard (storage key, its row's expiry, class id and size) is live; if
-        so, record the hit's expiry slide (and pin, while ``pin_budget[0]`` bytes of pin
-        quota are left)."""
+    ) -> int:
+        """Whether the shard (storage key, its row's expiry, class id and size) is live (0:
+        not; :data:`_LIVE`; :data:`_SLID`: live, and this hit moved its expiry); if so,
+        record the hit's expiry slide (and pin, while ``pin_budget[0]`` bytes of pin quota
+        are left)."""
         pending_class = ""
         if self._pending:
             pending = self._pending.get(key)
             if pending is not None and pending[0] > expiry:
                 expiry, pending_class = pending
         if expiry <= now:  # decide.is_live, inline: this runs for every hit of a walk
-            return False
+            return 0
         policy = self.policy
         stored = pending_class or self.classes.names[class_id]
         pin = False
@@ -1472,7 +1482,7 @@ class ShardStore:
             else:
                 self._clamped("pin dropped: the tenant's pin quota is full", pin_dropped=True)
         if not pin and now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
-            return True  # no class could move the expiry enough to be worth a write
+            return _LIVE  # no class could move the expiry enough to be worth a write
         if hit is None:
             hit = clamp(policy, decide.split_stored(stored)[0], ttl_s=ttl_hint or None)
         if pin:
@@ -1480,11 +1490,12 @@ class ShardStore:
         move = decide.slide(
             expiry_ms=expiry, stored=stored, hit=hit, now_ms=now, resolution_ms=self._resolution_ms
         )
-        if move is not None:
-            if not self._pending:
-                self._pending_since = self._monotonic()
-            self._pending[key] = move
-        return True
+        if move is None:
+            return _LIVE
+        if not self._pending:
+            self._pending_since = self._monotonic()
+        self._pending[key] = move
+        return _SLID
 
     def _current(self, key: bytes, expiry: int, stored: str) -> tuple[int, str]:
         """(expiry, stored class) of a shard: its row's, or a pending hit's when later."""
