@@ -187,9 +187,7 @@ ITEM_DTYPES: dict[tuple[Op, bool], np.dtype[np.void]] = {
     # stripe: the stripe id wanted (0: any).
     (Op.GET, False): np.dtype([_KEY, ("index", "<u2"), ("pad", "V6"), ("stripe", "<u8")]),
     # flags: GET_REFRESHED when this hit moved the shard's expiry (see docs/spec/wire.md).
-    (Op.GET, True): np.dtype(
-        [("status", "u1"), ("flags", "u1"), ("pad", "V2"), ("length", "<u4")]
-    ),
+    (Op.GET, True): np.dtype([("status", "u1"), ("flags", "u1"), ("pad", "V2"), ("length", "<u4")]),
     (Op.HAS, False): np.dtype([_KEY]),
     # One record per shard held: which request item (ordinal), shard index, stripe id.
     (Op.HAS, True): np.dtype(
