@@ -205,11 +205,10 @@ def main() -> None:
             open(log_path, "w") as log,
         ):
             daemons = [cluster.pid(i) for i in range(12)]
-            workers = {
-                "new": Worker("new", root, None, log),
-                "base": Worker("base", root, args.baseline, log),
-            }
+            workers: dict[str, Worker] = {}
             try:
+                workers["new"] = Worker("new", root, None, log)
+                workers["base"] = Worker("base", root, args.baseline, log)
                 for c in range(chunks):
                     order = ["new", "base"] if c % 2 == 0 else ["base", "new"]
                     for op in OPS:

@@ -142,7 +142,7 @@ def test_plan_against_real_clusters(
     # daemons' next maintenance, so the next requests sometimes found, and slid, shards it
     # was about to take. The loop now drains a batch right after the crossing PUT is
     # answered (ShardStore.drain_after_crossing), and beside a busy core the replay gave
-    # 9.00 pp against the plan's 8.69 in every run; 8.22 since loads refresh the shards
-    # they do not ask for (GET_REFRESHED).
+    # 9.00 pp against the plan's 8.69 in every run; 7.99 since loads refresh the shards
+    # they do not ask for (GET_REFRESHED) and evictions interleave classes by expiry.
     tolerance = 1.0
     assert abs(lost - at50["hit_rate_lost_pp"]) <= tolerance, (lost, at50)

@@ -287,6 +287,32 @@ def test_sweep_is_bounded(store: ShardStore, clock: FakeClock) -> None:
     assert store.counters["expired_shards"] == 60
 
 
+def test_eviction_interleaves_partitions_by_expiry(tmp_path: Path, clock: FakeClock) -> None:
+    """Shards of two classes whose expiries interleave are evicted in expiry order across
+    both: a batch from the partition with the earliest head stops where the other's head
+    is earlier (it used to take its whole batch from the one partition)."""
+    body = 4096
+    with open_store(tmp_path / "db", clock) as store:
+        written: dict[str, int] = {}
+
+        def write(name: str, cls: str) -> None:
+            shard = block_records(key(len(written)), body_len=body, traffic_class=cls, indices=[0])
+            assert put(store, shard) == [Status.OK]
+            written[name] = len(written)
+
+        write("chat 7d", "chat")  # expires at 7 d
+        clock.step(3 * DAY_S)
+        write("agent 6d", "agent")  # 6 d
+        clock.step(DAY_S // 2)
+        write("agent 6.5d", "agent")  # 6.5 d
+        clock.step(DAY_S)
+        write("agent 7.5d", "agent")  # 7.5 d
+        record = store.usage()["used_bytes"] // 4
+        store.evict(store.usage()["used_bytes"] - 3 * record)
+        kept = {name for name, n in written.items() if held(store, key(n))}
+        assert kept == {"agent 7.5d"}
+
+
 def test_eviction_takes_the_earliest_expiry_first(tmp_path: Path, clock: FakeClock) -> None:
     body = 64 << 10  # 14 shards of 64 KiB stay under the high watermark of 0.9 MiB
     mib = 1 << 20

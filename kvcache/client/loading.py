@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from kvcache.client.assembly import BlockVerdict, LoadAssembly
 from kvcache.client.core import ClientCore
-from kvcache.client.driver import GetExchange, Pump, gather_abort
+from kvcache.client.driver import GetExchange, Pump, PumpedExchange, gather_abort
 from kvcache.client.plan import MatchResult
 from kvcache.client.rounds import LoadRound, Send
 from kvcache.client.transport import Exchange
@@ -287,8 +287,10 @@ def _refresh_unasked(
     cls: str,
     retain: Retain,
 ) -> None:
-    """TOUCH, without waiting, the holders of the shards this load did not ask for, of the
-    blocks whose expiry a holder moved on this hit (``refreshed``, one per loaded block).
+    """TOUCH the holders of the shards this load did not ask for, of the blocks whose
+    expiry a holder moved on this hit (``refreshed``, one per loaded block), and wait for
+    their answers (up to ``timeout_s``): the caller's next request (the store of what
+    missed, above all, which may make a daemon evict) then finds every shard refreshed.
 
     A load reads k + 1 of a block's n shards, and a daemon slides the expiry only of the
     shards it is asked for: the others kept the expiry of the block's last write, so a
@@ -296,6 +298,8 @@ def _refresh_unasked(
     it was written, and under capacity pressure the daemons evicted a block's shards in
     different orders. A daemon flags a hit that moved an expiry (at most once per touch
     resolution per shard), so this runs for hot blocks about once a minute, not per load.
+    Sent without waiting, a store right after the load could reach a daemon before its
+    TOUCH and make it evict the shard that was about to be refreshed.
     """
     rows = holders[: len(refreshed)]
     blocks, index = np.nonzero(refreshed[:, None] & ~asked[: len(refreshed)] & (rows >= 0))
@@ -304,14 +308,15 @@ def _refresh_unasked(
     nodes = rows[blocks, index]
     keep = node_up[nodes]
     blocks, nodes = blocks[keep], nodes[keep]
-    for node in np.unique(nodes).tolist():
+    pump = Pump(core.transport, core.health, core.clock)
+    for ticket, node in enumerate(np.unique(nodes).tolist()):
         mine = np.unique(blocks[nodes == node])
         items = make_items(Op.TOUCH, len(mine), reply=False)
         items["key"] = key_words[mine]
-        core.transport.submit(
-            _Background(
-                core,
-                "blocks_refreshed",
+        pump.submit(
+            PumpedExchange(
+                pump,
+                ticket,
                 node,
                 Op.TOUCH,
                 items,
@@ -319,6 +324,14 @@ def _refresh_unasked(
                 retain=Retain(ttl_s=retain.ttl_s),
             )
         )
+    deadline = core.clock() + core.config.timeout_s
+    found = 0
+    while pump.outstanding and core.clock() < deadline:
+        for event in pump.wait(deadline):
+            if event.reply is not None:
+                found += int(np.count_nonzero(event.reply.items["status"] == 0))
+    pump.abandon(core.config.timeout_s)
+    core.count("blocks_refreshed", found)
 
 
 class _Background(Exchange):

@@ -1293,6 +1293,9 @@ class ShardStore:
     ) -> int:
         """Free at least ``nbytes`` from ``parts``, earliest expiry across them first.
 
+        A batch from one partition stops where another partition's head is earlier, so
+        the order is the expiry's across partitions (the trace simulator's).
+
         Returns bytes freed (less than asked when the partitions ran empty or
         ``limit`` shards were deleted).
         """
@@ -1302,13 +1305,14 @@ class ShardStore:
         # Pinned shards have partitions of their own, which pressure passes by.
         parts = [p for p in parts if decide.evictable(_partition_class(p))]
         heads = {p: h for p in parts if (h := self._head_expiry(p)) is not None}
+        cause = "quota" if counter == "quota_evicted" else "evicted"
         while freed < nbytes and heads and (limit is None or shards < limit):
             part = min(heads, key=heads.__getitem__)
+            bound = min((h for p, h in heads.items() if p != part), default=None)
             batch = self._sweep_batch if limit is None else min(self._sweep_batch, limit - shards)
             out = self._delete_head(
-                part, batch, until_bytes=nbytes - freed,
-                cause="quota" if counter == "quota_evicted" else "evicted",
-            )  # fmt: skip
+                part, batch, until_expiry_ms=bound, until_bytes=nbytes - freed, cause=cause
+            )
             freed += out.freed_bytes
             shards += out.freed_shards
             self.counters[f"{counter}_shards"] += out.freed_shards
