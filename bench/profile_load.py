@@ -24,6 +24,7 @@ import argparse
 import collections
 import cProfile
 import functools
+import json
 import os
 import pstats
 import resource
@@ -101,6 +102,7 @@ def main() -> None:
         "--kill", type=int, default=0, metavar="N",
         help="kill N daemons after the stores (the degraded load's path)",
     )  # fmt: skip
+    parser.add_argument("--json", type=Path, help="--stages: write its figures as JSON")
     args = parser.parse_args()
     if args.stages:
         install_stage_timers()
@@ -139,13 +141,21 @@ def main() -> None:
             gbps, cpu = loop(args.seconds)
             after = resource.getrusage(resource.RUSAGE_SELF)
             calls = STAGES.pop("load_keys_calls") - calls_before
+            user_ms = (after.ru_utime - before.ru_utime) / calls * 1e3
+            system_ms = (after.ru_stime - before.ru_stime) / calls * 1e3
             print(f"GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}, {calls} calls of {BATCH} blocks")
-            print(f"per call: user {(after.ru_utime - before.ru_utime) / calls * 1e3:.2f} ms, "
-                  f"system {(after.ru_stime - before.ru_stime) / calls * 1e3:.2f} ms")  # fmt: skip
+            print(f"per call: user {user_ms:.2f} ms, system {system_ms:.2f} ms")
             for name, ns in sorted(STAGES.items(), key=lambda kv: -kv[1]):
                 print(f"  {name:<16} {ns / calls / 1e3:8.0f} us a call")
             if not np.array_equal(out, blocks):
                 raise SystemExit("wrong bytes")
+            if args.json:
+                figures = {
+                    "load_gbps": gbps, "client_cpu_s_per_gb": cpu, "killed": args.kill,
+                    "user_ms_per_call": user_ms, "system_ms_per_call": system_ms,
+                    **{f"{k}_us_per_call": v / calls / 1e3 for k, v in STAGES.items()},
+                }  # fmt: skip
+                args.json.write_text(json.dumps(figures, indent=1) + "\n")
             return
         gbps, cpu = loop(args.seconds)
         print(f"plain:    GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}")

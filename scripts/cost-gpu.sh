@@ -4,6 +4,9 @@
 #           and bench/client_ab.py --quick --baseline scratch/base-client (the client)
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
+#   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
+#           this tree and then for scratch/base (its own native libraries): the degraded
+#           load's cost before/after, on the host's cores
 # PARTS picks and orders them (default "ab peers engine"); every part writes to $OUT
 # (default bench/results), and a part that fails is reported while the others still run.
 #
@@ -33,7 +36,26 @@ for part in ${PARTS:-ab peers engine}; do
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
         | tail -n 40 || status=1
       ;;
-    *) echo "unknown part: $part (ab, peers, engine)" >&2; status=2 ;;
+    degraded)
+      (
+        source scripts/_gpu-site.sh
+        base="$(pwd)/scratch/base"
+        for tree in new base; do
+          for kill in 0 2; do
+            stem="$OUT/profile_load_${tree}_kill$kill"
+            run=(python3 bench/profile_load.py --stages --seconds 4 --kill "$kill" --json "$stem.json")
+            if [ "$tree" = base ]; then
+              PYTHONSAFEPATH=1 PYTHONPATH="$base:$PYTHONPATH" KVCACHE_NATIVE_LIBRARY="$base/kvcache/native/libkvfast.so" \
+                KVCACHE_SERVE_LIBRARY="$base/kvcache/native/libkvserve.so" "${run[@]}" >"$stem.txt" 2>&1
+            else
+              "${run[@]}" >"$stem.txt" 2>&1
+            fi || echo "FAILED: $stem"
+            echo "$tree, $kill killed: $(head -n 1 "$stem.txt" | grep -v marked; grep "GB/s" "$stem.txt")"
+          done
+        done
+      ) || status=1
+      ;;
+    *) echo "unknown part: $part (ab, peers, engine, degraded)" >&2; status=2 ;;
   esac
 done
 exit "$status"
