@@ -100,8 +100,10 @@ class GetExchange(PumpedExchange):
         self.native_landing: native.GetLanding | None = None
         #: The reply's data went into the assembly (only then may its shards be accepted).
         self.landed_in_assembly = False
-        #: Its shards' verdicts, when a native burst landed and accepted the reply itself.
+        #: Its shards' verdicts, when a native burst landed and accepted the reply itself,
+        #: and its items' flag bytes OR-ed (then no item needs looking at for them).
         self.accepted: npt.NDArray[np.bool_] | None = None
+        self.item_flags = 0
 
     def landing(self, header: Header, items: npt.NDArray[np.void]) -> Segments | None:
         assert self._writes is None, "a second landing claimed for one reply"
@@ -127,8 +129,9 @@ class GetExchange(PumpedExchange):
         span = (int(blocks.min()), int(blocks.max()) + 1)
         return BurstLanding(self.shards_at, target, span, self.assembly.k, blocks)
 
-    def burst_done(self, accepted: npt.NDArray[np.bool_]) -> None:
+    def burst_done(self, accepted: npt.NDArray[np.bool_], item_flags: int = 0) -> None:
         self.accepted = accepted
+        self.item_flags = item_flags
         self.landed_in_assembly = True
 
     def landed_natively(self, landing: native.GetLanding) -> None:

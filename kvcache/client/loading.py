@@ -260,9 +260,11 @@ def _accept(
     items = reply.items
     if len(items) != len(send.blocks):
         return np.zeros(len(send.blocks), bool)
-    flags = items["flags"]
-    if flags.any():
-        refreshed[send.blocks[(flags & GET_REFRESHED) != 0]] = True
+    # A native burst OR-ed the items' flags already: per exchange, no numpy step unless set.
+    if exchange.accepted is None or exchange.item_flags & GET_REFRESHED:
+        flags = items["flags"]
+        if flags.any():
+            refreshed[send.blocks[(flags & GET_REFRESHED) != 0]] = True
     if exchange.accepted is not None:  # landed and accepted by a native burst
         return exchange.accepted
     if reply.header.data_len and not exchange.landed_in_assembly:

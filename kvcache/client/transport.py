@@ -177,9 +177,9 @@ class Exchange:
         """A burst landed this exchange's reply with ``landing`` (instead of :meth:`landing`)
         and left the rest of it to this transport."""
 
-    def burst_done(self, accepted: npt.NDArray[np.bool_]) -> None:
+    def burst_done(self, accepted: npt.NDArray[np.bool_], item_flags: int = 0) -> None:
         """A burst landed and accepted this exchange's whole reply (``accepted``: its shards'
-        verdicts); :meth:`finish` follows."""
+        verdicts; ``item_flags``: its items' flag bytes OR-ed); :meth:`finish` follows."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -640,6 +640,7 @@ class TcpTransport:
         except OSError as exc:  # poll() failed: each connection reports on its own next
             log.warning("native burst failed: %s", exc)
         states = table["state"].tolist()
+        item_flags = table["item_flags"].tolist()
         self.counters["burst_taken"] += n
         reply_dtype = item_dtype(Op.GET, reply=True)
         # First, with no I/O (nothing here can reset a node): finish what is done, and
@@ -657,7 +658,7 @@ class TcpTransport:
                 sent = conn.sent.popleft()
                 assert sent.exchange is exchange
                 accepted = landing_buf[2 * cap + 3 + c + 2 :].view(np.bool_)[:c]
-                exchange.burst_done(accepted)
+                exchange.burst_done(accepted, item_flags[j])
                 data_len = int(replies[a + 24 : a + 32].view("<u8")[0])
                 header = Header(op=Op.GET, request_id=request_id, count=c, data_len=data_len,
                                 flags=FLAG_REPLY)  # fmt: skip

@@ -67,7 +67,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -89,6 +89,7 @@ def _load() -> Any:
         log.info("native helpers not loaded (%s): using the Python data path", exc)
         return None
     ptr, size = ctypes.c_void_p, ctypes.c_size_t
+    lib.kv_burst_ex_size.restype = size
     for name in ("kv_xxh3_64_many", "kv_xxh3_128_many"):
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, size, ptr]
@@ -441,8 +442,15 @@ BURST_DTYPE = np.dtype(
         ("used", "<u8"),
         ("state", "<i8"),
         ("error", "<i8"),
+        # DONE: the reply items' flag bytes OR-ed (kvcache.wire.GET_REFRESHED).
+        ("item_flags", "<u8"),
     ]
 )
+if _LIB is not None and _LIB.kv_burst_ex_size() != BURST_DTYPE.itemsize:
+    raise ConfigError(
+        f"{LIBRARY}'s burst exchange is {_LIB.kv_burst_ex_size()} bytes, kvcache.native's "
+        f"{BURST_DTYPE.itemsize}: rebuild it with `bash scripts/build-native.sh`"
+    )
 
 
 class Burst:

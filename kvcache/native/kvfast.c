@@ -22,7 +22,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 9; }
+int kv_abi_version(void) { return 10; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -550,6 +550,7 @@ typedef struct {
     uint64_t table_at, cap;           /* the landing buffer (see land_get_reply), 3*count */
     uint64_t sent, got, used;         /* request bytes sent; of the section being read */
     int64_t state, error;             /* BURST_*; errno (FAILED) */
+    uint64_t item_flags;              /* DONE: the reply items' flag bytes, OR-ed */
 } kv_burst_ex;
 
 /* The assembly a burst lands in: kv_land_get_reply's tables, then kv_accept_get_reply's
@@ -566,6 +567,8 @@ typedef struct {
 
 /* A reply landed whole: its verdicts (after the landing buffer's counts, a byte per item)
  * and its blocks no longer counted as being written. */
+size_t kv_burst_ex_size(void) { return sizeof(kv_burst_ex); }
+
 static void burst_done(kv_burst_ex *x, const kv_burst_target *t) {
     uint64_t *table = (uint64_t *)(uintptr_t)x->table_at;
     int64_t *writes = (int64_t *)(table + 2 * x->cap + 3);
@@ -577,6 +580,10 @@ static void burst_done(kv_burst_ex *x, const kv_burst_target *t) {
                         t->sealed, t->unknown, t->got, t->rejected, t->not_found,
                         t->header_rows, t->identities, t->accept_geom, accepted);
     kv_add_at(t->writing, writes, counts[0], -1);
+    const uint8_t *items = (const uint8_t *)(uintptr_t)x->items_at;
+    uint8_t flags = 0;
+    for (uint64_t j = 0; j < x->count; j++) flags |= items[j * BURST_REPLY_ITEM + 1];
+    x->item_flags = flags;
     x->state = BURST_DONE;
 }
 
