@@ -415,6 +415,10 @@ class DaemonPeer:
             own = Path(source) / "kvcache" / "native" / "libkvfast.so"
             if own.exists():
                 env["KVCACHE_NATIVE_LIBRARY"] = str(own.resolve())
+            # And its own data plane (the GPU host's environment names this tree's).
+            plane = own.with_name("libkvserve.so")
+            if plane.exists():
+                env["KVCACHE_SERVE_LIBRARY"] = str(plane.resolve())
         self.daemon = DaemonProcess(root, server=server, env=env).start()
         assert self.daemon.proc is not None
         self.pid = self.daemon.proc.pid
