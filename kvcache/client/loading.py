@@ -291,8 +291,10 @@ def _refresh_unasked(
 ) -> None:
     """TOUCH the holders of the shards this load did not ask for, of the blocks whose
     expiry a holder moved on this hit (``refreshed``, one per loaded block), and wait for
-    their answers (up to ``timeout_s``): the caller's next request (the store of what
-    missed, above all, which may make a daemon evict) then finds every shard refreshed.
+    their answers up to the load's hedge time: the caller's next request (the store of
+    what missed, above all, which may make a daemon evict) then finds every shard
+    refreshed. A holder slower than that (stopped, say, and not marked down yet) is not
+    waited for: its TOUCH still arrives, and the load does not pay a timeout for it.
 
     A load reads k + 1 of a block's n shards, and a daemon slides the expiry only of the
     shards it is asked for: the others kept the expiry of the block's last write, so a
@@ -326,7 +328,7 @@ def _refresh_unasked(
                 retain=Retain(ttl_s=retain.ttl_s),
             )
         )
-    deadline = core.clock() + core.config.timeout_s
+    deadline = core.clock() + min(core.config.timeout_s, core.hedge_s(core.read_latency))
     found = 0
     while pump.outstanding and core.clock() < deadline:
         for event in pump.wait(deadline):
