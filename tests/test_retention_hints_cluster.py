@@ -132,3 +132,40 @@ def test_a_hit_with_a_ttl_hint_slides_to_it(cluster: LocalCluster, tmp_path: Pat
     # client refreshed with a TOUCH because a holder flagged the hit as moving the expiry.
     assert len(expiries) == 2 * 12
     assert all(e >= before + 7_200_000 - 1000 for e in expiries), sorted(expiries)
+
+
+def _touches(cluster: LocalCluster) -> int:
+    return sum(stats["requests"].get("touch", 0) for stats in cluster.node_stats())
+
+
+def test_a_refresh_never_waits_for_a_stopped_holder(cluster: LocalCluster) -> None:
+    """A hit that moves no expiry sends no TOUCH. One that does, while a holder is stopped:
+    the load hedges around it and returns without waiting for its refresh (it used to
+    TOUCH the holder it had given up on and wait the client timeout for it), and once the
+    holder runs again every shard has slid."""
+    d = prompt(2, 30)
+    with Client(cluster.client_config(timeout_s=5.0)) as client:
+        client.store(NS, d, payloads(d), hint=Hint(traffic_class="agent", ttl_s=600))
+        match = client.match_prefix(NS, d)
+        touches = _touches(cluster)
+        assert client.load(NS, match, hint=Hint(traffic_class="agent", ttl_s=600)).blocks == 2
+        assert _touches(cluster) == touches  # no slide due: nothing flagged, nothing sent
+        before = int(time.time() * 1000)
+        cluster.pause(0)
+        try:
+            start = time.monotonic()
+            result = client.load(NS, match, hint=Hint(traffic_class="agent", ttl_s=7200))
+            took = time.monotonic() - start
+        finally:
+            cluster.resume(0)
+        assert result.blocks == 2
+        assert took < 2.5, f"the load took {took:.2f} s with a holder stopped"
+    deadline = time.monotonic() + 20
+    while True:
+        held = shard_retention(cluster, block_keys(NS, d))
+        expiries = [e for shards in held.values() for _, e, _ in shards]
+        if min(expiries) >= before + 7_200_000 - 1000 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(expiries) == 2 * 12
+    assert all(e >= before + 7_200_000 - 1000 for e in expiries), sorted(expiries)

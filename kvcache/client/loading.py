@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from kvcache.client.assembly import BlockVerdict, LoadAssembly
 from kvcache.client.core import ClientCore
-from kvcache.client.driver import GetExchange, Pump, PumpedExchange, gather_abort
+from kvcache.client.driver import GetExchange, Pump, gather_abort
 from kvcache.client.plan import MatchResult
 from kvcache.client.rounds import LoadRound, Send
 from kvcache.client.transport import Exchange
@@ -121,16 +121,16 @@ def load_keys(
     holders = np.where(guessed, placement_rows, match.holders[:total])
     # A guessed stand-in (the holder is down, and the match did not see the shard on the
     # node a writer would use instead) rarely has it: ask the known holders first.
-    node_up = core.node_up_mask(view=view)
+    unlikely = guessed & (placement_rows != order[:, : placement_rows.shape[1]])
     round_ = LoadRound(
         holders,
-        node_up,
+        core.node_up_mask(view=view),
         k=config.k,
         chunk_blocks=config.chunk_blocks(payload_len),
         window=config.window,
         hedge_s=core.hedge_s(core.read_latency),
         timeout_s=config.timeout_s,
-        unlikely=guessed & (placement_rows != order[:, : placement_rows.shape[1]]),
+        unlikely=unlikely,
     )
     pump = Pump(core.transport, core.health, core.clock)
     sent: list[Exchange] = []
@@ -226,7 +226,14 @@ def load_keys(
         assembly.close(gather_abort(core.transport, [*pump.abandon(core.config.timeout_s), *sent]))
     if refreshed[:good].any():
         _refresh_unasked(
-            core, key_words, holders, round_.asked, refreshed[:good], node_up, cls, retain
+            core,
+            key_words,
+            np.where(unlikely, -1, holders),
+            round_.sent,
+            refreshed[:good],
+            core.node_up_mask(view=view),
+            cls,
+            retain,
         )
     core.count("node_errors", pump.node_errors)
     core.count("hedges", round_.hedges)
@@ -283,44 +290,43 @@ def _refresh_unasked(
     core: ClientCore,
     key_words: npt.NDArray[np.void],
     holders: npt.NDArray[np.int64],
-    asked: npt.NDArray[np.bool_],
+    sent: npt.NDArray[np.bool_],
     refreshed: npt.NDArray[np.bool_],
     node_up: npt.NDArray[np.bool_],
     cls: str,
     retain: Retain,
 ) -> None:
-    """TOUCH the holders of the shards this load did not ask for, of the blocks whose
-    expiry a holder moved on this hit (``refreshed``, one per loaded block), and wait for
-    their answers up to the load's hedge time: the caller's next request (the store of
-    what missed, above all, which may make a daemon evict) then finds every shard
-    refreshed. A holder slower than that (stopped, say, and not marked down yet) is not
-    waited for: its TOUCH still arrives, and the load does not pay a timeout for it.
+    """TOUCH, without waiting, the holders of the shards this load never asked for, of the
+    blocks whose expiry a holder moved on this hit (``refreshed``, one per loaded block).
 
     A load reads k + 1 of a block's n shards, and a daemon slides the expiry only of the
     shards it is asked for: the others kept the expiry of the block's last write, so a
     block read every hour for days still lost those shards (its redundancy) one TTL after
     it was written, and under capacity pressure the daemons evicted a block's shards in
     different orders. A daemon flags a hit that moved an expiry (at most once per touch
-    resolution per shard), so this runs for hot blocks about once a minute, not per load.
-    Sent without waiting, a store right after the load could reach a daemon before its
-    TOUCH and make it evict the shard that was about to be refreshed.
+    resolution per shard), so this runs for a block about once a minute at most.
+
+    Only holders the load never sent an ask (``sent``): one it asked and gave up on is
+    slow or stopped, and its own GET carries the slide once it answers. Not the guessed
+    stand-ins of down holders (``holders`` is -1 there), which rarely hold the shard, nor
+    nodes down now. Not waited for: a load pays no round trip for it, and a holder that is
+    slow delays nothing (its TOUCH waits on its connection, as a read repair's PUT does).
     """
     rows = holders[: len(refreshed)]
-    blocks, index = np.nonzero(refreshed[:, None] & ~asked[: len(refreshed)] & (rows >= 0))
+    blocks, index = np.nonzero(refreshed[:, None] & ~sent[: len(refreshed)] & (rows >= 0))
     if not len(blocks):
         return
     nodes = rows[blocks, index]
     keep = node_up[nodes]
     blocks, nodes = blocks[keep], nodes[keep]
-    pump = Pump(core.transport, core.health, core.clock)
-    for ticket, node in enumerate(np.unique(nodes).tolist()):
+    for node in np.unique(nodes).tolist():
         mine = np.unique(blocks[nodes == node])
         items = make_items(Op.TOUCH, len(mine), reply=False)
         items["key"] = key_words[mine]
-        pump.submit(
-            PumpedExchange(
-                pump,
-                ticket,
+        core.transport.submit(
+            _Background(
+                core,
+                "blocks_refreshed",
                 node,
                 Op.TOUCH,
                 items,
@@ -328,14 +334,6 @@ def _refresh_unasked(
                 retain=Retain(ttl_s=retain.ttl_s),
             )
         )
-    deadline = core.clock() + min(core.config.timeout_s, core.hedge_s(core.read_latency))
-    found = 0
-    while pump.outstanding and core.clock() < deadline:
-        for event in pump.wait(deadline):
-            if event.reply is not None:
-                found += int(np.count_nonzero(event.reply.items["status"] == 0))
-    pump.abandon(core.config.timeout_s)
-    core.count("blocks_refreshed", found)
 
 
 class _Background(Exchange):

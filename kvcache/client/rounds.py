@@ -254,6 +254,8 @@ class LoadRound:
         self.state = [_PENDING] * self.chunks
         self.got = np.zeros((self.blocks, self.n), bool)
         self.asked = np.zeros((self.blocks, self.n), bool)
+        #: Shards asked at least once (an abandoned ask clears ``asked``, never this).
+        self.sent = np.zeros((self.blocks, self.n), bool)
         self._hedge_at = [0.0] * self.chunks
         self._deadline = [0.0] * self.chunks
         self._later: list[list[tuple[int, IntArray, IntArray]]] = [[] for _ in range(self.chunks)]
@@ -415,6 +417,7 @@ class LoadRound:
             self.sends[send.ticket] = (chunk, send)
             self._outstanding[chunk].add(send.ticket)
             self.asked[send.blocks, send.indices] = True
+            self.sent[send.blocks, send.indices] = True
         return sends
 
     def _group(self, nodes: IntArray, blocks: IntArray, indices: IntArray) -> list[Send]:

@@ -1318,7 +1318,9 @@ class ShardStore:
             self.counters[f"{counter}_shards"] += out.freed_shards
             self.counters[f"{counter}_bytes"] += out.freed_bytes
             head = self._head_expiry(part)
-            if head is None or not out.freed_shards:
+            # A run up to the bound may have held only stale expiry entries (dropped, none
+            # freed): the partition stays while its head moved.
+            if head is None or (not out.freed_shards and head == heads[part]):
                 heads.pop(part)
             else:
                 heads[part] = head
