@@ -3,7 +3,9 @@ no sockets, and node faults under the test's control (slow, stopped, dead)."""
 
 from __future__ import annotations
 
+import gc
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,6 +106,30 @@ def test_a_stopped_node_costs_a_rebuild_not_a_wait(cluster: Cluster) -> None:
             assert client.counters["blocks_rebuilt"] > 0
         finally:
             cluster.nodes[4].resume()
+
+
+def test_loads_past_a_stopped_node_do_not_keep_their_buffers(cluster: Cluster) -> None:
+    """Every load leaves an ask queued on a stopped node until it is marked down; that ask
+    must not keep the load's buffers (about a payload per block, each load) alive."""
+    tokens = prompt(8, 7)
+    with cluster.client(timeout_s=30.0) as client:
+        client.store(NS, tokens, payloads(tokens))
+        assert identical(client, tokens) == 8
+        cluster.nodes[4].stop()
+        try:
+            tracemalloc.start()
+            try:
+                for _ in range(20):
+                    assert client.load_prefix(NS, tokens).blocks == 8
+                gc.collect()
+                held, _peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+        finally:
+            cluster.nodes[4].resume()
+    # 20 loads of 8 blocks of 112 KiB are 18 MB of payloads: 2.2 MB was left (the client's
+    # own state), 23.6 MB when the asks queued on the stopped node kept their assemblies.
+    assert held < 10 << 20, f"{held / 1e6:.1f} MB still held after the loads"
 
 
 def test_a_slow_node_never_turns_a_stored_block_into_a_miss(cluster: Cluster) -> None:

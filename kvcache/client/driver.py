@@ -67,6 +67,28 @@ class PumpedExchange(Exchange):
         self.pump.deliver(Event(self.ticket, self, reply, error))
 
 
+class _Detached:
+    """Where an exchange's reply goes once its load is over: nowhere (see
+    :meth:`GetExchange.detach`)."""
+
+    k = 0
+
+    def land_reply(self, *args: object) -> None:
+        return None
+
+    def burst_target(self) -> None:
+        return None
+
+    def claim_landing(self) -> None:
+        raise AssertionError("a detached exchange claimed a landing")
+
+    def landed(self, writes: object, writes_at: int = 0) -> None:
+        return None
+
+
+_DETACHED = _Detached()
+
+
 class GetExchange(PumpedExchange):
     """A GET whose reply data lands in a :class:`LoadAssembly`."""
 
@@ -83,7 +105,7 @@ class GetExchange(PumpedExchange):
             pump, send.ticket, send.node, Op.GET, items, traffic_class=cls, retain=retain
         )
         self.send = send
-        self.assembly = assembly
+        self.assembly: LoadAssembly | _Detached = assembly
         #: The shards asked, as C-contiguous int64 arrays, and their addresses (native calls).
         self.shards = (
             np.ascontiguousarray(send.blocks, np.int64),
@@ -104,6 +126,17 @@ class GetExchange(PumpedExchange):
         #: and its items' flag bytes OR-ed (then no item needs looking at for them).
         self.accepted: npt.NDArray[np.bool_] | None = None
         self.item_flags = 0
+
+    def detach(self) -> None:
+        """The load is over (its assembly closed): drop the assembly, so an exchange still
+        queued on a stopped node's connection does not keep the load's buffers alive.
+        Its reply, if one ever comes, is read and discarded, as a closed assembly's is.
+
+        While a holder is stopped and not yet marked down, every load leaves one such
+        exchange behind; each held about 9 MB (a 64-block load's buffer, parity and
+        tables), and the memory of each new load was then fresh pages (the 2-core VM pays
+        ~2.3 CPU-s per GB to touch them): loads took 12 ms of CPU instead of 1.7."""
+        self.assembly = _DETACHED
 
     def landing(self, header: Header, items: npt.NDArray[np.void]) -> Segments | None:
         assert self._writes is None, "a second landing claimed for one reply"

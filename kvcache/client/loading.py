@@ -133,7 +133,7 @@ def load_keys(
         unlikely=unlikely,
     )
     pump = Pump(core.transport, core.health, core.clock)
-    sent: list[Exchange] = []
+    sent: list[GetExchange] = []
 
     def exchanges(sends: list[Send]) -> list[GetExchange]:
         out = []
@@ -224,6 +224,8 @@ def load_keys(
                 break
     finally:
         assembly.close(gather_abort(core.transport, [*pump.abandon(core.config.timeout_s), *sent]))
+        for exchange in sent:
+            exchange.detach()
     if refreshed[:good].any():
         _refresh_unasked(
             core,
