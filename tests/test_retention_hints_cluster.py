@@ -35,6 +35,19 @@ def payloads(tokens: np.ndarray) -> list[np.ndarray]:
     return [payload_for_key(k, LAYOUT.payload_bytes) for k in block_keys(NS, tokens)]
 
 
+def expiries_once_slid(cluster: LocalCluster, tokens: np.ndarray, least_ms: int) -> list[int]:
+    """Every live shard's expiry of ``tokens``' blocks, once all are at least ``least_ms``
+    or 20 s passed. Hits are written by each daemon's touch flusher (within
+    touch_flush_s), so a slide shows a little after the load."""
+    deadline = time.monotonic() + 20
+    while True:
+        held = shard_retention(cluster, block_keys(NS, tokens))
+        expiries = [e for shards in held.values() for _, e, _ in shards]
+        if min(expiries) >= least_ms or time.monotonic() > deadline:
+            return expiries
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     creds = Credentials(
@@ -120,14 +133,7 @@ def test_a_hit_with_a_ttl_hint_slides_to_it(cluster: LocalCluster, tmp_path: Pat
         before = int(time.time() * 1000)
         result = client.load(NS, match, hint=Hint(traffic_class="agent", ttl_s=7200))
         assert result.blocks == 2
-    # Hits are written by each daemon's touch flusher (within touch_flush_s).
-    deadline = time.monotonic() + 20
-    while True:
-        held = shard_retention(cluster, block_keys(NS, d))
-        expiries = [e for shards in held.values() for _, e, _ in shards]
-        if min(expiries) >= before + 7_200_000 - 1000 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    expiries = expiries_once_slid(cluster, d, before + 7_200_000 - 1000)
     # Every shard slid: the 11 of 12 a load asks for, and the one it did not, which the
     # client refreshed with a TOUCH because a holder flagged the hit as moving the expiry.
     assert len(expiries) == 2 * 12
@@ -160,12 +166,6 @@ def test_a_refresh_never_waits_for_a_stopped_holder(cluster: LocalCluster) -> No
             cluster.resume(0)
         assert result.blocks == 2
         assert took < 2.5, f"the load took {took:.2f} s with a holder stopped"
-    deadline = time.monotonic() + 20
-    while True:
-        held = shard_retention(cluster, block_keys(NS, d))
-        expiries = [e for shards in held.values() for _, e, _ in shards]
-        if min(expiries) >= before + 7_200_000 - 1000 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    expiries = expiries_once_slid(cluster, d, before + 7_200_000 - 1000)
     assert len(expiries) == 2 * 12
     assert all(e >= before + 7_200_000 - 1000 for e in expiries), sorted(expiries)
