@@ -1,16 +1,23 @@
 """What a daemon's write path pays the kernel for, on this machine: the page cache's first touch.
 
-The same 256 MiB (``--mib``) written and sent five ways, in one run, CPU-seconds per GB of
+The same 256 MiB (``--mib``) written, read and sent eight ways, in one run, in this order, CPU-seconds per GB of
 this process (``getrusage``: the kernel's copies are system time):
 
 - ``write, fresh pages``: ``pwrite`` into a new file (a segment's append; the kernel
   allocates a page-cache page per 4 KiB and copies into it);
 - ``write, cached pages``: the same file written again (the pages exist);
 - ``write, O_DIRECT``: a new file opened ``O_DIRECT`` (no page cache at all);
+- ``read, after O_DIRECT``: that file read back with ``pread`` before anything was freed
+  (its page-cache pages are new to the guest: the first touch moves to the first read);
+- ``write, after anonymous memory touched and freed``: a new file, right after as many
+  bytes of anonymous memory were touched and unmapped (the guest does not get them back
+  cheaply);
+- ``write, pages an unlink just freed``: a new file, right after the files above were
+  unlinked (their page-cache pages are reused);
 - ``sendfile, cold`` / ``warm``: the O_DIRECT file sent over a loopback TCP connection with
   ``sendfile`` in 680 KB pieces (a 59-shard GET reply), first while it is not in the page
-  cache (the kernel reads it from the disk) and then again; the receiving thread's copy is
-  in the figure (both ends are this process).
+  cache (dropped with ``POSIX_FADV_DONTNEED``, after the unlinks: into reused pages) and
+  then again; the receiving thread's copy is in the figure (both ends are this process).
 
 Ratios against ``write, cached pages``. On a VM whose memory the host backs lazily (the
 project's 2-core VM) the first touch of a page costs several times a copy: that is what a
@@ -72,12 +79,40 @@ def main() -> None:
         finally:
             os.close(fd)
 
+    def read(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for off in range(0, total, CHUNK):
+                os.pread(fd, CHUNK, off)
+        finally:
+            os.close(fd)
+
+    def touch_anonymous() -> None:
+        anon = mmap.mmap(-1, total)
+        for off in range(0, total, mmap.PAGESIZE):
+            anon[off] = 1
+        anon.close()
+
     fresh = work / "fresh.bin"
     results["write, fresh pages"] = _timed(lambda: write(fresh, 0), total)
     results["write, cached pages"] = _timed(lambda: write(fresh, 0), total)
-    fresh.unlink()
     direct = work / "direct.bin"
     results["write, O_DIRECT"] = _timed(lambda: write(direct, os.O_DIRECT), total)
+    # Nothing freed yet: the read fills page-cache pages the guest has not touched.
+    results["read, after O_DIRECT"] = _timed(lambda: read(direct), total)
+    touch_anonymous()
+    anon = work / "anon.bin"
+    results["write, after anonymous memory touched and freed"] = _timed(
+        lambda: write(anon, 0), total
+    )
+    fresh.unlink()
+    anon.unlink()
+    reuse = work / "reuse.bin"
+    results["write, pages an unlink just freed"] = _timed(lambda: write(reuse, 0), total)
+    reuse.unlink()
+    fd = os.open(direct, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the sends below start cold
+    os.close(fd)
 
     server = socket.create_server(("127.0.0.1", 0))
     sender = socket.create_connection(server.getsockname())

@@ -13,9 +13,14 @@ about a microsecond a call, so small stages read slightly high). Nested stages o
 ``receive`` contains ``recv_scatter`` and ``landing``.
 
 ``--kill N`` kills N daemons after the stores, so the loads take the degraded path (every
-block that lost a data shard is rebuilt).
+block that lost a data shard is rebuilt). ``--pause N`` stops N more (SIGSTOP) for the
+loads, and resumes them at the end: holders that hold requests without answering until the
+client's timeout marks them down. ``--no-out`` has each load allocate its own buffer (the
+client's default) instead of loading into one kept array. ``--stages`` also prints the
+calls' wall p50 and p99 and the CPU-s/GB of the daemons still running.
 
-Usage: python bench/profile_load.py [--seconds S] [--blocks N] [--top N] [--stages] [--kill N]
+Usage: python bench/profile_load.py [--seconds S] [--blocks N] [--top N] [--stages]
+       [--kill N] [--pause N] [--no-out] [--json PATH]
 """
 
 from __future__ import annotations
@@ -92,6 +97,16 @@ def install_stage_timers() -> None:
     client.Client.load_keys = counted  # type: ignore[method-assign]
 
 
+def _cpu_of(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="each timed loop")
@@ -101,6 +116,14 @@ def main() -> None:
     parser.add_argument(
         "--kill", type=int, default=0, metavar="N",
         help="kill N daemons after the stores (the degraded load's path)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pause", type=int, default=0, metavar="N",
+        help="SIGSTOP N daemons (after any killed) for the loads: a stopped holder",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-out", action="store_true",
+        help="loads allocate their own buffers (the client's default) instead of reusing one",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="--stages: write its figures as JSON")
     args = parser.parse_args()
@@ -119,56 +142,83 @@ def main() -> None:
             client.store_keys(keys[lo : lo + BATCH], blocks[lo : lo + BATCH], payload_len=PAYLOAD)
         for node in range(args.kill):
             cluster.kill(node)
+        paused = list(range(args.kill, args.kill + args.pause))
+        for node in paused:
+            cluster.pause(node)
+        running = [cluster.pid(i) for i in range(args.kill + args.pause, 12)]
+        call_s: list[float] = []
 
         def loop(seconds: float) -> tuple[float, float]:
             start, cpu, moved = time.monotonic(), time.process_time(), 0
             while time.monotonic() - start < seconds:
                 for lo in range(0, n, BATCH):
+                    began = time.perf_counter()
                     got = client.load_keys(
-                        keys[lo : lo + BATCH], payload_len=PAYLOAD, out=out[lo : lo + BATCH]
+                        keys[lo : lo + BATCH],
+                        payload_len=PAYLOAD,
+                        out=None if args.no_out else out[lo : lo + BATCH],
                     )
+                    call_s.append(time.perf_counter() - began)
                     if got.blocks != BATCH:
                         raise SystemExit(f"loaded {got.blocks} of {BATCH} blocks")
+                    if args.no_out:
+                        out[lo : lo + BATCH] = np.stack(got.payloads)
                 moved += n * PAYLOAD
             gb = moved / 1e9
             return gb / (time.monotonic() - start), (time.process_time() - cpu) / gb
 
-        if args.stages:
-            loop(1.0)  # warm
-            STAGES.clear()
-            before = resource.getrusage(resource.RUSAGE_SELF)
-            calls_before = STAGES["load_keys_calls"]
+        try:
+            if args.stages:
+                loop(1.0)  # warm
+                STAGES.clear()
+                before = resource.getrusage(resource.RUSAGE_SELF)
+                calls_before = STAGES["load_keys_calls"]
+                call_s.clear()
+                daemons_before = _cpu_of(running)
+                gbps, cpu = loop(args.seconds)
+                daemon_cpu = (_cpu_of(running) - daemons_before) / (
+                    len(call_s) * BATCH * PAYLOAD / 1e9
+                )
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                calls = STAGES.pop("load_keys_calls") - calls_before
+                user_ms = (after.ru_utime - before.ru_utime) / calls * 1e3
+                system_ms = (after.ru_stime - before.ru_stime) / calls * 1e3
+                print(
+                    f"GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}, {calls} calls of {BATCH} blocks"
+                )
+                p50, p99 = (float(np.percentile(call_s, q)) * 1e3 for q in (50, 99))
+                print(f"per call: user {user_ms:.2f} ms, system {system_ms:.2f} ms; wall p50 "
+                      f"{p50:.2f} ms, p99 {p99:.2f} ms; daemons' CPU-s/GB {daemon_cpu:.3f}")  # fmt: skip
+                for name, ns in sorted(STAGES.items(), key=lambda kv: -kv[1]):
+                    print(f"  {name:<16} {ns / calls / 1e3:8.0f} us a call")
+                if not np.array_equal(out, blocks):
+                    raise SystemExit("wrong bytes")
+                if args.json:
+                    figures = {
+                        "load_gbps": gbps, "client_cpu_s_per_gb": cpu, "killed": args.kill,
+                        "paused": args.pause, "no_out": args.no_out,
+                        "daemon_cpu_s_per_gb": daemon_cpu, "call_p50_ms": p50, "call_p99_ms": p99,
+                        "user_ms_per_call": user_ms, "system_ms_per_call": system_ms,
+                        **{f"{k}_us_per_call": v / calls / 1e3 for k, v in STAGES.items()},
+                    }  # fmt: skip
+                    args.json.write_text(json.dumps(figures, indent=1) + "\n")
+                return
             gbps, cpu = loop(args.seconds)
-            after = resource.getrusage(resource.RUSAGE_SELF)
-            calls = STAGES.pop("load_keys_calls") - calls_before
-            user_ms = (after.ru_utime - before.ru_utime) / calls * 1e3
-            system_ms = (after.ru_stime - before.ru_stime) / calls * 1e3
-            print(f"GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}, {calls} calls of {BATCH} blocks")
-            print(f"per call: user {user_ms:.2f} ms, system {system_ms:.2f} ms")
-            for name, ns in sorted(STAGES.items(), key=lambda kv: -kv[1]):
-                print(f"  {name:<16} {ns / calls / 1e3:8.0f} us a call")
+            print(f"plain:    GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}")
+            profile = cProfile.Profile()
+            profile.enable()
+            gbps, cpu = loop(args.seconds)
+            print(f"profiled: GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}")
+            profile.disable()
             if not np.array_equal(out, blocks):
                 raise SystemExit("wrong bytes")
-            if args.json:
-                figures = {
-                    "load_gbps": gbps, "client_cpu_s_per_gb": cpu, "killed": args.kill,
-                    "user_ms_per_call": user_ms, "system_ms_per_call": system_ms,
-                    **{f"{k}_us_per_call": v / calls / 1e3 for k, v in STAGES.items()},
-                }  # fmt: skip
-                args.json.write_text(json.dumps(figures, indent=1) + "\n")
-            return
-        gbps, cpu = loop(args.seconds)
-        print(f"plain:    GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}")
-        profile = cProfile.Profile()
-        profile.enable()
-        gbps, cpu = loop(args.seconds)
-        print(f"profiled: GB/s {gbps:.3f}, client CPU-s/GB {cpu:.3f}")
-        profile.disable()
-        if not np.array_equal(out, blocks):
-            raise SystemExit("wrong bytes")
-        stats = pstats.Stats(profile)
-        stats.sort_stats("tottime").print_stats(args.top)
-        stats.sort_stats("cumulative").print_stats(args.top)
+            stats = pstats.Stats(profile)
+            stats.sort_stats("tottime").print_stats(args.top)
+            stats.sort_stats("cumulative").print_stats(args.top)
+
+        finally:
+            for node in paused:  # a stopped daemon would not stop with the cluster
+                cluster.resume(node)
 
 
 if __name__ == "__main__":
