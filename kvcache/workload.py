@@ -22,6 +22,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache.errors import ConfigError
+from kvcache.keys import Namespace, block_keys
+from kvcache.layout import DType, KVLayout
 from kvcache.shard import check_class_name
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "ideal_hit_blocks",
     "payload_for_key",
     "read_trace",
+    "replay_keys",
+    "replay_namespace",
     "tokens_for",
 ]
 
@@ -233,3 +237,32 @@ def generate_workload(spec: WorkloadSpec = WorkloadSpec()) -> list[Request]:
             t += int(rng.integers(*(spec.agent_gap_ms if agent else spec.chat_gap_ms)))
     requests.sort(key=lambda r: r.timestamp_ms)
     return requests
+
+
+def replay_namespace(block_bytes: int) -> Namespace:
+    """The namespace a trace is replayed under at ``block_bytes`` a 512-token block (bf16,
+    one layer group a block): the keys of :func:`replay_keys`, what ``kvcache retention
+    simulate --replay-keys`` orders expiry ties by, as the daemons do."""
+    if block_bytes < 1 or block_bytes % TRACE_BLOCK_TOKENS:
+        raise ConfigError(
+            f"a replayed block is {TRACE_BLOCK_TOKENS} tokens: block bytes must be a positive "
+            f"multiple of {TRACE_BLOCK_TOKENS}, got {block_bytes}"
+        )
+    layout = KVLayout(tokens_per_block=TRACE_BLOCK_TOKENS,
+                      bytes_per_token=block_bytes // TRACE_BLOCK_TOKENS, dtype=DType.BFLOAT16,
+                      layers_in_block=1)  # fmt: skip
+    return Namespace(model="trace-replay", revision="1", layout=layout)
+
+
+def replay_keys(requests: Iterable[Request], namespace: Namespace) -> dict[int, bytes]:
+    """The block key each hash id of ``requests`` gets when the trace is replayed under
+    ``namespace`` (tokens from :func:`tokens_for`): one entry per id of a full block."""
+    keys: dict[int, bytes] = {}
+    for req in requests:
+        ids = req.hash_ids[: req.full_blocks]
+        if all(i in keys for i in ids):
+            continue
+        for i, key in zip(ids, block_keys(namespace, tokens_for(req), max_blocks=len(ids)),
+                          strict=True):  # fmt: skip
+            keys.setdefault(i, bytes(key))
+    return keys

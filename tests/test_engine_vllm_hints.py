@@ -23,6 +23,7 @@ from vllm_e2e.harness import run as run_cmd
 
 from kvcache.engine.vllm_meta import namespace_from_dict
 from kvcache.keys import block_keys
+from kvcache.retention.decide import write_expiry
 from kvcache.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -98,7 +99,7 @@ def test_each_request_keeps_its_own_class_and_expiry(
         for shards in held.values():
             for _node, expiry, got in shards:
                 assert got == cls, name
-                assert before + ttl_ms <= expiry <= after + ttl_ms, name
+                assert before + ttl_ms <= expiry <= write_expiry(after, ttl_ms // 1000), name
     assert all(not shards for shards in stored(cluster, run, "declined").values())
 
 

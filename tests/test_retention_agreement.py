@@ -2,8 +2,9 @@
 
 Both apply :mod:`kvcache.retention.decide`; these tests replay random traces
 through a real :class:`ShardStore` (LMDB in a temp dir, stepped clock) the way
-the client drives it (HAS, GET the leading hits, TOUCH the other stored blocks,
-PUT the absent ones, background work between requests) and through
+the client drives it (HAS, GET the leading hits, PUT every block after them
+with a stripe of the request's own, HAS and TOUCH the ones that came back
+CONFLICT, background work after each PUT) and through
 :func:`simulate`, and require the same live blocks with the same expiry and
 class after every request, the same hits, and the same evictions.
 """
@@ -32,7 +33,7 @@ POLICY = RetentionPolicy(
 
 
 def key(block: int) -> bytes:
-    return block.to_bytes(16, "big")  # byte order = id order: ties evict alike
+    return block.to_bytes(16, "big")  # the simulator's tie_key: ties evict alike
 
 
 class StoreReplay:
@@ -42,6 +43,7 @@ class StoreReplay:
         self.store, self.clock = store, clock
         self.hit_tokens = 0
         self.record_len = 0
+        self.requests = 0
 
     def background(self) -> None:
         for _ in range(1000):
@@ -51,37 +53,56 @@ class StoreReplay:
 
     def request(self, req: Request) -> None:
         self.clock.now = req.timestamp_ms / 1000
+        self.requests += 1
         self.background()  # the daemon's sweeper has run up to now
-        blocks = list(dict.fromkeys(req.hash_ids[: req.full_blocks]))
-        keys = [key(b) for b in blocks]
-        held = set()
-        if keys:
-            reply = self.store.has(T, keys_items(Op.HAS, keys))  # type: ignore[arg-type]
-            held = {blocks[i] for i in reply["ordinal"].tolist()}
+        full = req.hash_ids[: req.full_blocks]
+        held = self.has(list(dict.fromkeys(full)))
         run = 0
-        for b in req.hash_ids[: req.full_blocks]:
+        for b in full:
             if b not in held:
                 break
             run += 1
         self.hit_tokens += min(run * 512, req.input_length)
-        hits = list(dict.fromkeys(req.hash_ids[:run]))
+        hits = list(dict.fromkeys(full[:run]))
         if hits:
             result = self.store.get(T, get_items([(key(b), 0) for b in hits]), req.traffic_class)  # type: ignore[arg-type]
             assert result.items["status"].tolist() == [Status.OK] * len(hits)
             result.release()
-        others = [b for b in blocks if b in held and b not in hits]
-        if others:
-            self.store.touch(T, keys_items(Op.TOUCH, [key(b) for b in others]), req.traffic_class)  # type: ignore[arg-type]
-        fresh = [b for b in blocks if b not in held]
-        if fresh:
-            shards = [
-                s for b in fresh for s in block_records(key(b), traffic_class=req.traffic_class,
-                                                        indices=[0], body_len=640)
-            ]  # fmt: skip
-            self.record_len = len(shards[0][2])
-            items, data = put_items(shards)
-            assert self.store.put(T, items, data)["status"].tolist() == [Status.OK] * len(fresh)  # type: ignore[arg-type]
+        # The client stores every block after the leading run, each write a stripe of its
+        # own: a live block comes back CONFLICT; the client then asks (HAS), touches the
+        # ones still held and writes the ones the drain took meanwhile.
+        conflicted = self.put(list(dict.fromkeys(full[run:])), req.traffic_class)
         self.background()
+        if conflicted:
+            still = self.has(conflicted)
+            present = [b for b in conflicted if b in still]
+            if present:
+                self.store.touch(
+                    T, keys_items(Op.TOUCH, [key(b) for b in present]), req.traffic_class
+                )  # type: ignore[arg-type]
+            assert self.put([b for b in conflicted if b not in still], req.traffic_class) == []
+            self.background()
+
+    def has(self, blocks: list[int]) -> set[int]:
+        if not blocks:
+            return set()
+        reply = self.store.has(T, keys_items(Op.HAS, [key(b) for b in blocks]))  # type: ignore[arg-type]
+        return {blocks[i] for i in reply["ordinal"].tolist()}
+
+    def put(self, blocks: list[int], traffic_class: str) -> list[int]:
+        """PUT ``blocks`` (one shard each, this request's stripe); the ones answered CONFLICT."""
+        if not blocks:
+            return []
+        shards = [
+            s for b in blocks for s in block_records(key(b), traffic_class=traffic_class,
+                                                     indices=[0], body_len=640,
+                                                     seed=self.requests)
+        ]  # fmt: skip
+        self.record_len = len(shards[0][2])
+        items, data = put_items(shards)
+        status = self.store.put(T, items, data)["status"].tolist()  # type: ignore[arg-type]
+        assert set(status) <= {Status.OK, Status.CONFLICT}, status
+        return [b for b, st in zip(blocks, status, strict=True) if st == Status.CONFLICT]
 
     def state(self, blocks: set[int]) -> dict[int, tuple[int, str]]:
         now = self.store.now_ms()
@@ -141,7 +162,7 @@ def replay_both(
             assert replay.state(seen) == dict(state), f"after the request at {req.timestamp_ms}"
 
         res = simulate(trace, POLICY, touch_resolution_s=60.0, capacity_blocks=capacity_blocks,
-                       observe=observe)  # fmt: skip
+                       observe=observe, tie_key=key)  # fmt: skip
         assert replay.hit_tokens == res.hit_tokens
         assert store.counters["evicted_shards"] == res.evicted_before_ttl
         if capacity_blocks is None:

@@ -52,12 +52,27 @@ def test_a_slide_never_shortens_and_is_written_only_past_the_resolution(
     moved = decide.slide(
         expiry_ms=expiry, stored=stored, hit=hit, now_ms=now, resolution_ms=resolution
     )
-    candidate = now + ttl * 1000
+    candidate = decide.write_expiry(now, ttl)
+    assert candidate >= now + ttl * 1000 and candidate % decide.EXPIRY_QUANTUM_MS == 0
     if candidate - expiry < resolution:
         assert moved is None
     else:
         assert moved is not None and moved[0] == candidate > expiry
         assert moved[1] == ("+agent" if stored.startswith("+") else "agent")
+
+
+@given(now=expiries, ttl=st.integers(0, 10**7), later=st.integers(0, 10**6))
+def test_a_write_expiry_is_the_next_whole_second_and_keeps_the_order_of_writes(
+    now: int, ttl: int, later: int
+) -> None:
+    q = decide.EXPIRY_QUANTUM_MS
+    expiry = decide.write_expiry(now, ttl)
+    assert expiry % q == 0 and 0 <= expiry - (now + ttl * 1000) < q  # never shorter than asked
+    assert decide.write_expiry(now + later, ttl) >= expiry
+    # The daemons' quiet bound, taken at now 0 and added to a later now, is never too low.
+    policy = RetentionPolicy(classes={"c": max(1, ttl)}, default_class="c")
+    bound = now + decide.quiet_above(policy, 0, 60_000, reach_s=max(1, ttl))
+    assert bound >= decide.write_expiry(now, max(1, ttl)) - 60_000
 
 
 @given(ttl=st.integers(1, 10**9), name=st.sampled_from(["agent", "chat", "nope", ""]))
@@ -172,7 +187,7 @@ def test_slide_is_the_merge_of_the_hit_written_when_worth_it(
     moved = decide.slide(
         expiry_ms=expiry, stored=stored, hit=hit, now_ms=now, resolution_ms=resolution
     )
-    candidate = (now + ttl * 1000, decide.stored_class("chat", pin))
+    candidate = (decide.write_expiry(now, ttl), decide.stored_class("chat", pin))
     new_pin = pin and not stored.startswith("+")
     if candidate[0] - expiry < resolution and not new_pin:
         assert moved is None

@@ -18,6 +18,7 @@ from kvcache.errors import ArgumentError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.retention import Hint
+from kvcache.retention.decide import write_expiry
 from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
@@ -78,13 +79,13 @@ def test_two_requests_of_different_classes_keep_their_own_expiries(cluster: Loca
         assert len(shards) == 12
         for _node, expiry, cls in shards:
             assert cls == "agent"
-            assert before + 3_600_000 <= expiry <= after + 3_600_000
+            assert before + 3_600_000 <= expiry <= write_expiry(after, 3600)
     for key in block_keys(NS, b):
         shards = held[key]
         assert len(shards) == 12
         for _node, expiry, cls in shards:
             assert cls == "chat"
-            assert before + 7 * DAY_MS <= expiry <= after + 7 * DAY_MS
+            assert before + 7 * DAY_MS <= expiry <= write_expiry(after, 7 * DAY_MS // 1000)
 
 
 def test_store_false_writes_nothing_and_a_bad_hint_is_a_clear_error(cluster: LocalCluster) -> None:

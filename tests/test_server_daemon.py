@@ -8,6 +8,7 @@ import resource
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -438,6 +439,30 @@ def test_retention_end_to_end_with_a_stepped_clock(tmp_path: Path) -> None:
         wait_until(lambda: daemon.stats()["gc"]["expired_shards"] == 36, what="the sweeper")
         assert daemon.stats()["usage"]["shards"] == 0
         assert http("POST", daemon.admin + "/debug/clock", {"offset_s": 0})[0] == 401
+        assert daemon.stop() == 0
+
+
+def test_a_held_clock_reads_one_time_until_moved(tmp_path: Path) -> None:
+    """``{"at_s": T}`` holds the daemon's clock at T (a replay at a trace's own times):
+    every request is answered at T, by Python (the native plane reads wall time)."""
+    server = {"allow_clock_override": True}
+    with DaemonProcess(tmp_path, server=server) as daemon, daemon.probe() as probe:
+        token, url = daemon.admin_token, daemon.admin + "/debug/clock"
+        assert probe.put(block_records(key(1), traffic_class="agent")).tolist() == [0] * 12
+        at = float(int(time.time()) + 3 * DAY_S + 60)  # past the write's 3-day TTL
+        status, body = http("POST", url, {"at_s": at}, token=token)
+        assert status == 200 and json.loads(body)["now"] == at, body
+        assert probe.has([key(1)])[key(1)] == {}
+        assert probe.get([(key(1), 0)])[0].tolist() == [Status.NOT_FOUND]
+        assert probe.put(block_records(key(2), traffic_class="agent")).tolist() == [0] * 12
+        assert len(probe.has([key(2)])[key(2)]) == 12
+        for bad in ({"at_s": "x"}, {"at_s": True}, {"at_s": 1, "offset_s": 2}, {}, [1]):
+            status, body = http("POST", url, bad, token=token)
+            assert status == 400 and b"at_s" in body, (bad, body)
+        status, body = http("POST", url, {"offset_s": 0}, token=token)
+        assert status == 200 and abs(json.loads(body)["now"] - time.time()) < 60, body
+        # Back at wall time, the shard written at the held time is live and key 1 is gone.
+        assert len(probe.has([key(2)])[key(2)]) == 12 and probe.has([key(1)])[key(1)] == {}
         assert daemon.stop() == 0
 
 

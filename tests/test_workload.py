@@ -14,6 +14,8 @@ from kvcache.workload import (
     block_identities,
     generate_workload,
     ideal_hit_blocks,
+    replay_keys,
+    replay_namespace,
     tokens_for,
 )
 
@@ -54,3 +56,18 @@ def test_ideal_hits_agree_with_the_keys_the_tokens_give() -> None:
         assert hit == want
         seen.update(keys)
     assert np.count_nonzero(ideal) > 0
+
+
+def test_replay_keys_are_the_keys_a_replay_writes_one_per_hash_id() -> None:
+    reqs = [_req(2 * 512 + 10, (1, 2, 3)), _req(2 * 512, (1, 2)), _req(4 * 512, (1, 4, 5, 6))]
+    ns = replay_namespace(512 * 64)
+    assert ns.layout.payload_bytes == 512 * 64 and ns.tokens_per_block == TRACE_BLOCK_TOKENS
+    keys = replay_keys(reqs, ns)
+    assert sorted(keys) == [1, 2, 4, 5, 6]  # id 3 is a partial block: never stored
+    for req in reqs:
+        want = block_keys(ns, tokens_for(req))
+        assert [keys[i] for i in req.hash_ids[: req.full_blocks]] == [bytes(k) for k in want]
+    assert replay_keys(reqs, replay_namespace(512 * 128))[1] != keys[1]  # the layout counts
+    for bad in (0, 1000, -512):
+        with pytest.raises(ConfigError, match="multiple of 512"):
+            replay_namespace(bad)

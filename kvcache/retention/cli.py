@@ -19,9 +19,9 @@ import os
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache.cluster import ClusterMap
 from kvcache.credentials import Credentials
@@ -29,6 +29,9 @@ from kvcache.errors import ConfigError, KVCacheError
 from kvcache.logs import add_logging_flags, configure_logging
 from kvcache.retention.policy import RetentionPolicy, parse_duration
 from kvcache.retention.simulate import SimulationResult, simulate
+
+if TYPE_CHECKING:
+    from kvcache.workload import Request
 
 __all__ = ["main", "register"]
 
@@ -98,6 +101,13 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         help="also bound the cluster to this many live blocks (the daemons' watermark "
         "eviction), and report the blocks evicted before their TTL",
     )
+    sim.add_argument(
+        "--replay-keys",
+        action="store_true",
+        help="order expiry ties by the block keys a replay of the trace writes "
+        "(kvcache.workload.replay_namespace at --block-bytes), as the daemons order them: the "
+        "figures are then exactly a replayed cluster's; without it, by a scrambled block id",
+    )
     sim.add_argument("--json", action="store_true", help="print JSON")
     sim.add_argument(
         "--plot",
@@ -120,6 +130,13 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--high-watermark", type=float, default=0.9, help="the daemons' (0.9)")
     plan.add_argument("--low-watermark", type=float, default=0.8, help="the daemons' (0.8)")
     plan.add_argument("--touch-resolution", default="60s", help="the daemons' (60s)")
+    plan.add_argument(
+        "--replay-keys",
+        action="store_true",
+        help="order expiry ties by the block keys a replay of the trace writes "
+        "(kvcache.workload.replay_namespace at --block-bytes), as the daemons order them: the "
+        "figures are then exactly a replayed cluster's; without it, by a scrambled block id",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=_plan)
     gen = rsub.add_parser("generate", help="write a multi-day agent and chat trace")
@@ -254,6 +271,17 @@ def _usage(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _replay_tie_key(
+    args: argparse.Namespace, requests: list[Request]
+) -> Callable[[int], bytes] | None:
+    """With ``--replay-keys``, each block id's key in a replay of ``requests``."""
+    if not args.replay_keys:
+        return None
+    from kvcache.workload import replay_keys, replay_namespace
+
+    return replay_keys(requests, replay_namespace(args.block_bytes)).__getitem__
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from kvcache.workload import read_trace
 
@@ -270,6 +298,7 @@ def _simulate(args: argparse.Namespace) -> int:
         names = {r.traffic_class for r in requests} | {"default"}
         policy = RetentionPolicy(classes={n: seconds for n in names}, default_class="default")
         candidates.append((f"all={ttl.strip()}", policy, seconds))
+    tie_key = _replay_tie_key(args, requests)
     rows: list[dict[str, Any]] = []
     swept: list[tuple[int, SimulationResult]] = []
     for label, policy, ttl_s in candidates:
@@ -278,6 +307,7 @@ def _simulate(args: argparse.Namespace) -> int:
             policy,
             touch_resolution_s=parse_duration(args.touch_resolution, what="--touch-resolution"),
             capacity_blocks=args.capacity_blocks,
+            tie_key=tie_key,
         )
         if ttl_s is not None:
             swept.append((ttl_s, res))
@@ -344,6 +374,7 @@ def _plan(args: argparse.Namespace) -> int:
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
         touch_resolution_s=parse_duration(args.touch_resolution, what="--touch-resolution"),
+        tie_key=_replay_tie_key(args, requests),
     )
     full = plan.full
     points: list[dict[str, Any]] = [

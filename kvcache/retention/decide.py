@@ -5,11 +5,12 @@ Everything a storage daemon decides about a shard's life is decided here, with
 clock) and no I/O:
 
 * **expiry of a write** (:func:`write_expiry`): ``now + ttl`` of the request's
-  (clamped) hint, else of its class;
+  (clamped) hint, else of its class, rounded up to a whole second
+  (:data:`EXPIRY_QUANTUM_MS`);
 * **when a write may replace** a stored shard (:func:`write_action`): a repeat
   of the same stripe merges expiries, another stripe replaces only when the
   writer names it and it is old enough, an expired shard counts as absent;
-* **slide on hit** (:func:`slide`): ``max(expiry, now + ttl)``, written only
+* **slide on hit** (:func:`slide`): ``max(expiry, now + ttl)`` (rounded up alike), written only
   when it moves the expiry by at least the touch resolution;
 * **merge of two classes' expiries** (:func:`merged_expiry`, :func:`merge`): the
   later expiry wins, with its class;
@@ -36,6 +37,7 @@ from kvcache.retention.policy import RetentionPolicy, parse_duration
 from kvcache.shard import check_class_name
 
 __all__ = [
+    "EXPIRY_QUANTUM_MS",
     "NO_HINT",
     "PIN_MARK",
     "Applied",
@@ -53,6 +55,14 @@ __all__ = [
     "write_action",
     "write_expiry",
 ]
+
+#: Expiries are whole seconds, rounded up (never shortening a TTL). The shards one
+#: request writes or slides on a node share one expiry even when the writes land a few
+#: milliseconds apart (a load's GET and the refresh of its unasked shards), and every
+#: node orders them alike: by block key within an expiry. So which shards pressure
+#: takes first does not hang on which node answered a millisecond later, and the
+#: simulator, replaying at the trace's timestamps, orders them as the daemons do.
+EXPIRY_QUANTUM_MS = 1000
 
 #: First character of a pinned shard's stored class (never valid in a class name, so a
 #: pinned partition can never collide with a class's own).
@@ -192,8 +202,9 @@ def clamp(
 
 
 def write_expiry(now_ms: int, ttl_s: int) -> int:
-    """Expiry (ms) of a write at ``now_ms`` that keeps its shard ``ttl_s`` seconds."""
-    return now_ms + ttl_s * 1000
+    """Expiry (ms) of a write at ``now_ms`` that keeps its shard ``ttl_s`` seconds: the
+    next whole second at or after ``now + ttl`` (:data:`EXPIRY_QUANTUM_MS`)."""
+    return -(-(now_ms + ttl_s * 1000) // EXPIRY_QUANTUM_MS) * EXPIRY_QUANTUM_MS
 
 
 def is_live(expiry_ms: int, now_ms: int) -> bool:
@@ -278,7 +289,7 @@ def slide(
     becomes the stored class, keeping a pin.
     """
     # Written out rather than through merge(): this runs once per sliding shard of a GET.
-    candidate = now_ms + hit.ttl_s * 1000
+    candidate = -(-(now_ms + hit.ttl_s * 1000) // EXPIRY_QUANTUM_MS) * EXPIRY_QUANTUM_MS
     pinned = stored.startswith(PIN_MARK)
     if candidate - expiry_ms < resolution_ms and not (hit.pin and not pinned):
         return None
@@ -289,8 +300,10 @@ def slide(
 
 def quiet_above(policy: RetentionPolicy, now_ms: int, resolution_ms: int, *, reach_s: int) -> int:
     """Above this expiry, a hit whose TTL is at most ``reach_s`` slides nothing worth a write:
-    the daemon only tests liveness (its fast path)."""
-    return now_ms + max(0, reach_s * 1000 - resolution_ms)
+    the daemon only tests liveness (its fast path). It allows for the rounding of
+    :func:`write_expiry` whatever ``now``, so a bound taken at ``now_ms = 0`` and added
+    to a later now (the native data plane's) is never too low."""
+    return now_ms + max(0, reach_s * 1000 - resolution_ms) + EXPIRY_QUANTUM_MS - 1
 
 
 def stored_class(name: str, pin: bool) -> str:

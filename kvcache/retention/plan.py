@@ -18,7 +18,7 @@ what a daemon's ``capacity`` must be.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcache.retention.policy import RetentionPolicy
@@ -67,11 +67,18 @@ class CapacityPlan:
     @property
     def node_bytes(self) -> int:
         """Each daemon's ``capacity`` (blocks' shards spread evenly over ``nodes``)."""
-        return math.ceil(self.total_bytes / self.nodes)
+        return self.node_bytes_for(self.capacity_blocks)
+
+    def node_bytes_for(self, blocks: int) -> int:
+        """A daemon's ``capacity`` for ``blocks`` blocks: a whole number of shard records
+        when every block has a shard on every node, so the daemons' watermarks (bytes,
+        rounded down) fall on the simulator's (blocks, rounded down)."""
+        return math.ceil(blocks * (self.k + self.m) * record_bytes(self.block_bytes, k=self.k)
+                         / self.nodes)  # fmt: skip
 
     def capacity_for(self, fraction: float) -> int:
-        """A daemon's capacity in bytes at ``fraction`` of the plan."""
-        return math.ceil(self.node_bytes * fraction)
+        """A daemon's capacity in bytes at ``fraction`` of the plan (the point's blocks)."""
+        return self.node_bytes_for(max(1, int(self.capacity_blocks * fraction)))
 
 
 def plan_capacity(
@@ -86,8 +93,10 @@ def plan_capacity(
     low_watermark: float = 0.8,
     touch_resolution_s: float = 60.0,
     fractions: Sequence[float] = (0.75, 0.5),
+    tie_key: Callable[[int], bytes] | None = None,
 ) -> CapacityPlan:
-    """Plan the capacity of ``requests`` under ``policy`` (see the module docstring)."""
+    """Plan the capacity of ``requests`` under ``policy`` (see the module docstring);
+    ``tie_key`` as :func:`~kvcache.retention.simulate.simulate` takes it."""
 
     def at(capacity: int) -> SimulationResult:
         return simulate(
@@ -97,9 +106,11 @@ def plan_capacity(
             touch_resolution_s=touch_resolution_s,
             high_watermark=high_watermark,
             low_watermark=low_watermark,
+            tie_key=tie_key,
         )
 
-    unbounded = simulate(requests, policy, touch_resolution_s=touch_resolution_s)
+    unbounded = simulate(requests, policy, touch_resolution_s=touch_resolution_s,
+                         tie_key=tie_key)  # fmt: skip
     blocks = max(1, math.ceil(unbounded.peak_written_blocks / high_watermark))
     while int(blocks * high_watermark) < unbounded.peak_written_blocks:
         blocks += 1  # int() rounds the watermark down, as the daemons do

@@ -132,8 +132,11 @@ class RetentionPolicy:
         return self.classes[self.resolve(name)]
 
     def expiry_for(self, name: str, now_s: float) -> int:
-        """Expiry (ms since the epoch) for a write or hit of class ``name`` at ``now_s``."""
-        return int(now_s * 1000) + self.ttl_s(name) * 1000
+        """Expiry (ms since the epoch) for a write or hit of class ``name`` at ``now_s``
+        (:func:`kvcache.retention.decide.write_expiry`)."""
+        from kvcache.retention.decide import write_expiry  # decide builds on this module
+
+        return write_expiry(int(now_s * 1000), self.ttl_s(name))
 
     def bounds_of(self, name: str) -> tuple[int, int]:
         """(shortest, longest) TTL a hint may ask for in the class ``name`` resolves to."""

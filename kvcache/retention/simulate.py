@@ -1,16 +1,22 @@
 """What a retention policy would do to a workload: hit rate and capacity, without a cluster.
 
 Replays a request trace against an idealised cluster under the daemons' own
-rules (:mod:`kvcache.retention.decide`): every full block of a request is
-written when absent, and slid when live (a hit of the leading run, or a block
-the client finds stored and touches), a slide shorter than the touch
-resolution is not written, and the later expiry wins when classes share a
-block. Without ``capacity_blocks`` nothing is evicted; with it, a write that
-would take the live blocks past ``high_watermark × capacity`` first evicts the
-earliest-expiring unpinned blocks just enough to fit, and after the request
-eviction goes on down to ``low_watermark × capacity`` (what a daemon's write
-path and background work do). Every such eviction is of a live block, so it
-counts as *evicted before its TTL*.
+rules (:mod:`kvcache.retention.decide`), driven as the client drives them: the
+leading run of live blocks is read, which slides it; every block after it is
+stored in one PUT, a live one coming back CONFLICT and then touched (slid) once
+the client has asked, one evicted meanwhile written again. A slide shorter than
+the touch resolution is not written, and the later expiry wins when classes
+share a block. Without ``capacity_blocks`` nothing is evicted; with it, a PUT
+that would take the live blocks past ``high_watermark × capacity`` first evicts
+the earliest-expiring unpinned blocks until all its blocks fit (the live ones
+count, as a daemon counts a PUT's bytes before it knows which conflict), and
+then eviction goes on down to ``low_watermark × capacity`` (a daemon's drain
+after such a write). Ties in expiry (the blocks one request wrote or slid on a
+node share an expiry: :data:`~kvcache.retention.decide.EXPIRY_QUANTUM_MS`) go by
+``tie_key``, the block's key, as the daemons order them; a trace names no keys,
+so without it they go by a scrambled block id, ordered as arbitrarily as keys
+are (ids in trace order would take every prefix's head first). Every such
+eviction is of a live block, so it counts as *evicted before its TTL*.
 
 The hit rate is the tokens of each request's leading run of live blocks over
 all input tokens; capacity is the number of live blocks (and their bytes with
@@ -91,6 +97,12 @@ class SimulationResult:
         return blocks * block_bytes * (k + m) / k
 
 
+def _scrambled(block: int) -> int:
+    """A stand-in for a block's key in the order of ties: a bijection of the id that
+    spreads consecutive ids (Fibonacci hashing)."""
+    return (block * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def simulate(
     requests: Iterable[Request],
     policy: RetentionPolicy,
@@ -100,6 +112,7 @@ def simulate(
     high_watermark: float = 0.9,
     low_watermark: float = 0.8,
     observe: Callable[[Request, Mapping[int, tuple[int, str]]], None] | None = None,
+    tie_key: Callable[[int], bytes] | None = None,
 ) -> SimulationResult:
     """Replay ``requests`` (in arrival order) under ``policy``.
 
@@ -107,15 +120,19 @@ def simulate(
     (expiry ms, stored class) after it (how a test holds the simulator against
     a real store, block by block).
 
+    ``tie_key`` maps a block id to its key (:func:`kvcache.workload.replay_keys`) when
+    the simulation should order expiry ties exactly as the daemons of a replay will.
+
     ``touch_resolution_s`` is the daemons' (``ServerConfig.touch_resolution_s``,
     60 s by default): it decides which slides are written, so it changes what
     lives.
     """
     resolution_ms = max(1, int(touch_resolution_s * 1000))
+    tie: Callable[[int], bytes | int] = _scrambled if tie_key is None else tie_key
     high = None if capacity_blocks is None else int(capacity_blocks * high_watermark)
     low = None if capacity_blocks is None else int(capacity_blocks * low_watermark)
     state: dict[int, tuple[int, str]] = {}  # block -> (expiry_ms, stored class)
-    heap: list[tuple[int, int]] = []  # (expiry_ms, block); stale entries skipped
+    heap: list[tuple[int, bytes | int, int]] = []  # (expiry_ms, tie, block); stale skipped
     requests_seen = input_tokens = hit_tokens = peak = expirations = evicted = 0
     peak_written = 0
     draining = False
@@ -141,18 +158,19 @@ def simulate(
             live_by[owner(cur[1])] -= 1
         state[block] = new
         live_by[owner(new[1])] = live_by.get(owner(new[1]), 0) + 1
-        heapq.heappush(heap, (new[0], block))
+        heapq.heappush(heap, (new[0], tie(block), block))
 
     def evict_down_to(target: int) -> None:
         nonlocal evicted
-        skipped: list[tuple[int, int]] = []
+        skipped: list[tuple[int, bytes | int, int]] = []
         while len(state) > target and heap:
-            when, block = heapq.heappop(heap)
+            item = heapq.heappop(heap)
+            when, block = item[0], item[2]
             cur = state.get(block)
             if cur is None or cur[0] != when:
                 continue  # stale: slid or gone
             if not decide.evictable(cur[1]):
-                skipped.append((when, block))
+                skipped.append(item)
                 continue
             name = drop(block)
             evicted += 1
@@ -160,10 +178,40 @@ def simulate(
         for item in skipped:
             heapq.heappush(heap, item)
 
+    def touch(blocks: Iterable[int], applied: decide.Applied, now: int) -> None:
+        for block in blocks:
+            cur = state.get(block)
+            if cur is None:
+                continue
+            moved = decide.slide(
+                expiry_ms=cur[0], stored=cur[1], hit=applied, now_ms=now,
+                resolution_ms=resolution_ms,
+            )  # fmt: skip
+            if moved is not None:
+                put(block, moved)
+
+    def store(blocks: list[int], written: tuple[int, str]) -> list[int]:
+        """One PUT of ``blocks`` as a daemon takes it: room made for all of them, the
+        absent ones written, then the drain to the low watermark; returns the blocks
+        that were live (another write's shards: CONFLICT, nothing written)."""
+        nonlocal draining, peak_written
+        if high is not None and blocks and len(state) + len(blocks) > high:
+            draining = True
+            evict_down_to(max(0, high - len(blocks)))
+        held = [b for b in blocks if b in state]
+        for block in blocks:
+            if block not in state:
+                put(block, written)
+        peak_written = max(peak_written, len(state))
+        if low is not None and high is not None and (draining or len(state) > high):
+            evict_down_to(low)  # the daemons' drain after a crossing write
+            draining = False
+        return held
+
     for req in requests:
         now = req.timestamp_ms
         while heap and not decide.is_live(heap[0][0], now):
-            when, block = heapq.heappop(heap)
+            when, _, block = heapq.heappop(heap)
             cur = state.get(block)
             if cur is not None and cur[0] == when:
                 drop(block)
@@ -182,30 +230,17 @@ def simulate(
             hit += 1
         applied = decide.clamp(policy, req.traffic_class)
         cls = applied.traffic_class
-        blocks = list(dict.fromkeys(full))
-        # As the client does: hits (GET) and stored blocks (TOUCH) slide first...
-        for block in blocks:
-            cur = state.get(block)
-            if cur is None:
-                continue
-            moved = decide.slide(
-                expiry_ms=cur[0], stored=cur[1], hit=applied, now_ms=now,
-                resolution_ms=resolution_ms,
-            )  # fmt: skip
-            if moved is not None:
-                put(block, moved)
-        # ...then the absent ones are written (PUT), making room first.
-        fresh = [b for b in blocks if b not in state]
-        if high is not None and fresh and len(state) + len(fresh) > high:
-            draining = True
-            evict_down_to(max(0, high - len(fresh)))
         written = (decide.write_expiry(now, applied.ttl_s), decide.stored_class(cls, applied.pin))
-        for block in fresh:
-            put(block, written)
-        peak_written = max(peak_written, len(state))
-        if low is not None and high is not None and (draining or len(state) > high):
-            evict_down_to(low)  # the daemons' background eviction, down to the low watermark
-            draining = False
+
+        # As the client does: the leading run is read (GET), which slides it...
+        touch(dict.fromkeys(full[:hit]), applied, now)
+        # ...then every block after it is stored (one PUT, the room made for all of it);
+        # the ones some write holds come back CONFLICT, and the client asks (HAS) and
+        # touches those still there and writes those the drain took meanwhile.
+        conflicted = store(list(dict.fromkeys(full[hit:])), written)
+        if conflicted:
+            touch(conflicted, applied, now)
+            store([b for b in conflicted if b not in state], written)
         if observe is not None:
             observe(req, types.MappingProxyType(state))
         requests_seen += 1

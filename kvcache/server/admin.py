@@ -48,18 +48,25 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class OffsetClock:
-    """``time.time()`` plus an offset a test may move (``POST /debug/clock``)."""
+    """``time.time()`` plus an offset a test may move, or a time it holds still
+    (``POST /debug/clock``)."""
 
     def __init__(self, base: Callable[[], float]) -> None:
         self._base = base
         self.offset_s = 0.0
+        #: While set, the clock reads this and nothing else (a replay at a trace's own
+        #: times: every daemon then stamps a request's writes alike).
+        self.frozen_s: float | None = None
 
     def __call__(self) -> float:
+        if self.frozen_s is not None:
+            return self.frozen_s
         return self._base() + self.offset_s
 
     def realtime_offset_s(self) -> float | None:
-        """The offset from wall time, when the base is wall time (else None)."""
-        return self.offset_s if self._base is time.time else None
+        """The offset from wall time, when the base is wall time (else None: so is a
+        frozen clock, which the native data plane, reading wall time, leaves to Python)."""
+        return self.offset_s if self._base is time.time and self.frozen_s is None else None
 
 
 def build_app(
@@ -164,14 +171,23 @@ def build_app(
         if clock is None:
             raise web.HTTPNotFound()
         body = await _read_json(request)
-        offset = body.get("offset_s") if isinstance(body, dict) else None
-        if isinstance(offset, bool) or not isinstance(offset, int | float):
-            return _json({"error": 'body must be {"offset_s": seconds}'}, status=400)
-        clock.offset_s = float(offset)
+        fields = body if isinstance(body, dict) else {}
+        given = [k for k in ("offset_s", "at_s") if k in fields]
+        value = fields.get(given[0]) if len(given) == 1 and len(fields) == 1 else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return _json(
+                {"error": 'body must be {"offset_s": seconds} (wall time plus that) or '
+                 '{"at_s": epoch seconds} (the clock held there)'},
+                status=400,
+            )  # fmt: skip
+        if given[0] == "at_s":
+            clock.frozen_s = float(value)
+            log.warning("clock held at %.3f (test override)", clock.frozen_s)
+        else:
+            clock.offset_s, clock.frozen_s = float(value), None
+            log.warning("clock offset set to %.3f s (test override)", clock.offset_s)
         service.wake()  # expiries the jump made due are swept now, not at the next idle poll
-        service.wake()
-        log.warning("clock offset set to %.3f s (test override)", clock.offset_s)
-        return _json({"offset_s": clock.offset_s, "now": clock()})
+        return _json({"offset_s": clock.offset_s, "at_s": clock.frozen_s, "now": clock()})
 
     async def start_scrub(request: web.Request) -> web.Response:
         scrubber = service.handler.scrubber

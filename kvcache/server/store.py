@@ -1487,7 +1487,7 @@ class ShardStore:
                 pin_budget[0] -= size
             else:
                 self._clamped("pin dropped: the tenant's pin quota is full", pin_dropped=True)
-        if not pin and now + policy.max_ttl_s * 1000 - expiry < self._resolution_ms:
+        if not pin and decide.write_expiry(now, policy.max_ttl_s) - expiry < self._resolution_ms:
             return _LIVE  # no class could move the expiry enough to be worth a write
         if hit is None:
             hit = clamp(policy, decide.split_stored(stored)[0], ttl_s=ttl_hint or None)
