@@ -24,7 +24,7 @@ records, :func:`kvcache.shard.shard_len_for`), over the wire protocol
   no way to drop it);
 * ``rss_mib``: the daemon's RSS after the timed requests;
 * ``index_bytes_per_shard``: everything on disk but the records themselves,
-  per shard (store format v5): the pages of the two LMDB databases
+  per shard (store format v6): the pages of the two LMDB databases
   (``index``: one row per shard, its location and retention; ``expiry``) times
   the page size, plus the segment files' bytes beyond the records (batch heads
   and a 32-byte entry per record). ``lmdb_index_bytes_per_shard`` and
@@ -166,7 +166,7 @@ def fill(path: Path, shards: int, seed: int) -> tuple[float, npt.NDArray[np.void
 
 
 def index_bytes(path: Path, record_bytes: int = FILL_RECORD) -> dict[str, float]:
-    """Bytes on disk per shard of the index (store format v5: the ``index`` database, one row
+    """Bytes on disk per shard of the index (store format v6: the ``index`` database, one row
     per shard with its location and retention, and the ``expiry`` database) plus the segment
     files' own overhead (batch heads and per-record entries: the files' bytes less the
     records')."""

@@ -670,7 +670,7 @@ def _quiet_case(n: int, seed: int, spoil: str) -> tuple[Any, ...]:
     hits["key"] = keys[:, :24].copy().view("V24").ravel()
     rows = hits["row"]
     rows["index"] = items["index"]
-    rows["expiry"] = rng.integers(1_000_001, 2**40, n)
+    rows["expiry"] = rng.integers(1_001, 2**32, n)  # whole seconds: 1,001,000 ms on
     rows["stripe"] = stored_stripes
     rows["size"] = rng.integers(104, 20_000, n)
     # Runs: each record follows the last in its segment, or starts a new place.
@@ -686,7 +686,7 @@ def _quiet_case(n: int, seed: int, spoil: str) -> tuple[Any, ...]:
     j = int(rng.integers(0, n))
     spoiled = spoil != "none" and (spoil != "stripe" or bool(items["stripe"][j]))
     if spoil == "expired":
-        hits["row"]["expiry"][j] = 1_000_000
+        hits["row"]["expiry"][j] = 1_000  # s: not after quiet_above (ms)
     elif spoil == "stripe" and items["stripe"][j]:
         items["stripe"][j] = int(items["stripe"][j]) ^ 1
     elif spoil == "key":

@@ -23,6 +23,7 @@ from kvcache.server.records import (
     expiry_entry,
     fresh_rows,
     partition,
+    row_expiry_ms,
     row_location,
     split_expiry_entry,
     split_store_key,
@@ -113,6 +114,8 @@ def test_expiry_entries_sort_by_partition_then_time() -> None:
 
 _U32 = st.integers(0, 2**32 - 1)
 _U64 = st.integers(0, 2**64 - 1)
+#: Expiries are whole seconds (kvcache.retention.decide.EXPIRY_QUANTUM_MS), kept as u32.
+_EXPIRY = st.integers(0, 2**32 - 1).map(lambda s: s * 1000)
 _CLASS = st.from_regex(r"\+?[a-z0-9][a-z0-9_-]{0,14}", fullmatch=True)
 
 
@@ -123,7 +126,7 @@ _CLASS = st.from_regex(r"\+?[a-z0-9][a-z0-9_-]{0,14}", fullmatch=True)
             st.integers(0, 65535),
             _CLASS,
             _U32,
-            _U64,
+            _EXPIRY,
             _U64,
             _U32,
         ),
@@ -167,11 +170,12 @@ def test_fresh_rows_are_the_rows_one_at_a_time(
         assert 0 <= back.written_ms - written < 1000 and back.written_ms % 1000 == 0
         assert row_location(raw) == row.location
         arr = np.frombuffer(raw, ROW_DTYPE)[0]
-        assert (int(arr["index"]), int(arr["expiry"]), int(arr["stripe"])) == (
+        assert (int(arr["index"]), int(arr["expiry"]) * 1000, int(arr["stripe"])) == (
             index,
             expiry,
             stripe,
         )
+        assert row_expiry_ms(arr.reshape(1)).tolist() == [expiry]
     # The rows of one block key sort by shard index (the duplicates' order in the index).
     by_key: dict[bytes, list[bytes]] = {}
     for skey, raw in zip(keys, packed, strict=True):
@@ -186,3 +190,16 @@ def test_class_table_persists_only_what_was_committed() -> None:
     assert table.id_of("+chat") == 1 and table.id_of("chat") == 0
     table.persisted()
     assert not table.dirty and ClassTable.unpack(table.pack()).names == ["chat", "+chat"]
+
+
+@given(expiry=st.integers(0, (2**32 - 1) * 1000))
+def test_a_row_keeps_its_expiry_in_whole_seconds_never_earlier(expiry: int) -> None:
+    table = ClassTable()
+    row = Row(3, expiry, 1000, 7, 5000, "chat", 1, 2)
+    back = Row.unpack(row.pack(table), table)
+    assert 0 <= back.expiry_ms - expiry < 1000 and back.expiry_ms % 1000 == 0
+    [column] = fresh_rows([b"t" * 8 + b"k" * 16 + b"\x00\x03"], class_ids=np.array([0]),
+                          sizes=np.array([1000]), expiry_ms=np.array([expiry], np.uint64),
+                          stripes=np.array([7], np.uint64), written_ms=5000, seg=1,
+                          offsets=np.array([2]))  # fmt: skip
+    assert column == row.pack(table)

@@ -312,7 +312,7 @@ def test_a_reply_in_flight_keeps_its_bytes_while_its_segment_goes(
 def test_a_walk_names_every_record_of_every_tenant(
     batches: list[list[tuple[int, int, int, int]]],
 ) -> None:
-    """Store format v5's batches name a record by a slot in the batch's tenant table and
+    """Store format v6's batches name a record by a slot in the batch's tenant table and
     the record's own header: walking them gives back every (storage key, offset, length)
     that was appended, tenants of a group commit mixed in one batch."""
     tenants = [tenant_id(f"t{n}") for n in range(4)]
@@ -337,6 +337,42 @@ def test_a_walk_names_every_record_of_every_tenant(
                 for _, skey, at, length in files.walk(seg)
             ]
             assert walked == written
+        finally:
+            files.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    count=st.integers(1, 40),
+    body=st.integers(1, 300),
+    odd=st.sampled_from([None, "length", "tenant"]),
+)
+def test_a_uniform_batch_has_no_entries_and_walks_the_same(
+    count: int, body: int, odd: str | None
+) -> None:
+    """A batch of one tenant's records of one length (the common PUT) is written with its
+    head and tenant alone, no per-record entry; one record of another length or tenant
+    brings the entries back. Either way a walk names every record."""
+    tenants = [tenant_id("t0"), tenant_id("t1")]
+    keys, records = [], []
+    for n in range(count):
+        t = 1 if odd == "tenant" and n == count - 1 else 0
+        size = body + (1 if odd == "length" and n == count - 1 else 0)
+        keys.append(tenants[t] + key(n) + (n % 12).to_bytes(2, "big"))
+        records.append(fake_shard(key(n), n % 12, bytes(size)))
+    with tempfile.TemporaryDirectory() as d:
+        files = SegmentFiles(Path(d), segment_bytes=SEG, sync_each_write=False)
+        try:
+            files.load({})
+            seg, first, _before = files.append(keys, records)
+            mixed = odd is not None and count > 1
+            ntenants = 2 if odd == "tenant" and count > 1 else 1
+            head = 24 + 8 * ntenants + (6 * count if mixed else 0)
+            assert first == head
+            assert files.state[seg].end == head + sum(map(len, records))
+            walked = [(skey, at, length) for _, skey, at, length in files.walk(seg)]
+            ats = [first + sum(map(len, records[:n])) for n in range(count)]
+            assert walked == list(zip(keys, ats, map(len, records), strict=True))
         finally:
             files.close()
 

@@ -389,18 +389,18 @@ def test_map_full_aborts_the_whole_batch(tmp_path: Path, clock: FakeClock) -> No
         tmp_path / "db", clock, capacity_bytes=1 << 30, map_size_bytes=1 << 20
     ) as store:
         assert put(store, block_records(key(1), body_len=1024)) == [Status.OK] * 12
-        # Records live in segment files (format v4): only the index fills the map, so the
+        # Records live in segment files (format v4 on): only the index fills the map, so the
         # batch that does not fit is many small shards (about 100 bytes of index each).
-        big = [s for n in range(2, 1000) for s in block_records(key(n), body_len=64)]
+        big = [s for n in range(2, 2000) for s in block_records(key(n), body_len=64)]
         assert put(store, big) == [Status.NO_SPACE] * len(big)
         assert held(store, key(2)) == set()
         assert store.counters["error_map_full"] == 1
         assert held(store, key(1)) == set(range(12))
         assert store.recount() == store.usage()
-        shards = block_records(key(1000), body_len=1024)
+        shards = block_records(key(5000), body_len=1024)
         assert put(store, shards) == [Status.OK] * 12
         # The failed batch's appended bytes were rewound over: the next batch reads back.
-        assert get(store, [(key(1000), i) for i in range(12)])[1] == [r for _, _, r in shards]
+        assert get(store, [(key(5000), i) for i in range(12)])[1] == [r for _, _, r in shards]
 
 
 def test_reopen_keeps_shards_counters_and_policy(tmp_path: Path, clock: FakeClock) -> None:
@@ -596,7 +596,7 @@ def test_put_many_failure_fails_only_the_batch_that_does_not_fit(
     ) as store:
         small = block_records(key(1), body_len=1024, indices=[0, 1])
         # Only index rows fill the map (records are in segment files): many small shards.
-        big = [s for n in range(2, 1000) for s in block_records(key(n), body_len=64)]
+        big = [s for n in range(2, 2000) for s in block_records(key(n), body_len=64)]
         broken = list(small)
         broken[1] = (key(1), 1, small[1][2][:-1] + b"\x00")  # body checksum mismatch
         replies = store.put_many([PutBatch(T, *put_items(broken)), PutBatch(T, *put_items(big))])

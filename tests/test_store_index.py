@@ -1,6 +1,6 @@
-"""Store format v5's index (one row per shard, a block's shards as duplicates of one key)
+"""Store format v6's index (one row per shard, a block's shards as duplicates of one key)
 against a plain model: HAS, GET, DELETE and the sweep over random histories, and the
-refusal of a v4 directory."""
+refusal of v4 and v5 directories."""
 
 from __future__ import annotations
 
@@ -154,24 +154,28 @@ def test_has_answers_many_keys_in_the_asked_order(tmp_path: Path) -> None:
         assert len(store.has(T, make_items(Op.HAS, 0, reply=False))) == 0
 
 
-def test_a_v4_directory_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+@pytest.mark.parametrize("old", ["kvcache-store-v4", "kvcache-store-v5"])
+def test_an_older_directory_is_refused_with_a_clear_message(tmp_path: Path, old: str) -> None:
     path = tmp_path / "db"
     path.mkdir()
     env = lmdb.open(str(path), max_dbs=4)
-    shards, meta = env.open_db(b"shards"), env.open_db(b"meta")
-    env.open_db(b"retention")
+    meta = env.open_db(b"meta")
     env.open_db(b"expiry", dupsort=True, dupfixed=True)
     with env.begin(write=True) as txn:
-        txn.put(b"format", b"kvcache-store-v4", db=meta)
-        txn.put(T + KEYS[1] + b"\x00\x00", bytes(16), db=shards)
+        txn.put(b"format", old.encode(), db=meta)
+        if old.endswith("v4"):  # a location and a retention row per shard
+            env.open_db(b"retention", txn=txn)
+            txn.put(T + KEYS[1] + b"\x00\x00", bytes(16), db=env.open_db(b"shards", txn=txn))
+        else:  # one 36-byte row per shard, its expiry in milliseconds
+            index = env.open_db(b"index", txn=txn, dupsort=True, dupfixed=True)
+            txn.put(T + KEYS[1], bytes(36), db=index)
     env.close()
-    with pytest.raises(StorageError, match=r"kvcache-store-v4.*kvcache-store-v5.*fresh data dir"):
+    with pytest.raises(StorageError, match=rf"{old}.*kvcache-store-v6.*fresh data dir"):
         ShardStore(path, capacity_bytes=64 << 20, clock=FakeClock())
-    # Refused, not changed: the v4 index is still there, under its own format marker.
+    # Refused, not changed: the old index is still there, under its own format marker.
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
     with env.begin() as txn:
-        assert txn.get(b"format", db=env.open_db(b"meta", txn=txn, create=False)) == (
-            b"kvcache-store-v4"
-        )
-        assert txn.stat(env.open_db(b"shards", txn=txn, create=False))["entries"] == 1
+        assert txn.get(b"format", db=env.open_db(b"meta", txn=txn, create=False)) == old.encode()
+        name = b"shards" if old.endswith("v4") else b"index"
+        assert txn.stat(env.open_db(name, txn=txn, create=False))["entries"] == 1
     env.close()

@@ -67,7 +67,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 10
+_ABI_VERSION = 11
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -697,8 +697,8 @@ def put_segments(
 #: GET request item: the layouts kv_get_keys and kv_get_quiet read (kvfast.c).
 STORE_KEY_LEN = 26
 GET_ITEM_LEN = 32
-#: Bytes of one getmulti answer row of a daemon's index: a block's key (24), its row (36).
-INDEX_HIT_LEN = 60
+#: Bytes of one getmulti answer row of a daemon's index: a block's key (24), its row (32).
+INDEX_HIT_LEN = 56
 
 
 def _bytes_of(buf: Any) -> Any:

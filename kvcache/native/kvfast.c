@@ -22,7 +22,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 10; }
+int kv_abi_version(void) { return 11; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -441,7 +441,7 @@ void kv_ec_run_many(uint64_t encode, int length, int k, size_t count, const uint
 #define GET_ITEM 32
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire's LE fields are read as host");
 #define STORE_KEY 26
-#define HIT 60
+#define HIT 56 /* getmulti rows: block key 24 | index row 32 (kvcache/server/records.py) */
 
 static uint64_t be64(const uint8_t *p) {
     uint64_t v;
@@ -487,16 +487,16 @@ int64_t kv_get_quiet(const uint8_t *items, const uint8_t *keys, size_t n, const 
         const uint8_t *hit = found + j * HIT, *row = hit + 24;
         const uint8_t *key = keys + j * STORE_KEY;
         if (memcmp(hit, key, 24) != 0 || memcmp(row, key + 24, 2) != 0) return -1;
-        if (be64(row + 8) <= quiet_above) return -1;
+        if ((uint64_t)be32(row + 8) * 1000u <= quiet_above) return -1; /* expiry: seconds */
         uint64_t want = le64(items + j * GET_ITEM + 24);
-        if (want != 0 && want != be64(row + 16)) return -1;
+        if (want != 0 && want != be64(row + 12)) return -1;
     }
     int64_t m = -1;
     uint64_t sum = 0, seg = 0, end = 0;
     for (size_t j = 0; j < n; j++) {
         const uint8_t *row = found + j * HIT + 24;
         uint32_t size = be32(row + 4);
-        uint64_t s = be32(row + 28), off = be32(row + 32);
+        uint64_t s = be32(row + 24), off = be32(row + 28);
         memcpy(reply + j * 8 + 4, &size, 4);
         sum += size;
         if (m >= 0 && s == seg && off == end) {

@@ -50,7 +50,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define KVS_ABI 3
+#define KVS_ABI 4
 
 /* The wire (docs/spec/wire.md). */
 #define HDR 48
@@ -63,10 +63,16 @@
 #define FLAG_REPLY 1
 #define STATUS_NOT_FOUND 1 /* kvcache.wire.Status.NOT_FOUND */
 #define CLASS_FIELD 16
-/* The index (kvcache/server/records.py): tenant 8 | block key 16 -> 36-byte rows. */
+/* The index (kvcache/server/records.py): tenant 8 | block key 16 -> 32-byte rows: index u16,
+ * class u16, size u32, expiry u32 (whole seconds), stripe u64, written u32, segment u32,
+ * offset u32, all big-endian. */
 #define TENANT 8
 #define BLOCK_KEY 24
-#define ROW 36
+#define ROW 32
+#define ROW_EXPIRY_MS(row) ((uint64_t)be32((row) + 8) * 1000u)
+#define ROW_STRIPE(row) be64((row) + 12)
+#define ROW_SEG(row) be32((row) + 24)
+#define ROW_OFF(row) be32((row) + 28)
 #define MAX_SHARD_INDEX 254
 
 #define NBUCKETS 17 /* 16 latency bounds and +Inf */
@@ -698,18 +704,18 @@ static int answer_get(kvs_engine *e, kvs_conn *c, const uint8_t *hdr, const uint
             ok = 0;
             break;
         }
-        if (rc == MDB_NOTFOUND || be16(row) != index || (want != 0 && want != be64(row + 16))) {
+        if (rc == MDB_NOTFOUND || be16(row) != index || (want != 0 && want != ROW_STRIPE(row))) {
             /* A miss, as Python answers it: NOT_FOUND, no length, nothing to slide. */
             memset(reply + (size_t)i * GET_REPLY_ITEM, 0, GET_REPLY_ITEM);
             reply[(size_t)i * GET_REPLY_ITEM] = STATUS_NOT_FOUND;
             (*missed)++;
             continue;
         }
-        if (be64(row + 8) <= quiet_above) {
+        if (ROW_EXPIRY_MS(row) <= quiet_above) {
             ok = 0;
             break;
         }
-        uint32_t size = be32(row + 4), s = be32(row + 28), off = be32(row + 32);
+        uint32_t size = be32(row + 4), s = ROW_SEG(row), off = ROW_OFF(row);
         memset(reply + (size_t)i * GET_REPLY_ITEM, 0, 4);
         put32(reply + (size_t)i * GET_REPLY_ITEM + 4, size);
         total += size;
@@ -789,7 +795,7 @@ static int answer_has(kvs_engine *e, kvs_conn *c, const uint8_t *hdr, const uint
             }
             for (size_t r = 0; r < rows; r++) {
                 const uint8_t *row = (const uint8_t *)v.mv_data + r * ROW;
-                if (be64(row + 8) <= now) {
+                if (ROW_EXPIRY_MS(row) <= now) {
                     /* Expired by its row; a hit not yet written may have moved it on. */
                     if (e->pending) {
                         ok = 0;
@@ -801,7 +807,7 @@ static int answer_has(kvs_engine *e, kvs_conn *c, const uint8_t *hdr, const uint
                 put32(rec, i);
                 put16(rec + 4, be16(row));
                 put16(rec + 6, 0);
-                put64(rec + 8, be64(row + 16));
+                put64(rec + 8, ROW_STRIPE(row));
                 m++;
             }
             if (ok) rc = mdb_cursor_get(e->cur, &k, &v, MDB_NEXT_MULTIPLE);

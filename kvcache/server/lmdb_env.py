@@ -130,7 +130,7 @@ class LmdbEnvironment:
             raise StorageError(
                 f"cannot open LMDB environment in {self.path}: {exc}", kind="storage"
             ) from exc
-        # Store format v5: one key per (tenant, block key), a fixed-size row per shard held
+        # Store format v5 on: one key per (tenant, block key), a fixed-size row per shard held
         # as its sorted duplicates (kvcache.server.records). A v4 directory's `shards` and
         # `retention` databases are never opened: the store's format check refuses it.
         self.index = self.env.open_db(b"index", dupsort=True, dupfixed=True)

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 LIBRARY_ENV = "KVCACHE_SERVE_LIBRARY"
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(native.__file__).with_name("libkvserve.so"))
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 
 #: What a step reports for a descriptor (kvserve.c).
 EV_FOREIGN, EV_HANDOFF, EV_CLOSED = 1, 2, 3

@@ -1,9 +1,9 @@
 """What a daemon stores and under which keys, and the batch checks of PUT records.
 
-Storage layout (store format ``kvcache-store-v5``, LMDB named databases)::
+Storage layout (store format ``kvcache-store-v6``, LMDB named databases)::
 
-    index      tenant 8 | key 16 (DUPSORT, DUPFIXED)  → one 36-byte row per shard held of the key:
-               index u16 | class id u16 | size u32 | expiry_ms u64 | stripe u64 | written_s u32
+    index      tenant 8 | key 16 (DUPSORT, DUPFIXED)  → one 32-byte row per shard held of the key:
+               index u16 | class id u16 | size u32 | expiry_s u32 | stripe u64 | written_s u32
                | segment u32 | offset u32                          (all big-endian, :data:`ROW`)
     expiry     tenant 8 | class 16 | expiry_ms u64 BE          → key 16 | index u16 BE  (DUPSORT, DUPFIXED)
     meta       b"format"; b"usage:" + tenant 8 + class 16 → bytes u64 | shards u64; b"policy";
@@ -69,6 +69,7 @@ __all__ = [
     "HIT_LEN",
     "KEY_LEN",
     "PARTITION_LEN",
+    "EXPIRY_UNIT_MS",
     "ROW",
     "ROW_DTYPE",
     "ROW_LEN",
@@ -87,6 +88,7 @@ __all__ = [
     "record_runs",
     "row_location",
     "written_s",
+    "row_expiry_ms",
     "split_expiry_entry",
     "split_partition",
     "split_rows",
@@ -96,7 +98,7 @@ __all__ = [
     "usage_key",
 ]
 
-FORMAT = b"kvcache-store-v5"
+FORMAT = b"kvcache-store-v6"
 TENANT_LEN = 8
 #: Storage key: tenant (8) + block key (16) + shard index (u16 big-endian).
 KEY_LEN = TENANT_LEN + 18
@@ -116,15 +118,59 @@ _KEY_AT: int = _FIELDS["block_key"][1]
 _NAME_AT: int = _FIELDS["traffic_class"][1]
 _CHECKED_LEN = HEADER_BYTES - 4
 
-#: One shard's row in the ``index`` database: shard index (the duplicates' sort key), class
-#: id, record size, expiry_ms, stripe, written (seconds, rounded up), segment, offset.
-ROW = struct.Struct(">HHIQQIII")
-ROW_LEN = ROW.size
+#: A row keeps its expiry in whole seconds: every expiry is one
+#: (:data:`kvcache.retention.decide.EXPIRY_QUANTUM_MS`), and 4 bytes hold them to 2106.
+EXPIRY_UNIT_MS = 1000
+_ROW = struct.Struct(">HHIIQIII")
+
+
+class _RowStruct:
+    """One shard's row in the ``index`` database, as a ``struct``: shard index (the
+    duplicates' sort key), class id, record size, expiry (milliseconds here, whole seconds
+    on disk), stripe, written (seconds, rounded up), segment, offset."""
+
+    __slots__ = ()
+    size = _ROW.size
+
+    @staticmethod
+    def pack(
+        index: int, cid: int, size: int, expiry_ms: int, stripe: int, written: int, seg: int,
+        off: int,
+    ) -> bytes:  # fmt: skip
+        """The row's bytes; an expiry between whole seconds is rounded up (never shortened)."""
+        return _ROW.pack(index, cid, size, -(-expiry_ms // EXPIRY_UNIT_MS), stripe, written,
+                         seg, off)  # fmt: skip
+
+    @staticmethod
+    def unpack(raw: bytes | memoryview) -> tuple[int, int, int, int, int, int, int, int]:
+        """(index, class id, size, expiry_ms, stripe, written_s, segment, offset)."""
+        index, cid, size, expiry_s, stripe, written, seg, off = _ROW.unpack(raw)
+        return index, cid, size, expiry_s * EXPIRY_UNIT_MS, stripe, written, seg, off
+
+    @staticmethod
+    def unpack_from(
+        raw: bytes | memoryview, offset: int = 0
+    ) -> tuple[int, int, int, int, int, int, int, int]:
+        """:meth:`unpack` of the row at ``offset``."""
+        index, cid, size, expiry_s, stripe, written, seg, off = _ROW.unpack_from(raw, offset)
+        return index, cid, size, expiry_s * EXPIRY_UNIT_MS, stripe, written, seg, off
+
+
+ROW = _RowStruct()
+ROW_LEN = _ROW.size
+#: The same 32-byte row as a numpy record; ``expiry`` is in seconds (:func:`row_expiry_ms`).
 ROW_DTYPE = np.dtype(
-    [("index", ">u2"), ("cls", ">u2"), ("size", ">u4"), ("expiry", ">u8"), ("stripe", ">u8"),
+    [("index", ">u2"), ("cls", ">u2"), ("size", ">u4"), ("expiry", ">u4"), ("stripe", ">u8"),
      ("written", ">u4"), ("seg", ">u4"), ("off", ">u4")]
 )  # fmt: skip
 assert ROW_DTYPE.itemsize == ROW_LEN
+
+
+def row_expiry_ms(rows: npt.NDArray[np.void]) -> npt.NDArray[np.int64]:
+    """The expiries (ms) of rows of :data:`ROW_DTYPE`."""
+    return rows["expiry"].astype(np.int64) * EXPIRY_UNIT_MS
+
+
 _LOC = struct.Struct(">IIII")
 _U64 = struct.Struct(">Q")
 #: Class ids are u16; a table never holds more.
@@ -276,7 +322,7 @@ def fresh_rows(
     rows["index"] = (keys[:, -2].astype(np.uint16) << 8) | keys[:, -1]
     rows["cls"] = class_ids
     rows["size"] = sizes
-    rows["expiry"] = expiry_ms
+    rows["expiry"] = -(-np.asarray(expiry_ms, np.int64) // EXPIRY_UNIT_MS)
     rows["stripe"] = stripes
     rows["written"] = written_s(written_ms)
     rows["seg"] = seg
@@ -395,7 +441,7 @@ def quiet_get_numpy(
     if not np.array_equal(raw[:, :KEY_LEN], np.frombuffer(raw_keys, np.uint8).reshape(n, KEY_LEN)):
         return None  # not the asked shards, one each, in order
     rows = raw.view(HIT_DTYPE).reshape(n)["row"]
-    if int(rows["expiry"].min()) <= quiet_above:
+    if int(rows["expiry"].min()) * EXPIRY_UNIT_MS <= quiet_above:
         return None
     stripes = items["stripe"]
     if stripes.any() and ((stripes != 0) & (stripes != rows["stripe"])).any():

@@ -1,4 +1,4 @@
-"""Append-only segment files: where a daemon's shard records live (store format v4, v5).
+"""Append-only segment files: where a daemon's shard records live (store format v4 to v6).
 
 The LMDB index (:mod:`kvcache.server.store`) keeps, per shard, one row with
 its retention and where its record is (segment, offset, length: handed here
@@ -10,12 +10,16 @@ the page cache) instead of twice (LMDB's dirty page, then its write-back), and
 an evicted or expired shard costs an index delete, not the freeing of three
 overflow pages.
 
-File layout (``segments/NNNNNNNN.seg``, id in hex, never reused; store format v5)::
+File layout (``segments/NNNNNNNN.seg``, id in hex, never reused; store format v6)::
 
-    batch:  magic u32 | count u32 | records u64 | tenants u32 | 0 u32   (24 bytes, little-endian)
+    batch:  magic u32 | count u32 | records u64 | tenants u32 | uniform u32   (24 bytes, LE)
             tenants x tenant id (8 bytes each): the batch's tenant table
-            count x (length u32 | tenant slot u16)                       (6 bytes each)
+            count x (length u32 | tenant slot u16)      (6 bytes each; none when uniform)
             the count records, back to back
+
+``uniform`` is 0, or the length of every record of a batch of one tenant: the
+common PUT (one tenant's shards of one layout) then has no entry table, and a
+record costs the segment nothing beyond itself (v5 spent 6 bytes on each).
 
 Each batch names its records' storage keys, so a segment can be walked
 without the index (:meth:`SegmentFiles.walk`): that is how compaction finds a
@@ -72,7 +76,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SEGMENT_DIR = "segments"
-_MAGIC = 0x3553564B  # "KVS5" little-endian: a batch head of store format v5
+_MAGIC = 0x3653564B  # "KVS6" little-endian: a batch head of store format v6
 BATCH_HEAD = struct.Struct("<IIQII")
 #: A batch's entry per record: record length, slot in the batch's tenant table.
 ENTRY = struct.Struct("<IH")
@@ -282,7 +286,10 @@ class SegmentFiles:
         total = int(lengths.sum())
         tenant_ids = np.frombuffer(b"".join(k[:_TENANT_LEN] for k in keys), "<u8")
         tenants, slots = np.unique(tenant_ids, return_inverse=True)
-        head_len = BATCH_HEAD.size + _TENANT_LEN * len(tenants) + ENTRY_LEN * n
+        uniform = 0
+        if len(tenants) == 1 and n and int(lengths.min()) == int(lengths.max()):
+            uniform = int(lengths[0])  # every record of one length and tenant: no entries
+        head_len = BATCH_HEAD.size + _TENANT_LEN * len(tenants) + (0 if uniform else ENTRY_LEN * n)
         need = head_len + total
         state = self.state.get(self.active)
         if state is None or (state.end and state.end + need > self.segment_bytes):
@@ -291,15 +298,16 @@ class SegmentFiles:
         if state.end + need > _MAX_SEGMENT:
             raise OSError(f"a batch of {need} bytes does not fit a segment")
         seg = self._segment(self.active)
-        entries = np.empty(n, _ENTRY_DTYPE)
-        entries["len"] = lengths
-        entries["tenant"] = slots
         buffers: list[bytes | memoryview] = [
-            BATCH_HEAD.pack(_MAGIC, n, total, len(tenants), 0),
+            BATCH_HEAD.pack(_MAGIC, n, total, len(tenants), uniform),
             tenants.tobytes(),
-            entries.tobytes(),
-            *records,
         ]
+        if not uniform:
+            entries = np.empty(n, _ENTRY_DTYPE)
+            entries["len"] = lengths
+            entries["tenant"] = slots
+            buffers.append(entries.tobytes())
+        buffers.extend(records)
         before = SegmentState(state.end, state.live_bytes, state.live)
         at = state.end
         for i in range(0, len(buffers), _IOV_MAX):
@@ -393,10 +401,14 @@ class SegmentFiles:
         view = self.view(seg)
         at = start
         while at + BATCH_HEAD.size <= state.end:
-            magic, count, total, ntenants, _zero = BATCH_HEAD.unpack_from(view, at)
+            magic, count, total, ntenants, uniform = BATCH_HEAD.unpack_from(view, at)
             table = at + BATCH_HEAD.size
-            body = table + _TENANT_LEN * ntenants + ENTRY_LEN * count
-            if magic != _MAGIC or body + total > state.end:
+            body = table + _TENANT_LEN * ntenants + (0 if uniform else ENTRY_LEN * count)
+            if (
+                magic != _MAGIC
+                or body + total > state.end
+                or (uniform and (ntenants != 1 or uniform * count != total))
+            ):
                 log.warning("segment %s: no batch head at offset %d; not walked further",
                             self.path_of(seg), at)  # fmt: skip
                 return
@@ -404,10 +416,13 @@ class SegmentFiles:
                 bytes(view[t : t + _TENANT_LEN])
                 for t in range(table, table + _TENANT_LEN * ntenants, _TENANT_LEN)
             ]
-            entries = np.frombuffer(view[table + _TENANT_LEN * ntenants : body], _ENTRY_DTYPE)
+            if uniform:
+                lengths, slots = [uniform] * count, [0] * count
+            else:
+                entries = np.frombuffer(view[table + _TENANT_LEN * ntenants : body], _ENTRY_DTYPE)
+                lengths, slots = entries["len"].tolist(), entries["tenant"].tolist()
             pos = body
-            for length, slot in zip(entries["len"].tolist(), entries["tenant"].tolist(),
-                                    strict=True):  # fmt: skip
+            for length, slot in zip(lengths, slots, strict=True):
                 if length < HEADER_BYTES or slot >= ntenants:
                     log.warning("segment %s: a bad entry in the batch at offset %d; not walked "
                                 "further", self.path_of(seg), at)  # fmt: skip

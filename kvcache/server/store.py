@@ -69,6 +69,7 @@ from kvcache.server.lmdb_env import LmdbEnvironment, storage_error
 from kvcache.server.records import (
     BLOCK_LEN,
     CLASSES_KEY,
+    EXPIRY_UNIT_MS,
     FORMAT,
     HIT_DTYPE,
     HIT_LEN,
@@ -90,6 +91,7 @@ from kvcache.server.records import (
     get_key_rows,
     partition,
     quiet_get,
+    row_expiry_ms,
     row_location,
     split_expiry_entry,
     split_rows,
@@ -786,7 +788,7 @@ class ShardStore:
         )
         ttl_hint = retain.ttl_s
         stripes = items["stripe"]
-        # Index rows are small (36 bytes): copied out, they cost less than py-lmdb's buffer
+        # Index rows are small (32 bytes): copied out, they cost less than py-lmdb's buffer
         # objects, which it must invalidate one by one (bufviewlist_release was a fifth of a
         # GET's store time, py-spy).
         with self._env.begin() as txn:
@@ -923,7 +925,7 @@ class ShardStore:
         self, raw: npt.NDArray[np.uint8], rows: npt.NDArray[np.void], now: int
     ) -> npt.NDArray[np.bool_]:
         """Which rows of a getmulti answer are live (a pending hit may have moved them on)."""
-        live: npt.NDArray[np.bool_] = rows["expiry"] > now
+        live: npt.NDArray[np.bool_] = row_expiry_ms(rows) > now
         pending = self._pending
         if pending and not live.all():
             for j in np.flatnonzero(~live).tolist():
@@ -1611,6 +1613,7 @@ class ShardStore:
                     expiry = _U64.unpack(at_expiry)[0]
                     if expiry > last_expiry:
                         break
+                    row_expiry = (expiry // EXPIRY_UNIT_MS).to_bytes(4, "big")  # a row's field
                     total = cursor.count()
                     dups = list(itertools.islice(cursor.iternext_dup(keys=False),
                                                  limit - len(removed)))  # fmt: skip
@@ -1622,7 +1625,7 @@ class ShardStore:
                         block, index = tenant + dup[:16], dup[16:]
                         if find(block, index):
                             raw = value()
-                            if raw[:2] == index and raw[8:16] == at_expiry:
+                            if raw[:2] == index and raw[8:12] == row_expiry:
                                 drop()
                                 raws.append(raw)
                                 taken.append(block + index)
@@ -1867,6 +1870,14 @@ class ShardStore:
                 if txn.stat(self._index)["entries"]:
                     raise StorageError(f"{self.path} holds shards but no format marker")
                 txn.put(b"format", FORMAT, db=self._meta)
+            elif fmt == b"kvcache-store-v5":
+                raise StorageError(
+                    f"{self.path} was written in store format 'kvcache-store-v5' (36-byte index "
+                    f"rows with millisecond expiries); this build reads {FORMAT.decode()!r} "
+                    "(32-byte rows, expiries in whole seconds, segment batches without a "
+                    "per-record entry): use a fresh data directory (the store is a cache; "
+                    "nothing in it needs to be kept)"
+                )
             elif fmt == b"kvcache-store-v4":
                 raise StorageError(
                     f"{self.path} was written in store format 'kvcache-store-v4' (a location "
