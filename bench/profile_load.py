@@ -80,7 +80,7 @@ def install_stage_timers() -> None:
         (transport.TcpTransport, "_flush", "send"),
         (driver.GetExchange, "landing", "landing"),
         (driver.Pump, "submit", "submit"),
-        (rounds.LoadRound, "on_reply", "round_on_reply"),
+        (rounds.LoadRound, "on_outcomes", "round_on_reply"),
         (loading, "_accept", "accept"),
         (assembly.LoadAssembly, "verify_arrays", "verify"),
         (rounds, "plan_reads", "plan"),
@@ -126,6 +126,7 @@ def main() -> None:
         help="loads allocate their own buffers (the client's default) instead of reusing one",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="--stages: write its figures as JSON")
+    parser.add_argument("--nodes", type=int, default=12, help="daemons (12: one per shard)")
     args = parser.parse_args()
     if args.stages:
         install_stage_timers()
@@ -134,7 +135,7 @@ def main() -> None:
     out = np.empty_like(blocks)
     with (
         tempfile.TemporaryDirectory() as tmp,
-        LocalCluster(Path(tmp) / "cluster").start(nodes=12, capacity="2GiB") as cluster,
+        LocalCluster(Path(tmp) / "cluster").start(nodes=args.nodes, capacity="2GiB") as cluster,
         Client(cluster.client_config()) as client,
     ):
         keys = [BlockKey(os.urandom(16)) for _ in range(n)]

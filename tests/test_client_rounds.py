@@ -415,3 +415,49 @@ def test_has_round_counts_a_shard_on_two_nodes_once() -> None:
     assert not r.done
     r.on_reply(sends[K].ticket, np.zeros(1, np.int64), np.array([K]), np.array([7], np.uint64), 0.0)
     assert r.done and best_counts(r.held_shards(), 1, n=N).tolist() == [K]
+
+
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(
+    dead=st.sets(st.integers(0, N - 1), max_size=3),
+    rejected=st.sets(st.integers(0, N - 1), max_size=2),
+)
+def test_outcomes_handed_over_together_end_as_one_by_one(
+    dead: set[int], rejected: set[int]
+) -> None:
+    """A burst's replies and failures given to ``on_outcomes`` at once leave the round as
+    handing them over one at a time does: the same blocks with k shards, the same chunks
+    ready, the same asks sent next (the chunk is looked at once, after all of them). One
+    at a time, a chunk ready early drops the asks still out (a parity shard once the data
+    shards are in); together, those replies are in already and count."""
+    rounds = [
+        LoadRound(
+            holders(8), np.ones(N, bool), k=K, chunk_blocks=4, window=1, hedge_s=0.01, timeout_s=1.0
+        )
+        for _ in range(2)
+    ]
+    firsts = [r.start(0.0) for r in rounds]
+
+    def outcome(send: Send) -> np.ndarray | None:
+        if send.node in dead:
+            return None
+        ok = np.ones(len(send.blocks), bool)
+        if send.node in rejected:
+            ok[::2] = False  # the driver's checks turned some shards away
+        return ok
+
+    together = rounds[0].on_outcomes([(s.ticket, outcome(s)) for s in firsts[0]], 0.002)
+    one_by_one: list[Send] = []
+    for s in firsts[1]:
+        got = outcome(s)
+        one_by_one += (
+            rounds[1].on_failure(s.ticket, 0.002)
+            if got is None
+            else rounds[1].on_reply(s.ticket, got, 0.002)
+        )
+    assert (rounds[0].got >= rounds[1].got).all()
+    assert ((rounds[0].got.sum(axis=1) >= K) == (rounds[1].got.sum(axis=1) >= K)).all()
+    assert rounds[0].ready_chunks() == rounds[1].ready_chunks()
+    shape = [(s.node, s.blocks.tolist(), s.indices.tolist()) for s in together]
+    assert shape == [(s.node, s.blocks.tolist(), s.indices.tolist()) for s in one_by_one]
+    assert rounds[0].on_outcomes([(firsts[0][0].ticket, None)], 0.003) == []  # already over

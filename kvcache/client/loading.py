@@ -167,12 +167,15 @@ def load_keys(
         # hedge time at most); anything unusual carries on through the pump as usual.
         pump.submit_burst(exchanges(round_.start(core.clock())), round_.next_wakeup())
         while good < end:
-            for event in pump.wait(round_.next_wakeup()):
-                now = core.clock()
-                if event.reply is None or not isinstance(event.exchange, GetExchange):
-                    submit(round_.on_failure(event.ticket, now))
-                    continue
-                submit(round_.on_reply(event.ticket, _accept(assembly, event, refreshed), now))
+            # What arrived together (a burst's replies, one per node) is handed over at once.
+            outcomes = [
+                (event.ticket, None)
+                if event.reply is None or not isinstance(event.exchange, GetExchange)
+                else (event.ticket, _accept(assembly, event, refreshed))
+                for event in pump.wait(round_.next_wakeup())
+            ]
+            if outcomes:
+                submit(round_.on_outcomes(outcomes, core.clock()))
             now = core.clock()
             submit(round_.tick(now))
             for chunk in [*sealing, *round_.ready_chunks()]:
