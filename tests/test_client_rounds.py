@@ -461,3 +461,53 @@ def test_outcomes_handed_over_together_end_as_one_by_one(
     shape = [(s.node, s.blocks.tolist(), s.indices.tolist()) for s in together]
     assert shape == [(s.node, s.blocks.tolist(), s.indices.tolist()) for s in one_by_one]
     assert rounds[0].on_outcomes([(firsts[0][0].ticket, None)], 0.003) == []  # already over
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(-1, 15), min_size=N, max_size=N), min_size=1, max_size=9),
+    node_cap=st.integers(1, 3),
+    dead=st.sets(st.integers(0, 15), max_size=3),
+)
+def test_has_round_asks_each_node_for_its_blocks_and_answers_together_as_one_by_one(
+    rows: list[list[int]], node_cap: int, dead: set[int]
+) -> None:
+    """Each node is asked for the blocks ``rows`` lists it for, and may hold as many shards
+    of a block as it is listed for (at least ``node_cap``): the plain definition, node by
+    node. Answers handed over together end the round as one at a time does."""
+    table = np.array(rows, np.int64)
+    nodes = list(range(16))
+    pair = [
+        HasRound(table, nodes, k=2, n=N, settle=3, hedge_s=0.5, timeout_s=1.0, node_cap=node_cap)
+        for _ in range(2)
+    ]
+    want_unanswered = np.zeros(len(table), np.int64)
+    for node in nodes:
+        listed = (table == node).sum(axis=1)
+        want_unanswered += np.where(listed > 0, np.maximum(listed, node_cap), 0)
+        [send] = [s for s in pair[0].sends.values() if s.node == node]
+        assert send.blocks.tolist() == np.nonzero(listed)[0].tolist()
+    assert pair[0].unanswered.tolist() == want_unanswered.tolist()
+
+    def answers(r: HasRound) -> list[tuple[int, object]]:
+        out: list[tuple[int, object]] = []
+        for send in r.start(0.0):
+            if send.node in dead:
+                out.append((send.ticket, None))
+                continue
+            positions = [int(np.flatnonzero(table[b] == send.node)[0]) for b in send.blocks]
+            out.append((send.ticket, (np.arange(len(send.blocks)), np.array(positions, np.int64),
+                                      np.full(len(send.blocks), 7, np.uint64))))  # fmt: skip
+        return out
+
+    pair[0].on_answers(answers(pair[0]), 0.01)  # type: ignore[arg-type]
+    for ticket, answer in answers(pair[1]):
+        if answer is None:
+            pair[1].on_failure(ticket, 0.01)
+        else:
+            pair[1].on_reply(ticket, *answer, 0.01)  # type: ignore[misc]
+    assert pair[0].done == pair[1].done
+    assert (pair[0]._count == pair[1]._count).all()
+    assert pair[0].unanswered.tolist() == pair[1].unanswered.tolist() == [0] * len(table)
+    key = [(h.node, h.ordinal.tolist(), h.index.tolist()) for h in pair[0].held_shards()]
+    assert key == [(h.node, h.ordinal.tolist(), h.index.tolist()) for h in pair[1].held_shards()]

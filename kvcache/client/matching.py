@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -184,10 +185,11 @@ def _has_round(
         items["key"] = key_words[send.blocks]
         pump.submit(PumpedExchange(pump, send.ticket, send.node, op, items))
     while not round_.done:
+        # What arrived together is handed to the round at once (one look at the counts).
+        answers: list[tuple[int, tuple[Any, Any, Any] | None]] = []
         for event in pump.wait(round_.next_wakeup()):
-            now = core.clock()
             if event.reply is None:
-                round_.on_failure(event.ticket, now)
+                answers.append((event.ticket, None))
                 if refused is not None and not isinstance(
                     event.error, TimeoutError | NodeTimeoutError
                 ):
@@ -197,13 +199,12 @@ def _has_round(
             asked = round_.sends.get(event.ticket)
             if directory is not None and asked is not None and event.reply.data.nbytes:
                 directory.append((asked.blocks, event.reply.data))
-            round_.on_reply(
-                event.ticket,
-                recs["ordinal"].astype(np.int64),
-                recs["index"].astype(np.int64),
-                recs["stripe"].astype(np.uint64),
-                now,
-            )
+            answers.append(
+                (event.ticket, (recs["ordinal"].astype(np.int64), recs["index"].astype(np.int64),
+                                recs["stripe"].astype(np.uint64)))
+            )  # fmt: skip
+        if answers:
+            round_.on_answers(answers, core.clock())
         round_.tick(core.clock())
     if record and not round_.pending:
         core.meta_latency.record(core.clock() - started)
