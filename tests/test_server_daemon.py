@@ -456,7 +456,9 @@ def test_a_held_clock_reads_one_time_until_moved(tmp_path: Path) -> None:
         assert probe.get([(key(1), 0)])[0].tolist() == [Status.NOT_FOUND]
         assert probe.put(block_records(key(2), traffic_class="agent")).tolist() == [0] * 12
         assert len(probe.has([key(2)])[key(2)]) == 12
-        for bad in ({"at_s": "x"}, {"at_s": True}, {"at_s": 1, "offset_s": 2}, {}, [1]):
+        for bad in ({"at_s": "x"}, {"at_s": True}, {"at_s": 1, "offset_s": 2}, {}, [1],
+                    {"at_s": float("nan")}, {"at_s": 1e12}, {"at_s": -5},
+                    {"offset_s": float("inf")}, {"offset_s": 2e9}):  # fmt: skip
             status, body = http("POST", url, bad, token=token)
             assert status == 400 and b"at_s" in body, (bad, body)
         status, body = http("POST", url, {"offset_s": 0}, token=token)

@@ -6,12 +6,13 @@ import os
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixtures import put_items
 
 from kvcache.credentials import tenant_id
-from kvcache.errors import IntegrityError, ShardFormatError
+from kvcache.errors import IntegrityError, ShardFormatError, StorageError
 from kvcache.server.probe import fake_shard
 from kvcache.server.records import (
     PARTITION_LEN,
@@ -203,3 +204,15 @@ def test_a_row_keeps_its_expiry_in_whole_seconds_never_earlier(expiry: int) -> N
                           stripes=np.array([7], np.uint64), written_ms=5000, seg=1,
                           offsets=np.array([2]))  # fmt: skip
     assert column == row.pack(table)
+
+
+def test_an_expiry_past_what_a_row_keeps_is_a_storage_error_not_a_wrap() -> None:
+    table = ClassTable()
+    too_far = (2**32 + 5) * 1000
+    with pytest.raises(StorageError, match="clock"):
+        Row(3, too_far, 1000, 7, 5000, "chat", 1, 2).pack(table)
+    with pytest.raises(StorageError, match="clock"):
+        fresh_rows([b"t" * 8 + b"k" * 16 + b"\x00\x03"], class_ids=np.array([0]),
+                   sizes=np.array([1000]), expiry_ms=np.array([too_far], np.uint64),
+                   stripes=np.array([7], np.uint64), written_ms=5000, seg=1,
+                   offsets=np.array([2]))  # fmt: skip

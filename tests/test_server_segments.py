@@ -454,3 +454,39 @@ def test_a_file_shorter_than_its_range_fails_the_send(tmp_path: Path) -> None:
         for _ in range(10):
             queue.flush(ours)
             _recv_some(theirs)
+
+
+@pytest.mark.parametrize("damage", ["entry-too-long", "uniform-too-short", "uniform-two-tenants"])
+def test_a_damaged_batch_head_ends_the_walk_without_an_error(damage: str) -> None:
+    """A batch head that does not add up (an entry past the batch's records, a uniform
+    length shorter than a shard header, a uniform batch naming two tenants) stops the walk
+    there, logged; the batches before it are walked, nothing is read past the file."""
+    import struct
+
+    tenants = [tenant_id("t0"), tenant_id("t1")]
+    with tempfile.TemporaryDirectory() as d:
+        files = SegmentFiles(Path(d), segment_bytes=SEG, sync_each_write=False)
+        try:
+            files.load({})
+            good_keys = [tenants[0] + key(1) + b"\x00\x01"]
+            seg, _first, _ = files.append(good_keys, [fake_shard(key(1), 1, bytes(64))])
+            mixed = damage == "entry-too-long"
+            keys = [tenants[0] + key(n) + b"\x00\x02" for n in range(2, 5)]
+            bodies = [bytes(40 + (n if mixed else 0)) for n in range(3)]
+            _seg, first, _ = files.append(keys, [fake_shard(key(n), 2, b) for n, b in
+                                                 zip(range(2, 5), bodies, strict=True)])  # fmt: skip
+            path = files.path_of(seg)
+            raw = bytearray(path.read_bytes())
+            head = first - (24 + 8 + (6 * 3 if mixed else 0))
+            if damage == "entry-too-long":
+                struct.pack_into("<I", raw, head + 24 + 8, 1 << 20)  # the first entry's length
+            elif damage == "uniform-too-short":
+                struct.pack_into("<IQ", raw, head + 4, 9, 9 * 48)  # count, the same record bytes
+                struct.pack_into("<I", raw, head + 20, 48)  # uniform: under a shard header
+            else:
+                struct.pack_into("<I", raw, head + 16, 2)  # two tenants, uniform
+            path.write_bytes(bytes(raw))
+            walked = [skey for _, skey, _at, _len in files.walk(seg)]
+            assert walked == good_keys
+        finally:
+            files.close()

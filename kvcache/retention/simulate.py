@@ -12,8 +12,9 @@ the earliest-expiring unpinned blocks until all its blocks fit (the live ones
 count, as a daemon counts a PUT's bytes before it knows which conflict), and
 then eviction goes on down to ``low_watermark × capacity`` (a daemon's drain
 after such a write). Ties in expiry (the blocks one request wrote or slid on a
-node share an expiry: :data:`~kvcache.retention.decide.EXPIRY_QUANTUM_MS`) go by
-``tie_key``, the block's key, as the daemons order them; a trace names no keys,
+node share an expiry: :data:`~kvcache.retention.decide.EXPIRY_QUANTUM_MS`) go
+class by class in name order (a daemon's expiry index is partitioned by class),
+then by ``tie_key``, the block's key, as the daemons order them; a trace names no keys,
 so without it they go by a scrambled block id, ordered as arbitrarily as keys
 are (ids in trace order would take every prefix's head first). Every such
 eviction is of a live block, so it counts as *evicted before its TTL*.
@@ -132,7 +133,9 @@ def simulate(
     high = None if capacity_blocks is None else int(capacity_blocks * high_watermark)
     low = None if capacity_blocks is None else int(capacity_blocks * low_watermark)
     state: dict[int, tuple[int, str]] = {}  # block -> (expiry_ms, stored class)
-    heap: list[tuple[int, bytes | int, int]] = []  # (expiry_ms, tie, block); stale skipped
+    # (expiry_ms, (stored class, tie), block); stale entries skipped. A daemon's expiry
+    # index is partitioned by class and takes a tied second class by class, in name order.
+    heap: list[tuple[int, tuple[bytes, bytes | int], int]] = []
     requests_seen = input_tokens = hit_tokens = peak = expirations = evicted = 0
     peak_written = 0
     draining = False
@@ -158,11 +161,11 @@ def simulate(
             live_by[owner(cur[1])] -= 1
         state[block] = new
         live_by[owner(new[1])] = live_by.get(owner(new[1]), 0) + 1
-        heapq.heappush(heap, (new[0], tie(block), block))
+        heapq.heappush(heap, (new[0], (new[1].encode(), tie(block)), block))
 
     def evict_down_to(target: int) -> None:
         nonlocal evicted
-        skipped: list[tuple[int, bytes | int, int]] = []
+        skipped: list[tuple[int, tuple[bytes, bytes | int], int]] = []
         while len(state) > target and heap:
             item = heapq.heappop(heap)
             when, block = item[0], item[2]

@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,10 @@ __all__ = ["AdminServer", "OffsetClock", "build_app"]
 log = logging.getLogger(__name__)
 
 _JSON_LIMIT = 64 << 10
+#: How far a test may move or hold a daemon's clock: expiries must stay within a row's
+#: whole seconds (u32, to 2106) with a decade of TTL on top.
+_MAX_OFFSET_S = 1e9
+_MAX_HELD_S = 3.7e9
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -174,10 +179,18 @@ def build_app(
         fields = body if isinstance(body, dict) else {}
         given = [k for k in ("offset_s", "at_s") if k in fields]
         value = fields.get(given[0]) if len(given) == 1 and len(fields) == 1 else None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        bound = _MAX_HELD_S if given and given[0] == "at_s" else _MAX_OFFSET_S
+        low = 0.0 if given and given[0] == "at_s" else -_MAX_OFFSET_S
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not low <= value <= bound
+        ):
             return _json(
-                {"error": 'body must be {"offset_s": seconds} (wall time plus that) or '
-                 '{"at_s": epoch seconds} (the clock held there)'},
+                {"error": 'body must be {"offset_s": seconds} (wall time plus that, within '
+                 f'{_MAX_OFFSET_S:.0f} s) or {{"at_s": epoch seconds}} (the clock held there, '
+                 f'0 to {_MAX_HELD_S:.0f})'},
                 status=400,
             )  # fmt: skip
         if given[0] == "at_s":

@@ -57,7 +57,7 @@ import numpy.typing as npt
 
 from kvcache import native
 from kvcache.credentials import TenantId
-from kvcache.errors import ProtocolError
+from kvcache.errors import ProtocolError, StorageError
 from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, header_verdicts
 from kvcache.wire import ITEM_DTYPES, NO_RETAIN, Op, Retain, Status, data_offsets
 
@@ -138,8 +138,8 @@ class _RowStruct:
         off: int,
     ) -> bytes:  # fmt: skip
         """The row's bytes; an expiry between whole seconds is rounded up (never shortened)."""
-        return _ROW.pack(index, cid, size, -(-expiry_ms // EXPIRY_UNIT_MS), stripe, written,
-                         seg, off)  # fmt: skip
+        expiry_s = int(_expiry_seconds(np.array([-(-expiry_ms // EXPIRY_UNIT_MS)]))[0])
+        return _ROW.pack(index, cid, size, expiry_s, stripe, written, seg, off)
 
     @staticmethod
     def unpack(raw: bytes | memoryview) -> tuple[int, int, int, int, int, int, int, int]:
@@ -154,6 +154,18 @@ class _RowStruct:
         """:meth:`unpack` of the row at ``offset``."""
         index, cid, size, expiry_s, stripe, written, seg, off = _ROW.unpack_from(raw, offset)
         return index, cid, size, expiry_s * EXPIRY_UNIT_MS, stripe, written, seg, off
+
+
+def _expiry_seconds(seconds: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Expiries in whole seconds, checked to fit a row's u32 (until 2106): a clock that far
+    off is a failed write (StorageError), never a row that wraps and reads as expired."""
+    if len(seconds) and (int(seconds.min()) < 0 or int(seconds.max()) > 0xFFFF_FFFF):
+        raise StorageError(
+            f"an expiry of {int(seconds.max())} s is beyond what a row keeps (2^32 s): is "
+            "the daemon's clock right?",
+            kind="storage",
+        )
+    return seconds
 
 
 ROW = _RowStruct()
@@ -202,6 +214,10 @@ class ClassTable:
     def pack(self) -> bytes:
         """The meta row's value."""
         return "\n".join(self.names).encode("ascii")
+
+    def find(self, name: str) -> int | None:
+        """The id of ``name``, None if it has none (nothing stored under it)."""
+        return self._ids.get(name)
 
     def id_of(self, name: str) -> int:
         """The id of ``name``, a new one if it has none yet."""
@@ -322,7 +338,7 @@ def fresh_rows(
     rows["index"] = (keys[:, -2].astype(np.uint16) << 8) | keys[:, -1]
     rows["cls"] = class_ids
     rows["size"] = sizes
-    rows["expiry"] = -(-np.asarray(expiry_ms, np.int64) // EXPIRY_UNIT_MS)
+    rows["expiry"] = _expiry_seconds(-(-np.asarray(expiry_ms, np.int64) // EXPIRY_UNIT_MS))
     rows["stripe"] = stripes
     rows["written"] = written_s(written_ms)
     rows["seg"] = seg

@@ -46,12 +46,13 @@ This module does file I/O only; which records are live is the index's business.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import mmap
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -407,7 +408,10 @@ class SegmentFiles:
             if (
                 magic != _MAGIC
                 or body + total > state.end
-                or (uniform and (ntenants != 1 or uniform * count != total))
+                or (
+                    uniform
+                    and (ntenants != 1 or uniform < HEADER_BYTES or uniform * count != total)
+                )
             ):
                 log.warning("segment %s: no batch head at offset %d; not walked further",
                             self.path_of(seg), at)  # fmt: skip
@@ -416,13 +420,19 @@ class SegmentFiles:
                 bytes(view[t : t + _TENANT_LEN])
                 for t in range(table, table + _TENANT_LEN * ntenants, _TENANT_LEN)
             ]
+            lengths: Iterable[int]
+            slots: Iterable[int]
             if uniform:
-                lengths, slots = [uniform] * count, [0] * count
+                lengths, slots = itertools.repeat(uniform, count), itertools.repeat(0, count)
             else:
                 entries = np.frombuffer(view[table + _TENANT_LEN * ntenants : body], _ENTRY_DTYPE)
+                if int(entries["len"].sum(dtype=np.uint64)) != total:
+                    log.warning("segment %s: the entries of the batch at offset %d do not add up "
+                                "to its records; not walked further", self.path_of(seg), at)  # fmt: skip
+                    return
                 lengths, slots = entries["len"].tolist(), entries["tenant"].tolist()
             pos = body
-            for length, slot in zip(lengths, slots, strict=True):
+            for length, slot in zip(lengths, slots):  # noqa: B905 - counted above
                 if length < HEADER_BYTES or slot >= ntenants:
                     log.warning("segment %s: a bad entry in the batch at offset %d; not walked "
                                 "further", self.path_of(seg), at)  # fmt: skip

@@ -1309,7 +1309,9 @@ class ShardStore:
         heads = {p: h for p in parts if (h := self._head_expiry(p)) is not None}
         cause = "quota" if counter == "quota_evicted" else "evicted"
         while freed < nbytes and heads and (limit is None or shards < limit):
-            part = min(heads, key=heads.__getitem__)
+            # Earliest head first; on a tie, the partition key (tenant, class name) decides,
+            # alike on every node and as the trace simulator orders ties across classes.
+            part = min(heads, key=lambda p: (heads[p], p))
             bound = min((h for p, h in heads.items() if p != part), default=None)
             batch = self._sweep_batch if limit is None else min(self._sweep_batch, limit - shards)
             out = self._delete_head(
@@ -1599,6 +1601,10 @@ class ShardStore:
         nbytes = 0
         gone: list[tuple[int, int, int, bytes]] = []  # (expiry, size, written, key) of each
         tenant = part[:TENANT_LEN]
+        # A row in this partition names its class; an entry whose row names another (moved
+        # there since, under the same expiry second) is stale here.
+        known = self.classes.find(_partition_class(part))
+        class_id = b"" if known is None else known.to_bytes(2, "big")
         size_of = _SIZE.unpack_from
         try:
             with self._env.begin(write=True) as txn:
@@ -1625,7 +1631,11 @@ class ShardStore:
                         block, index = tenant + dup[:16], dup[16:]
                         if find(block, index):
                             raw = value()
-                            if raw[:2] == index and raw[8:12] == row_expiry:
+                            if (
+                                raw[:2] == index
+                                and raw[8:12] == row_expiry
+                                and raw[2:4] == class_id
+                            ):
                                 drop()
                                 raws.append(raw)
                                 taken.append(block + index)
@@ -1802,9 +1812,13 @@ class ShardStore:
                     raw = self._row(txn, skey)
                     if raw is None:
                         continue
-                    where, off = ROW.unpack(raw)[6:8]
+                    _i, _c, size, _e, _s, _w, where, off = ROW.unpack(raw)
                     if where != seg or off != at:
                         continue  # replaced or removed since
+                    if size != length:  # a damaged batch head: the row's length is the truth
+                        log.warning("segment %s: the record at %d is %d bytes by its batch, %d "
+                                    "by the index; not moved", seg, at, length, size)  # fmt: skip
+                        continue
                     keys.append(skey)
                     records.append(self.segments.view(seg)[at : at + length])
                     olds.append(raw)
