@@ -63,6 +63,18 @@ def commit() -> str:
         return "unknown"
 
 
+def processes_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` (all their threads) have used, from
+    /proc/PID/stat; raises OSError for a process that is gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        # The command name may contain spaces: the fields follow its closing parenthesis.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     """A markdown table."""
     print(f"\n### {title}\n")

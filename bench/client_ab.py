@@ -37,7 +37,7 @@ from typing import IO, Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit, machine, parser, print_table, warm_host, write_json
+from _common import commit, machine, parser, print_table, processes_cpu_s, warm_host, write_json
 
 #: Bytes of one block: DeepSeek V4.1 Flash's prefix-cacheable group, 128 tokens.
 PAYLOAD = 114_688
@@ -50,15 +50,6 @@ OPS = ("load", "store")
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _process_cpu(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -213,9 +204,9 @@ def main() -> None:
                     order = ["new", "base"] if c % 2 == 0 else ["base", "new"]
                     for op in OPS:
                         for name in order:
-                            before = _process_cpu(daemons)
+                            before = processes_cpu_s(daemons)
                             got = workers[name].run(op, seconds)
-                            got["daemon_cpu_s"] = _process_cpu(daemons) - before
+                            got["daemon_cpu_s"] = processes_cpu_s(daemons) - before
                             samples.setdefault((op, name), []).append(got)
             except SystemExit:
                 log.flush()

@@ -15,7 +15,6 @@ Usage: python bench/events.py [--quick] [--json PATH] [--rounds N] [--blocks N]
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit, machine, parser, print_table, write_json
+from _common import commit, machine, parser, print_table, processes_cpu_s, write_json
 
 from kvcache.client import Client
 from kvcache.keys import Namespace
@@ -101,12 +100,12 @@ def main() -> int:
             pids = {"off": [off.pid(i) for i in range(12)], "on": [on.pid(i) for i in range(12)]}
             times: dict[str, list[float]] = {"off": [], "on": []}
             cpu: dict[str, float] = {"off": 0.0, "on": 0.0}
-            follower_cpu = _cpu([follower.pid])
+            follower_cpu = processes_cpu_s([follower.pid])
             for r in range(rounds + 1):
                 for side in ("off", "on") if r % 2 else ("on", "off"):
                     client = clients[side]
                     ns = Namespace(model=f"ev-{side}-{r}", revision="1", layout=layout)
-                    used = _cpu(pids[side])
+                    used = processes_cpu_s(pids[side])
                     start = time.perf_counter()
                     res = client.store(ns, tokens, src)
                     elapsed = time.perf_counter() - start
@@ -114,10 +113,10 @@ def main() -> int:
                     client.delete(ns, tokens)
                     if r:  # round 0 warms both up
                         times[side].append(elapsed)
-                        cpu[side] += _cpu(pids[side]) - used
+                        cpu[side] += processes_cpu_s(pids[side]) - used
             for client in clients.values():
                 client.close()
-            follower_cpu = _cpu([follower.pid]) - follower_cpu
+            follower_cpu = processes_cpu_s([follower.pid]) - follower_cpu
             side_b = [_stats(n.admin).get("events", {}) for n in on.nodes]
             dropped = sum(e.get("dropped", 0) for e in side_b)
             published = sum(e.get("events", 0) for e in side_b)
@@ -178,16 +177,6 @@ class _Counter:
 
     def join(self) -> None:
         self._thread.join(10)
-
-
-def _cpu(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / tick
 
 
 def _stats(admin: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import processes_cpu_s
 
 from kvcache.client import Client
 from kvcache.keys import BlockKey
@@ -95,16 +96,6 @@ def install_stage_timers() -> None:
         return original(self, *args, **kwargs)
 
     client.Client.load_keys = counted  # type: ignore[method-assign]
-
-
-def _cpu_of(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def main() -> None:
@@ -175,9 +166,9 @@ def main() -> None:
                 before = resource.getrusage(resource.RUSAGE_SELF)
                 calls_before = STAGES["load_keys_calls"]
                 call_s.clear()
-                daemons_before = _cpu_of(running)
+                daemons_before = processes_cpu_s(running)
                 gbps, cpu = loop(args.seconds)
-                daemon_cpu = (_cpu_of(running) - daemons_before) / (
+                daemon_cpu = (processes_cpu_s(running) - daemons_before) / (
                     len(call_s) * BATCH * PAYLOAD / 1e9
                 )
                 after = resource.getrusage(resource.RUSAGE_SELF)

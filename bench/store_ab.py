@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit, machine, parser, print_table, write_json
+from _common import commit, machine, parser, print_table, processes_cpu_s, write_json
 
 from kvcache.client import Client
 from kvcache.layout import REFERENCE_LAYOUT
@@ -35,23 +35,14 @@ P = REFERENCE_LAYOUT.payload_bytes
 CALL = 64
 
 
-def _daemon_cpu(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
 def _round(client: Client, blocks: np.ndarray, pids: list[int]) -> dict[str, float]:
     keys = [os.urandom(16) for _ in range(len(blocks))]
-    c0, d0, t0 = os.times(), _daemon_cpu(pids), time.perf_counter()
+    c0, d0, t0 = os.times(), processes_cpu_s(pids), time.perf_counter()
     for lo in range(0, len(blocks), CALL):
         done = client.store_keys(keys[lo : lo + CALL], blocks[lo : lo + CALL], payload_len=P)
         if done.written != len(keys[lo : lo + CALL]):
             raise RuntimeError(f"stored {done.written} of {len(keys[lo : lo + CALL])} blocks")
-    wall, c1, d1 = time.perf_counter() - t0, os.times(), _daemon_cpu(pids)
+    wall, c1, d1 = time.perf_counter() - t0, os.times(), processes_cpu_s(pids)
     gb = len(blocks) * P / 1e9
     return {
         "gbps": gb / wall,
