@@ -1,8 +1,9 @@
 """The client of this tree against the client of another, interleaved against the same daemons.
 
-Before/after figures for a client hot-path change, taken in one run (issue 17). One 12-daemon
-``LocalCluster`` of this tree, 10 + 2, 1,024 blocks of 114,688 bytes (DeepSeek V4.1 Flash's
-prefix-cacheable block), moved in calls of 64 blocks as ``bench/peers.py`` moves them:
+Before/after figures for a client hot-path change, taken in one run (issue 17). One
+``LocalCluster`` of this tree (12 daemons; ``--nodes 48`` for issue 21's fan-out), 10 + 2,
+1,024 blocks of 114,688 bytes (DeepSeek V4.1 Flash's prefix-cacheable block), moved in
+calls of 64 blocks as ``bench/peers.py`` moves them:
 ``load_keys`` of stored keys (no HAS round) and ``store_keys`` of fresh ones.
 
 Two client processes stay up through the run: ``new`` imports ``kvcache`` from this tree,
@@ -17,7 +18,7 @@ Figures: ``new_vs_base_*`` is the median over chunk pairs of new ÷ base (GB/s, 
 CPU-s/GB, daemon CPU-s/GB), with quartiles; absolute figures are totals over the chunks.
 
 Usage: python bench/client_ab.py --baseline TREE [--quick] [--json PATH] [--chunks N]
-[--seconds S] [--warm-host-gb G]
+[--seconds S] [--nodes N] [--ops load,store] [--warm-host-gb G]
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.0, help="seconds of one chunk")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--nodes", type=int, default=12, help="daemons (12: one per shard)")
+    p.add_argument("--ops", default=",".join(OPS), help="which of load,store to run")
     p.add_argument(
         "--warm-host-gb", type=float, default=0.0,
         help="touch this much host memory first (a fresh VM's first touch of a page is slow)",
@@ -185,6 +188,11 @@ def main() -> None:
     print(warm_host(args.warm_host_gb), flush=True)
     if args.baseline is None or not (args.baseline / "kvcache" / "__init__.py").exists():
         p.error("--baseline TREE must name a tree with a kvcache/ package")
+    ops = [op for op in args.ops.split(",") if op]
+    if not ops or set(ops) - set(OPS):
+        p.error(f"--ops takes some of {','.join(OPS)}")
+    if args.nodes < 12:
+        p.error("--nodes must be at least 12 (one node per shard of 10 + 2)")
     chunks = args.chunks or (6 if args.quick else 12)
     seconds = args.seconds or (2.0 if args.quick else 4.0)
     samples: dict[tuple[str, str], list[dict[str, float]]] = {}
@@ -192,17 +200,17 @@ def main() -> None:
         root = Path(tmp) / "cluster"
         log_path = Path(tmp) / "workers.log"
         with (
-            LocalCluster(root).start(nodes=12, capacity="4GiB") as cluster,
+            LocalCluster(root).start(nodes=args.nodes, capacity="4GiB") as cluster,
             open(log_path, "w") as log,
         ):
-            daemons = [cluster.pid(i) for i in range(12)]
+            daemons = [cluster.pid(i) for i in range(args.nodes)]
             workers: dict[str, Worker] = {}
             try:
                 workers["new"] = Worker("new", root, None, log)
                 workers["base"] = Worker("base", root, args.baseline, log)
                 for c in range(chunks):
                     order = ["new", "base"] if c % 2 == 0 else ["base", "new"]
-                    for op in OPS:
+                    for op in ops:
                         for name in order:
                             before = processes_cpu_s(daemons)
                             got = workers[name].run(op, seconds)
@@ -216,9 +224,10 @@ def main() -> None:
                 for w in workers.values():
                     w.close()
     figures: dict[str, Any] = {"commit": commit(), "machine": machine(), "chunks": chunks,
-                               "chunk_s": seconds, "baseline": str(args.baseline)}  # fmt: skip
+                               "chunk_s": seconds, "baseline": str(args.baseline),
+                               "nodes": args.nodes}  # fmt: skip
     rows = []
-    for op in OPS:
+    for op in ops:
         per: dict[str, dict[str, list[float]]] = {}
         for name in ("new", "base"):
             s = samples[(op, name)]
@@ -247,8 +256,8 @@ def main() -> None:
         ]
         rows.append(cells)
     print_table(
-        f"client of this tree (new) vs {args.baseline} (base), {chunks} interleaved chunks of "
-        f"{seconds:g} s per side ({machine()}; {commit()})",
+        f"client of this tree (new) vs {args.baseline} (base), {args.nodes} daemons, {chunks} "
+        f"interleaved chunks of {seconds:g} s per side ({machine()}; {commit()})",
         [
             "op",
             "GB/s base → new",

@@ -137,7 +137,7 @@ def main() -> None:
         paused = list(range(args.kill, args.kill + args.pause))
         for node in paused:
             cluster.pause(node)
-        running = [cluster.pid(i) for i in range(args.kill + args.pause, 12)]
+        running = [cluster.pid(i) for i in range(args.kill + args.pause, args.nodes)]
         call_s: list[float] = []
 
         def loop(seconds: float) -> tuple[float, float]:

@@ -33,6 +33,7 @@ from kvcache.errors import ProtocolError, ShardFormatError
 from kvcache.shard import MAX_CLASS_NAME, check_class_name
 
 __all__ = [
+    "COUNT_AT",
     "FLAG_PIN",
     "FLAG_REPLY",
     "FLAG_TTL",
@@ -46,6 +47,7 @@ __all__ = [
     "MAGIC",
     "NO_INDEX",
     "NO_RETAIN",
+    "REQUEST_ID_AT",
     "VERSION",
     "Frame",
     "Header",
@@ -91,6 +93,10 @@ LIST_INCLUSIVE = 0x1
 # magic, version, op, flags, status, request id, count, ttl_s (was reserved), data length, class
 _HEADER = struct.Struct("<2sBBHHQIIQ16s")
 HEADER_BYTES = _HEADER.size  # 48
+#: Where a header's request id (u64) and item count (u32) lie: a caller that sends many
+#: requests alike packs one header and writes these fields into copies of it.
+REQUEST_ID_AT = struct.calcsize("<2sBBHH")
+COUNT_AT = REQUEST_ID_AT + 8
 #: The header's traffic-class field when the message names no class.
 _NO_CLASS = bytes(1 + MAX_CLASS_NAME)
 #: Class fields already found valid, with the names they carry: a daemon sees the same few

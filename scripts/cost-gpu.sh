@@ -2,6 +2,8 @@
 # Issue 17's measurement pass on the lent H200 machine, in one device call (at most 600 s):
 #   ab      bench/server.py --quick --no-tls --baseline scratch/base (the daemon, before/after)
 #           and bench/client_ab.py --quick --baseline scratch/base-client (the client)
+#   client  bench/client_ab.py --quick --baseline scratch/base-client, with 12 daemons and
+#           (loads only) with 48: the client alone, before/after, and its fan-out (issue 21)
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
@@ -31,6 +33,11 @@ for part in ${PARTS:-ab peers engine}; do
       bash scripts/bench-gpu.sh "bench/server.py --quick --no-tls --baseline scratch/base" \
         "bench/client_ab.py --quick --baseline scratch/base-client" || status=1
       ;;
+    client)
+      bash scripts/bench-gpu.sh "bench/client_ab.py --quick --baseline scratch/base-client" \
+        "bench/client_ab.py --quick --nodes 48 --ops load --baseline scratch/base-client" \
+        || status=1
+      ;;
     peers) RUNS=1 bash scripts/peers-gpu.sh lmcache 2>&1 | tail -n 25 || status=1 ;;
     engine)
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
@@ -55,7 +62,7 @@ for part in ${PARTS:-ab peers engine}; do
         done
       ) || status=1
       ;;
-    *) echo "unknown part: $part (ab, peers, engine, degraded)" >&2; status=2 ;;
+    *) echo "unknown part: $part (ab, client, peers, engine, degraded)" >&2; status=2 ;;
   esac
 done
 exit "$status"

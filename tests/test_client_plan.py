@@ -116,6 +116,58 @@ def test_plan_asks_unlikely_holders_after_likely_ones_and_before_down_ones() -> 
     assert {(b, i) for b in range(3) for i in (2, 5)} <= asked
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.integers(1, 40),
+    nodes=st.integers(1, 60),
+    k=st.integers(1, 10),
+    m=st.integers(0, 4),
+    spare=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+    down=st.integers(0, 3),
+    guessed=st.booleans(),
+    first=st.integers(0, 1000),
+)
+def test_plan_shortcut_equals_the_general_plan(
+    blocks: int,
+    nodes: int,
+    k: int,
+    m: int,
+    spare: int,
+    seed: int,
+    down: int,
+    guessed: bool,
+    first: int,
+) -> None:
+    """The shortcut for holders all known and up gives the general ranking's plan, and any
+    down node, unknown holder or unlikely guess leaves it to the general one; blocks
+    numbered from ``first_block`` are the same plan's, shifted."""
+    rng = np.random.default_rng(seed)
+    n = k + m
+    holders = rng.integers(0, nodes, (blocks, n))
+    holders[rng.random((blocks, n)) < 0.1 * (down > 0)] = -1
+    up = np.ones(nodes, bool)
+    up[rng.integers(0, nodes, down)] = False
+    unlikely = rng.random((blocks, n)) < 0.2 if guessed else None
+
+    def flat(
+        plan: list[tuple[int, np.ndarray, np.ndarray]],
+    ) -> list[tuple[int, list[int], list[int]]]:
+        return [(nd, b.tolist(), i.tolist()) for nd, b, i in plan]
+
+    fast = plan_reads(holders, up, k=k, spare=spare, unlikely=unlikely)
+    slow = plan_reads(holders, up, k=k, spare=spare, unlikely=unlikely, general=True)
+    assert flat(fast.first) == flat(slow.first)
+    assert flat(fast.later) == flat(slow.later)
+    assert all(b.dtype == np.int64 and i.dtype == np.int64 for _n, b, i in fast.first)
+    for general in (False, True):
+        shifted = plan_reads(
+            holders, up, k=k, spare=spare, unlikely=unlikely, general=general, first_block=first
+        )
+        for got, want in ((shifted.first, fast.first), (shifted.later, fast.later)):
+            assert [(nd, (b - first).tolist(), i.tolist()) for nd, b, i in got] == flat(want)
+
+
 # ---------------------------------------------------------------------- encoding
 
 

@@ -171,6 +171,7 @@ class LoadAssembly:
         self._accept_at: tuple[int, ...] = ()
         self._land_at: tuple[int, int, int] = (0, 0, 0)
         self._burst_target: npt.NDArray[np.uint64] | None = None
+        self._burst_target_at = 0
         if native.AVAILABLE:
             self._land_at = (
                 native.addresses_of(self.sealed),
@@ -332,7 +333,8 @@ class LoadAssembly:
                 return None
         if self._burst_target is None:
             self._burst_target = np.array([*self._land_at, *self._accept_at[1:]], np.uint64)
-        return native.addresses_of(self._burst_target)
+            self._burst_target_at = native.addresses_of(self._burst_target)
+        return self._burst_target_at
 
     def claim_landing(self) -> None:
         """A native burst landed a reply here (on the thread that drives this load, before

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from kvcache.client.assembly import BlockVerdict, LoadAssembly
 from kvcache.client.core import ClientCore
-from kvcache.client.driver import GetExchange, Pump, gather_abort
+from kvcache.client.driver import GetExchange, Pump, gather_abort, get_shards
 from kvcache.client.plan import MatchResult
 from kvcache.client.rounds import LoadRound, Send
 from kvcache.client.transport import Exchange
@@ -135,14 +135,23 @@ def load_keys(
     pump = Pump(core.transport, core.health, core.clock)
     sent: list[GetExchange] = []
 
+    ask_retain = Retain(ttl_s=retain.ttl_s)
+
     def exchanges(sends: list[Send]) -> list[GetExchange]:
-        out = []
-        for send in sends:
-            items = make_items(Op.GET, len(send.blocks), reply=False)
-            items["key"] = key_words[send.blocks]
-            items["index"] = send.indices
-            items["stripe"] = stripes[send.blocks]
-            out.append(GetExchange(pump, send, items, assembly, cls, Retain(ttl_s=retain.ttl_s)))
+        # Every send's items in one array, and its shards cut from one array each.
+        if not sends:
+            return []
+        blocks = np.concatenate([s.blocks for s in sends])
+        indices = np.concatenate([s.indices for s in sends])
+        items = make_items(Op.GET, len(blocks), reply=False)
+        items["key"] = key_words[blocks]
+        items["index"] = indices
+        items["stripe"] = stripes[blocks]
+        views, shards = get_shards(sends, items, blocks, indices)
+        out = [
+            GetExchange(pump, send, part, assembly, cls, ask_retain, shards=cut)
+            for send, part, cut in zip(sends, views, shards, strict=True)
+        ]
         sent.extend(out)
         return out
 

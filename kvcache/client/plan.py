@@ -172,13 +172,17 @@ def plan_reads(
     k: int,
     spare: int = 1,
     unlikely: npt.NDArray[np.bool_] | None = None,
+    general: bool = False,
+    first_block: int = 0,
 ) -> ReadPlan:
     """Ask k + ``spare`` shards per block: the data shards first, then rotating parity.
 
     Shards on nodes believed down go last, and before them the ``unlikely`` ones
     (same shape as ``holders``: a guessed holder, such as the stand-in for a down
     node, that the match did not see holding the shard); every shard not asked
-    first is kept for the hedge.
+    first is kept for the hedge. ``general``: never the shortcut for a load whose
+    holders are all known and up (tests hold the two equal). Blocks are numbered from
+    ``first_block`` (row 0 of ``holders``).
     """
     blocks, n = holders.shape
     if blocks == 0:
@@ -191,6 +195,14 @@ def plan_reads(
     node = holders[rows, order]
     present = node >= 0
     up = present & node_up[np.maximum(node, 0)]
+    block_ids = np.broadcast_to(np.arange(first_block, first_block + blocks)[:, None], (blocks, n))
+    if not general and up.all() and (unlikely is None or not unlikely.any()):
+        # Every holder known and up (a healthy load): the preference order stands as it is.
+        cut = min(k + spare, n)
+        return ReadPlan(
+            _by_node(node[:, :cut].ravel(), block_ids[:, :cut].ravel(), order[:, :cut].ravel()),
+            _by_node(node[:, cut:].ravel(), block_ids[:, cut:].ravel(), order[:, cut:].ravel()),
+        )
     # Rank: present-and-up first (in preference order), then unlikely ones, then down.
     likely = up if unlikely is None else up & ~unlikely[rows, order]
     rank = np.where(likely, 0, np.where(up, 1, np.where(present, 2, 3)))
@@ -203,7 +215,6 @@ def plan_reads(
     take[:, : k + spare] = True
     first_mask = take & sorted_present
     later_mask = ~take & sorted_present
-    block_ids = np.broadcast_to(np.arange(blocks)[:, None], (blocks, n))
     return ReadPlan(
         _by_node(sorted_node[first_mask], block_ids[first_mask], sorted_idx[first_mask]),
         _by_node(sorted_node[later_mask], block_ids[later_mask], sorted_idx[later_mask]),

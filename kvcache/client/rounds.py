@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -43,9 +43,9 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Ask ``node`` for (or send it) shard ``indices[j]`` of block ``blocks[j]``."""
+class Send(NamedTuple):
+    """Ask ``node`` for (or send it) shard ``indices[j]`` of block ``blocks[j]`` (a named
+    tuple: a load makes one per node and chunk)."""
 
     ticket: int
     node: int
@@ -57,7 +57,10 @@ _tickets = itertools.count(1)
 
 
 def _send(node: int, blocks: IntArray, indices: IntArray) -> Send:
-    return Send(next(_tickets), node, blocks.astype(np.int64), indices.astype(np.int64))
+    return Send(
+        next(_tickets), node, blocks.astype(np.int64, copy=False),
+        indices.astype(np.int64, copy=False),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- HAS
@@ -330,6 +333,8 @@ class LoadRound:
         then looked at once, not once per reply: a load over many nodes (48 replies to a
         chunk) paid the chunk's completion checks for every one of them."""
         touched: list[int] = []
+        got: list[Send] = []
+        oks: list[BoolArray] = []
         for ticket, accepted in outcomes:
             entry = self.sends.pop(ticket, None)
             if entry is None:
@@ -337,9 +342,18 @@ class LoadRound:
             chunk, send = entry
             self._outstanding[chunk].discard(ticket)
             if accepted is not None:
-                self.got[send.blocks[accepted], send.indices[accepted]] = True
+                got.append(send)
+                oks.append(accepted)
             if chunk not in touched:
                 touched.append(chunk)
+        if len(got) == 1:
+            ok = oks[0]
+            self.got[got[0].blocks[ok], got[0].indices[ok]] = True
+        elif got:  # every reply's shards in one write
+            ok = np.concatenate(oks)
+            blocks = np.concatenate([s.blocks for s in got])
+            indices = np.concatenate([s.indices for s in got])
+            self.got[blocks[ok], indices[ok]] = True
         out: list[Send] = []
         for chunk in touched:
             out += self._advance(chunk, now)
@@ -448,24 +462,33 @@ class LoadRound:
             k=self.k,
             spare=self.spare,
             unlikely=None if self.unlikely is None else self.unlikely[start:stop],
+            first_block=start,
         )
         self.state[chunk] = _OPEN
         self.opened_at[chunk] = now
         self._hedge_at[chunk] = now + self._hedge_s
         self._deadline[chunk] = now + self._timeout_s
-        self._later[chunk] = [(node, b + start, i) for node, b, i in plan.later]
-        first = [_send(node, b + start, i) for node, b, i in plan.first]
+        self._later[chunk] = plan.later
+        first = [Send(next(_tickets), node, b, i) for node, b, i in plan.first]
         out = self._track(chunk, first)
         if not out:
             out += self._advance(chunk, now)
         return out
 
     def _track(self, chunk: int, sends: list[Send]) -> list[Send]:
+        if not sends:
+            return sends
+        outstanding = self._outstanding[chunk]
         for send in sends:
             self.sends[send.ticket] = (chunk, send)
-            self._outstanding[chunk].add(send.ticket)
-            self.asked[send.blocks, send.indices] = True
-            self.sent[send.blocks, send.indices] = True
+            outstanding.add(send.ticket)
+        if len(sends) == 1:
+            blocks, indices = sends[0].blocks, sends[0].indices
+        else:  # one pair of writes for every send (a chunk over 48 nodes has 48)
+            blocks = np.concatenate([s.blocks for s in sends])
+            indices = np.concatenate([s.indices for s in sends])
+        self.asked[blocks, indices] = True
+        self.sent[blocks, indices] = True
         return sends
 
     def _group(self, nodes: IntArray, blocks: IntArray, indices: IntArray) -> list[Send]:

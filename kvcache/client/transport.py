@@ -70,9 +70,11 @@ from kvcache.cluster import NodeInfo
 from kvcache.errors import KVCacheError, NodeError, ProtocolError
 from kvcache.net import open_session
 from kvcache.wire import (
+    COUNT_AT,
     FLAG_REPLY,
     HEADER_BYTES,
     NO_RETAIN,
+    REQUEST_ID_AT,
     Frame,
     Header,
     Limits,
@@ -155,6 +157,8 @@ class Exchange:
         self.attempts = 0
         #: :meth:`landing` was asked: its data may be partly written, so it is never resent.
         self.landing_asked = False
+        #: The address of ``items`` when whoever built them knows it (0: look it up).
+        self.items_at = 0
 
     def landing(
         self, header: Header, items: npt.NDArray[np.void]
@@ -182,11 +186,11 @@ class Exchange:
         verdicts; ``item_flags``: its items' flag bytes OR-ed); :meth:`finish` follows."""
 
 
-@dataclass(frozen=True, slots=True)
-class BurstLanding:
+class BurstLanding(NamedTuple):
     """How a burst lands a GET reply (kvcache.native.get_burst): the addresses of the asked
     shards' int64 block and index arrays (alive as long as the exchange) and of the
-    assembly's burst tables (``LoadAssembly.burst_target``; one assembly per burst)."""
+    assembly's burst tables (``LoadAssembly.burst_target``; one assembly per burst). A named
+    tuple: one is made per exchange of every burst."""
 
     shards_at: tuple[int, int]
     target_at: int
@@ -195,7 +199,7 @@ class BurstLanding:
     #: own exchanges ask of it (stragglers are the loop's).
     span: tuple[int, int] = (0, 0)
     k: int = 0
-    blocks: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    blocks: npt.NDArray[np.int64] = np.zeros(0, np.int64)
 
 
 class Transport(Protocol):
@@ -572,24 +576,14 @@ class TcpTransport:
         counts = np.fromiter((len(t[0].items) for t in taken), np.int64, n)
         # One buffer for the requests' headers, one for the replies' headers and items, one
         # for the landing tables: three addresses taken, the rest arithmetic.
-        heads = np.frombuffer(
-            b"".join(
-                pack_header(
-                    Op.GET,
-                    request_id,
-                    len(exchange.items),
-                    flags=exchange.retain.flags,
-                    ttl_s=exchange.retain.ttl_s,
-                    traffic_class=exchange.traffic_class,
-                )
-                for exchange, _c, _h, request_id in taken
-            ),
-            np.uint8,
-        ).copy()
-        reply_len = HEADER_BYTES + 8 * counts
-        reply_at = np.zeros(n, np.int64)
-        np.cumsum(reply_len[:-1], out=reply_at[1:])
-        replies = np.empty(int(reply_len.sum()), np.uint8)
+        heads = _get_heads(taken, counts)
+        # The replies' headers in one buffer, their items in another (one view of them all,
+        # each exchange's a slice of it).
+        item_at = np.zeros(n, np.int64)
+        np.cumsum(counts[:-1], out=item_at[1:])
+        reply_heads = np.empty(HEADER_BYTES * n, np.uint8)
+        reply_dtype = item_dtype(Op.GET, reply=True)
+        reply_items = np.empty(int(counts.sum()) * reply_dtype.itemsize, np.uint8)
         caps = 3 * counts
         words = 2 * caps + 3 + counts + 2 + (counts + 7) // 8
         land_at = np.zeros(n, np.int64)
@@ -602,14 +596,16 @@ class TcpTransport:
         table["req_addr"][:, 0] = native.addresses_of(heads) + HEADER_BYTES * np.arange(n)
         table["req_len"][:, 0] = HEADER_BYTES
         items_sent = [np.ascontiguousarray(t[0].items) for t in taken]
-        table["req_addr"][:, 1] = [native.addresses_of(a) for a in items_sent]
+        table["req_addr"][:, 1] = [
+            t[0].items_at or native.addresses_of(a) for t, a in zip(taken, items_sent, strict=True)
+        ]
         table["req_len"][:, 1] = [a.nbytes for a in items_sent]
         table["expect_id"] = [t[3] for t in taken]
         table["count"] = counts
         table["blocks_at"] = [t[2].shards_at[0] for t in taken]
         table["indices_at"] = [t[2].shards_at[1] for t in taken]
-        table["header_at"] = native.addresses_of(replies) + reply_at
-        table["items_at"] = table["header_at"] + HEADER_BYTES
+        table["header_at"] = native.addresses_of(reply_heads) + HEADER_BYTES * np.arange(n)
+        table["items_at"] = native.addresses_of(reply_items) + reply_dtype.itemsize * item_at
         table["table_at"] = native.addresses_of(lands) + 8 * land_at
         table["cap"] = caps
         for exchange, conn, _how, request_id in taken:
@@ -642,31 +638,37 @@ class TcpTransport:
         states = table["state"].tolist()
         item_flags = table["item_flags"].tolist()
         self.counters["burst_taken"] += n
-        reply_dtype = item_dtype(Op.GET, reply=True)
         # First, with no I/O (nothing here can reset a node): finish what is done, and
-        # claim the landings of what is left half landed.
+        # claim the landings of what is left half landed. Per exchange only slices: the
+        # numbers come out of the tables whole.
         left: list[tuple[int, native.GetLanding | None, _BurstBuffers]] = []
         pumps: list[_Conn] = []
+        all_items = reply_items.view(reply_dtype)
+        heads_rows = reply_heads.reshape(n, HEADER_BYTES)
+        data_lens = np.ascontiguousarray(heads_rows[:, 24:32]).view("<u8").ravel().tolist()
+        verdicts = lands.view(np.bool_)  # each landing's verdicts: a byte per item, at its end
+        accepted_at = (8 * (land_at + 2 * caps + 3 + counts + 2)).tolist()
+        firsts, ends = item_at.tolist(), (item_at + counts).tolist()
+        done = 0
         for j, (exchange, conn, _how, request_id) in enumerate(taken):
-            a, c = int(reply_at[j]), int(counts[j])
-            items = replies[a + HEADER_BYTES : a + HEADER_BYTES + 8 * c].view(reply_dtype)
-            w, cap = int(land_at[j]), int(caps[j])
-            landing_buf = lands[w : w + int(words[j])]
+            c = ends[j] - firsts[j]
+            items = all_items[firsts[j] : ends[j]]
             state = states[j]
             if state == native.Burst.DONE:
-                self.counters["burst_done"] += 1
+                done += 1
                 sent = conn.sent.popleft()
                 assert sent.exchange is exchange
-                accepted = landing_buf[2 * cap + 3 + c + 2 :].view(np.bool_)[:c]
+                accepted = verdicts[accepted_at[j] : accepted_at[j] + c]
                 exchange.burst_done(accepted, item_flags[j])
-                data_len = int(replies[a + 24 : a + 32].view("<u8")[0])
-                header = Header(op=Op.GET, request_id=request_id, count=c, data_len=data_len,
-                                flags=FLAG_REPLY)  # fmt: skip
+                header = Header(op=Op.GET, request_id=request_id, count=c,
+                                data_len=data_lens[j], flags=FLAG_REPLY)  # fmt: skip
                 _finish(exchange, Message(header, items, _EMPTY), None)
                 if conn.queue:
                     pumps.append(conn)
                 continue
             self.counters[f"burst_left_{_BURST_LEFT[state]}"] += 1
+            w, cap = int(land_at[j]), int(caps[j])
+            landing_buf = lands[w : w + int(words[j])]
             landing: native.GetLanding | None = None
             if state == native.Burst.DATA or (
                 state == native.Burst.FAILED and int(table[j]["used"])
@@ -678,11 +680,12 @@ class TcpTransport:
                 heads[HEADER_BYTES * j : HEADER_BYTES * (j + 1)].data,
                 items_sent[j].view(np.uint8).data,
                 items,
-                replies[a : a + HEADER_BYTES],
+                heads_rows[j],
                 landing_buf,
                 cap,
             )
             left.append((j, landing, bufs))
+        self.counters["burst_done"] += done
         # Then each exchange left goes back to its connection where it stands, unless a
         # reset of its node (one of these steps failing) took it already.
         for j, landing, bufs in left:
@@ -1296,6 +1299,39 @@ class _BurstBuffers(NamedTuple):
     header: npt.NDArray[np.uint8]
     landing: npt.NDArray[np.uint64]
     cap: int
+
+
+def _get_heads(
+    taken: Sequence[tuple[Exchange, _Conn, BurstLanding, int]], counts: npt.NDArray[np.int64]
+) -> npt.NDArray[np.uint8]:
+    """The burst's GET request headers, back to back: one packed and copied, then each one's
+    request id and item count written in (every exchange of one load names the same class
+    and retention; exchanges that do not are packed one by one)."""
+    first = taken[0][0]
+    retain, cls = first.retain, first.traffic_class
+    if any(
+        (t[0].retain is not retain and t[0].retain != retain) or t[0].traffic_class != cls
+        for t in taken
+    ):
+        return np.frombuffer(
+            b"".join(
+                pack_header(Op.GET, request_id, len(exchange.items), flags=exchange.retain.flags,
+                            ttl_s=exchange.retain.ttl_s, traffic_class=exchange.traffic_class)
+                for exchange, _c, _h, request_id in taken
+            ),
+            np.uint8,
+        ).copy()  # fmt: skip
+    one = np.frombuffer(
+        pack_header(Op.GET, 0, 0, flags=retain.flags, ttl_s=retain.ttl_s, traffic_class=cls),
+        np.uint8,
+    )
+    heads = np.tile(one, len(taken))
+    rows = heads.reshape(len(taken), HEADER_BYTES)
+    rows[:, REQUEST_ID_AT : REQUEST_ID_AT + 8] = (
+        np.array([t[3] for t in taken], "<u8").view(np.uint8).reshape(-1, 8)
+    )
+    rows[:, COUNT_AT : COUNT_AT + 4] = counts.astype("<u4").view(np.uint8).reshape(-1, 4)
+    return heads
 
 
 def _burst_need(
