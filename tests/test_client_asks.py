@@ -1,6 +1,6 @@
 """A load's asks built as arrays: each send's items, shards and addresses cut from one array
 each (``get_shards``), and a burst's request headers written into copies of one
-(``_get_heads``), against building them one by one. No sockets."""
+(``_request_heads``), against building them one by one. No sockets."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvcache import native
 from kvcache.client.driver import GetShards, get_shards
 from kvcache.client.rounds import Send
-from kvcache.client.transport import Exchange, _get_heads
+from kvcache.client.transport import Exchange, _request_heads
 from kvcache.wire import NO_RETAIN, Op, Retain, make_items, pack_header
 
 
@@ -57,8 +57,8 @@ def test_get_shards_cuts_what_each_send_would_build_alone(sizes: list[int], seed
         at += len(send.blocks)
 
 
-def _exchange(count: int, retain: Retain, cls: str) -> Exchange:
-    return Exchange(0, Op.GET, make_items(Op.GET, count, reply=False), traffic_class=cls,
+def _exchange(op: Op, count: int, retain: Retain, cls: str) -> Exchange:
+    return Exchange(0, op, make_items(op, count, reply=False), traffic_class=cls,
                     retain=retain)  # fmt: skip
 
 
@@ -70,18 +70,19 @@ def _exchange(count: int, retain: Retain, cls: str) -> Exchange:
     pin=st.booleans(),
     cls=st.sampled_from(["", "chat", "agent"]),
     mixed=st.booleans(),
+    op=st.sampled_from([Op.GET, Op.HAS]),
 )
 def test_burst_heads_equal_headers_packed_one_by_one(
-    counts: list[int], ids: list[int], ttl: int, pin: bool, cls: str, mixed: bool
+    counts: list[int], ids: list[int], ttl: int, pin: bool, cls: str, mixed: bool, op: Op
 ) -> None:
     retain = Retain(ttl_s=ttl, pin=pin)
-    exchanges = [_exchange(c, retain, cls) for c in counts]
+    exchanges = [_exchange(op, c, retain, cls) for c in counts]
     if mixed:  # one exchange unlike the rest: every header packed on its own
-        exchanges[-1] = _exchange(counts[-1], NO_RETAIN, "other")
+        exchanges[-1] = _exchange(op, counts[-1], NO_RETAIN, "other")
     taken = [(x, None, None, ids[j]) for j, x in enumerate(exchanges)]
-    heads = _get_heads(taken, np.array(counts, np.int64))  # type: ignore[arg-type]
+    heads = _request_heads(op, taken, np.array(counts, np.int64))  # type: ignore[arg-type]
     want = b"".join(
-        pack_header(Op.GET, ids[j], c, flags=x.retain.flags, ttl_s=x.retain.ttl_s,
+        pack_header(op, ids[j], c, flags=x.retain.flags, ttl_s=x.retain.ttl_s,
                     traffic_class=x.traffic_class)
         for j, (x, c) in enumerate(zip(exchanges, counts, strict=True))
     )  # fmt: skip

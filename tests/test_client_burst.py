@@ -10,6 +10,7 @@ close), and the next load works.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -207,3 +208,117 @@ def test_a_stopped_daemon_s_exchange_is_left_to_the_loop(
         out[:] = 0
         assert client.load_keys(keys, payload_len=P, out=out).blocks == N
         assert np.array_equal(out, payloads)
+
+
+# ---------------------------------------------------------------------- HAS (plain bursts)
+
+
+def _match(client: Client, keys: list[bytes]) -> tuple[int, np.ndarray, list[int]]:
+    found = client.match_keys(keys)
+    return found.hit_blocks, found.holders, found.stripe.tolist()
+
+
+def _same(a: tuple[int, np.ndarray, list[int]], b: tuple[int, np.ndarray, list[int]]) -> bool:
+    """The same hit and stripes, and no holder known to both that differs (a match stops
+    listening once every block has k shards, so which holders it knows varies)."""
+    both = (a[1] >= 0) & (b[1] >= 0)
+    return a[0] == b[0] and a[2] == b[2] and bool(np.array_equal(a[1][both], b[1][both]))
+
+
+@pytest.mark.parametrize("nodes", [12, 4])
+def test_matches_are_the_same_with_and_without_the_burst(
+    cluster_factory: Callable[..., LocalCluster], nodes: int
+) -> None:
+    """A match's HAS round goes out and comes back in one native burst: the same answer as
+    the socket loop's. With 4 nodes each holds 3 shards of every block, more answers than
+    the burst makes room for (2 a key and 8): those replies are read by the loop."""
+    cluster = cluster_factory(nodes)
+    keys, payloads = _blocks(N, 4)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    answers = []
+    for burst in (True, False):
+        with Client(cluster.client_config(burst=burst)) as client:
+            client.match_keys(keys[:1])  # connections up
+            before = _counters(client)
+            got = [_match(client, keys) for _ in range(3)]
+            assert _same(got[0], got[1]) and _same(got[0], got[2])
+            assert got[0][0] == N
+            # Every block's known holders are at least k = 10 of its shards.
+            assert ((got[0][1] >= 0).sum(axis=1) >= 10).all()
+            answers.append(got[0])
+            counters = _counters(client)
+            taken = counters["burst_taken"] - before["burst_taken"]
+            done = counters["burst_done"] - before["burst_done"]
+            if not burst:
+                assert taken == 0
+            elif nodes == 12:
+                # A burst the I/O thread's loop keeps from running (a straggler of the
+                # match before still out), or that another thread's post cuts short, hands
+                # its asks to the loop: how many it reads itself varies with the timing.
+                assert taken >= 12 and done > 0
+            else:
+                assert taken >= 4
+                stopped = counters["burst_left_stop_header"] - before.get(
+                    "burst_left_stop_header", 0
+                )
+                assert stopped > 0 and done == 0  # 3 x 64 answers > 2 x 64 + 8
+            assert _accounted(counters)
+    assert _same(answers[0], answers[1])
+
+
+def test_a_stopped_daemon_s_has_is_left_to_the_round(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A match with one daemon stopped: the burst returns once the others are in (the round
+    needs k of 12 shards) and a grace passed, not at the hedge time; the round finishes
+    without the stopped node, and after it resumes its late answer is taken in stride."""
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 5)
+    config = replace(cluster.client_config(), hedge_ms=2000.0, timeout_s=5.0)
+    with Client(config) as client:
+        assert client.store_keys(keys, payloads, payload_len=P).written == N
+        want = _match(client, keys)
+        cluster.pause(3)
+        try:
+            for _ in range(3):
+                began = time.monotonic()
+                assert _match(client, keys)[0] == N
+                # Had a burst waited for the stopped node it would have run to the hedge
+                # time, 2 s: it leaves that exchange to the round, which needs 10 of 12.
+                assert time.monotonic() - began < 1.0
+            counters = _counters(client)
+            assert counters["burst_done"] >= 11  # the others' answers, read natively
+        finally:
+            cluster.resume(3)
+        assert _same(_match(client, keys), want)
+        assert _accounted(_counters(client))
+
+
+@pytest.mark.parametrize(
+    "stall_at", [0, 20, 48 + 100], ids=["before-header", "in-header", "in-items"]
+)
+def test_a_has_reply_held_back_is_carried_on_by_the_socket_loop(
+    cluster_factory: Callable[..., LocalCluster], tmp_path: Path, stall_at: int
+) -> None:
+    """A match whose HAS reply from one node stops inside its header or its items: the burst
+    returns without it (the round needs 10 of 12), the loop reads it on once the bytes come,
+    with the item count the header gave (a plain reply's room is larger), and the next
+    matches agree."""
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 7)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
+        config = _proxied_config(cluster, 0, proxy, tmp_path)
+        with Client(replace(config, hedge_ms=2000.0, timeout_s=5.0)) as client:
+            want = _match(client, keys)  # connections up
+            proxy.hold_after(stall_at)
+            began = time.monotonic()
+            assert _match(client, keys)[0] == N
+            assert time.monotonic() - began < 1.0  # not held up to the hedge time
+            assert proxy.wait_held()
+            proxy.release()
+            for _ in range(2):
+                assert _same(_match(client, keys), want)
+            assert _accounted(_counters(client))

@@ -290,6 +290,23 @@ class Pump:
         for exchange in rest:
             submit(exchange)
 
+    def submit_plain_burst(
+        self, exchanges: Sequence[PumpedExchange], until: float | None, *, min_left: int = 0
+    ) -> None:
+        """Send ``exchanges`` (one op whose replies carry items and no data, one per node)
+        and read what comes back by ``until`` in one native burst where the transport offers
+        one (``TcpTransport.burst_plain``: it returns once no more than ``min_left`` are
+        out, after a short grace), else as :meth:`submit`; outcomes come from :meth:`wait`."""
+        now = self.clock()
+        for exchange in exchanges:
+            exchange.submitted = now
+            self.outstanding[exchange.ticket] = exchange
+        burst = getattr(self.transport, "burst_plain", None)
+        rest = burst(exchanges, until, min_left=min_left) if burst is not None else exchanges
+        submit = getattr(self.transport, "submit_then_drive", self.transport.submit)
+        for exchange in rest:
+            submit(exchange)
+
     def deliver(self, event: Event) -> None:
         """Called on an I/O thread when an exchange finished."""
         self._events.put(event)

@@ -180,10 +180,20 @@ def _has_round(
     pump = Pump(core.transport, core.health, core.clock)
     key_words = np.frombuffer(b"".join(keys), dtype="V16")
     started = core.clock()
+    asks = []
     for send in round_.start(started):
         items = make_items(op, len(send.blocks), reply=False)
         items["key"] = key_words[send.blocks]
-        pump.submit(PumpedExchange(pump, send.ticket, send.node, op, items))
+        asks.append(PumpedExchange(pump, send.ticket, send.node, op, items))
+    if op is Op.HAS:
+        # One native burst until at most the nodes the round can do without are out (a
+        # match needs k of a block's n shards; a store's check, all it asks for).
+        pump.submit_plain_burst(
+            asks, round_.next_wakeup(), min_left=0 if complete else max(0, config.n - settle)
+        )
+    else:
+        for ask in asks:
+            pump.submit(ask)
     while not round_.done:
         # What arrived together is handed to the round at once (one look at the counts).
         answers: list[tuple[int, tuple[Any, Any, Any] | None]] = []

@@ -537,6 +537,32 @@ class TcpTransport:
         alone (an unexpected reply, a landing it declines, the deadline) is left on its
         connection where it stands, and this loop goes on with it.
         """
+        return self._burst_turn(exchanges, lambda: self._burst(exchanges, until))
+
+    def burst_plain(
+        self, exchanges: Sequence[Exchange], until: float | None, *, min_left: int = 0
+    ) -> list[Exchange]:
+        """:meth:`burst` for control requests of one op whose replies are items and no data
+        (HAS), one per node, each on its node's control connection if that is idle: sent,
+        and their replies read whole, in ONE native call, until each is
+        in, or ``until`` comes, or no more than ``min_left`` are still out and a short grace
+        for them has passed (``kvcache.native.get_burst``: the round may not need them).
+        Returns those it did not take: submit them. A reply it cannot read alone (one with
+        data, more items than it made room for, not the expected header) is left on its
+        connection where it stands, and this loop goes on with it.
+
+        Why: a match over 48 nodes is 48 HAS exchanges, each about 25 µs of the caller's
+        Python through this loop (``bench/scale.py``, issue 21)."""
+        op = exchanges[0].op if exchanges else Op.HAS
+        if any(x.op is not op or x.data or x.burst_landing() is not None for x in exchanges):
+            return list(exchanges)
+        return self._burst_turn(exchanges, lambda: self._burst_plain(exchanges, until, min_left))
+
+    def _burst_turn(
+        self, exchanges: Sequence[Exchange], run: Callable[[], list[Exchange]]
+    ) -> list[Exchange]:
+        """Run a burst (``run``) on this thread if it may take the loop now; else hand every
+        exchange back."""
         if not (native.AVAILABLE and self.bursts and self.caller_drives and exchanges):
             return list(exchanges)
         if self._closed:
@@ -553,9 +579,125 @@ class TcpTransport:
             if not self._drain():
                 self._stop_loop()
                 return list(exchanges)
-            return self._burst(exchanges, until)
+            return run()
         finally:
             self._hand_back()
+
+    def _burst_plain(
+        self, exchanges: Sequence[Exchange], until: float | None, min_left: int
+    ) -> list[Exchange]:
+        taken: list[tuple[Exchange, _Conn, None, int]] = []
+        rest: list[Exchange] = []
+        busy: set[int] = set()
+        for exchange in exchanges:
+            # A control op goes on its node's control connection, as submit() sends it (a
+            # match never queues behind a load's bulk transfers).
+            conn = self._control[exchange.node] if exchange.op in _CONTROL_OPS else None
+            if conn is None or id(conn) in busy or not _idle(conn):
+                rest.append(exchange)
+                continue
+            busy.add(id(conn))
+            taken.append((exchange, conn, None, next(conn.ids)))
+        if not taken:
+            return rest
+        n = len(taken)
+        op = taken[0][0].op
+        now = self.clock()
+        counts = np.fromiter((len(t[0].items) for t in taken), np.int64, n)
+        heads = _request_heads(op, taken, counts)
+        reply_dtype = item_dtype(op, reply=True)
+        # Room for two answers a key asked, and a few more: a node holding more (several
+        # shards of a block, leftovers of other writes) is answered past the burst.
+        caps = 2 * counts + 8
+        item_at = np.zeros(n, np.int64)
+        np.cumsum(caps[:-1], out=item_at[1:])
+        reply_heads = np.empty(HEADER_BYTES * n, np.uint8)
+        reply_items = np.empty(int(caps.sum()) * reply_dtype.itemsize, np.uint8)
+        table = np.zeros(n, native.BURST_DTYPE)
+        table["fd"] = [t[1].sock.fileno() for t in taken]  # type: ignore[union-attr]
+        table["req_addr"][:, 0] = native.addresses_of(heads) + HEADER_BYTES * np.arange(n)
+        table["req_len"][:, 0] = HEADER_BYTES
+        items_sent = [np.ascontiguousarray(t[0].items) for t in taken]
+        table["req_addr"][:, 1] = [
+            (t[0].items_at or native.addresses_of(a)) if a.nbytes else 0
+            for t, a in zip(taken, items_sent, strict=True)
+        ]
+        table["req_len"][:, 1] = [a.nbytes for a in items_sent]
+        table["expect_id"] = [t[3] for t in taken]
+        table["count"] = caps
+        table["header_at"] = native.addresses_of(reply_heads) + HEADER_BYTES * np.arange(n)
+        table["items_at"] = native.addresses_of(reply_items) + reply_dtype.itemsize * item_at
+        table["reply_item"] = reply_dtype.itemsize
+        for exchange, conn, _none, request_id in taken:
+            exchange.attempts += 1
+            conn.sent.append(_Sent(exchange, request_id, now))
+        later = rest  # their control connections are the burst's: queued behind it
+        wait = 0.0 if until is None else max(0.0, until - self.clock())
+        try:
+            native.get_burst(
+                table, 0, wait, self.limits.max_data_bytes, wake_fd=self._wake_r.fileno(),
+                min_left=min_left,
+            )  # fmt: skip
+        except OSError as exc:  # poll() failed: each connection reports on its own next
+            log.warning("native burst failed: %s", exc)
+        states = table["state"].tolist()
+        replied = table["reply_count"].tolist()
+        self.counters["burst_taken"] += n
+        all_items = reply_items.view(reply_dtype)
+        heads_rows = reply_heads.reshape(n, HEADER_BYTES)
+        firsts = item_at.tolist()
+        left: list[tuple[int, _BurstBuffers]] = []
+        pumps: list[_Conn] = []
+        done = 0
+        for j, (exchange, conn, _none, request_id) in enumerate(taken):
+            items = all_items[firsts[j] : firsts[j] + replied[j]]
+            state = states[j]
+            if state == native.Burst.DONE:
+                done += 1
+                sent = conn.sent.popleft()
+                assert sent.exchange is exchange
+                header = Header(op=op, request_id=request_id, count=replied[j], flags=FLAG_REPLY)
+                _finish(exchange, Message(header, items, _EMPTY), None)
+                if conn.queue:
+                    pumps.append(conn)
+                continue
+            self.counters[f"burst_left_{_BURST_LEFT[state]}"] += 1
+            bufs = _BurstBuffers(
+                heads[HEADER_BYTES * j : HEADER_BYTES * (j + 1)].data,
+                items_sent[j].view(np.uint8).data,
+                items,
+                heads_rows[j],
+                np.zeros(0, np.uint64),
+                0,
+            )
+            left.append((j, bufs))
+        self.counters["burst_done"] += done
+        for j, bufs in left:
+            exchange, conn = taken[j][0], taken[j][1]
+            if not (conn.sent and conn.sent[0].exchange is exchange):
+                continue
+            try:
+                self._after_burst(conn, exchange, int(states[j]), table[j], bufs, None)
+            except (OSError, ssl.SSLError, KVCacheError) as exc:
+                self._failed(conn, exc)
+        for conn in pumps:
+            if conn.sock is not None and conn.queue:
+                self._pump(conn)
+        return later
+
+    def _send_rest(self, rest: list[Exchange], busy: set[int]) -> list[Exchange]:
+        """Send the exchanges a burst does not take on connections it does not use (else
+        they would wait for it); those of a node whose every connection it uses are
+        returned."""
+        later: list[Exchange] = []
+        for exchange in rest:
+            spare = self._free_bulk(exchange.node, busy)
+            if spare is None:
+                later.append(exchange)
+            else:
+                spare.queue.append(exchange)
+                self._pump(spare)
+        return later
 
     def _burst(self, exchanges: Sequence[Exchange], until: float | None) -> list[Exchange]:
         taken: list[tuple[Exchange, _Conn, BurstLanding, int]] = []
@@ -576,7 +718,7 @@ class TcpTransport:
         counts = np.fromiter((len(t[0].items) for t in taken), np.int64, n)
         # One buffer for the requests' headers, one for the replies' headers and items, one
         # for the landing tables: three addresses taken, the rest arithmetic.
-        heads = _get_heads(taken, counts)
+        heads = _request_heads(Op.GET, taken, counts)
         # The replies' headers in one buffer, their items in another (one view of them all,
         # each exchange's a slice of it).
         item_at = np.zeros(n, np.int64)
@@ -613,14 +755,7 @@ class TcpTransport:
             conn.sent.append(_Sent(exchange, request_id, now))
         # The rest go out now, on connections the burst does not use (else they would wait
         # for it); those of a node whose every connection it uses are handed back.
-        later: list[Exchange] = []
-        for exchange in rest:
-            spare = self._free_bulk(exchange.node, busy)
-            if spare is None:
-                later.append(exchange)
-            else:
-                spare.queue.append(exchange)
-                self._pump(spare)
+        later = self._send_rest(rest, busy)
         first, need = _burst_need(taken)
         wait = 0.0 if until is None else max(0.0, until - self.clock())
         try:
@@ -710,16 +845,7 @@ class TcpTransport:
         """A connected plain-TCP bulk connection of ``node`` with nothing on it, and none
         of ``busy`` (ids of connections a burst has given an exchange already)."""
         for conn in self._bulk[node]:
-            if (
-                id(conn) not in busy
-                and conn.sock is not None
-                and not conn.tls
-                and not conn.queue
-                and not conn.sent
-                and not conn.out
-                and conn.rstate == _HEAD
-                and not conn.rgot
-            ):
+            if id(conn) not in busy and _idle(conn):
                 return conn
         return None
 
@@ -1301,12 +1427,28 @@ class _BurstBuffers(NamedTuple):
     cap: int
 
 
-def _get_heads(
-    taken: Sequence[tuple[Exchange, _Conn, BurstLanding, int]], counts: npt.NDArray[np.int64]
+def _idle(conn: _Conn) -> bool:
+    """``conn`` is connected, plain TCP, and has nothing queued, out or coming in: a burst
+    may take it."""
+    return (
+        conn.sock is not None
+        and not conn.tls
+        and not conn.queue
+        and not conn.sent
+        and not conn.out
+        and conn.rstate == _HEAD
+        and not conn.rgot
+    )
+
+
+def _request_heads(
+    op: Op,
+    taken: Sequence[tuple[Exchange, _Conn, BurstLanding | None, int]],
+    counts: npt.NDArray[np.int64],
 ) -> npt.NDArray[np.uint8]:
-    """The burst's GET request headers, back to back: one packed and copied, then each one's
-    request id and item count written in (every exchange of one load names the same class
-    and retention; exchanges that do not are packed one by one)."""
+    """A burst's ``op`` request headers, back to back: one packed and copied, then each
+    one's request id and item count written in (every exchange of one load names the same
+    class and retention; exchanges that do not are packed one by one)."""
     first = taken[0][0]
     retain, cls = first.retain, first.traffic_class
     if any(
@@ -1315,14 +1457,14 @@ def _get_heads(
     ):
         return np.frombuffer(
             b"".join(
-                pack_header(Op.GET, request_id, len(exchange.items), flags=exchange.retain.flags,
+                pack_header(op, request_id, len(exchange.items), flags=exchange.retain.flags,
                             ttl_s=exchange.retain.ttl_s, traffic_class=exchange.traffic_class)
                 for exchange, _c, _h, request_id in taken
             ),
             np.uint8,
         ).copy()  # fmt: skip
     one = np.frombuffer(
-        pack_header(Op.GET, 0, 0, flags=retain.flags, ttl_s=retain.ttl_s, traffic_class=cls),
+        pack_header(op, 0, 0, flags=retain.flags, ttl_s=retain.ttl_s, traffic_class=cls),
         np.uint8,
     )
     heads = np.tile(one, len(taken))

@@ -67,7 +67,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 11
+_ABI_VERSION = 12
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -107,7 +107,9 @@ def _load() -> Any:
     lib.kv_land_get_reply.argtypes = [ptr, size, *[ptr] * 9]
     lib.kv_land_get_reply.restype = size
     lib.kv_add_at.argtypes = [ptr, ptr, size, ctypes.c_int64]
-    lib.kv_get_burst.argtypes = [ptr, size, ptr, ctypes.c_int64, u64, u64, ptr, u64, ctypes.c_int]
+    lib.kv_get_burst.argtypes = [
+        ptr, size, ptr, ctypes.c_int64, u64, u64, ptr, u64, ctypes.c_int, u64,
+    ]  # fmt: skip
     lib.kv_get_burst.restype = ctypes.c_int64
     lib.kv_add_at.restype = None
     lib.kv_ec_run_many.argtypes = [u64, ctypes.c_int, ctypes.c_int, size, ptr, ptr, size, ptr]
@@ -444,6 +446,9 @@ BURST_DTYPE = np.dtype(
         ("error", "<i8"),
         # DONE: the reply items' flag bytes OR-ed (kvcache.wire.GET_REFRESHED).
         ("item_flags", "<u8"),
+        # A plain exchange (table_at 0): bytes per reply item; the count its reply announced.
+        ("reply_item", "<u8"),
+        ("reply_count", "<u8"),
     ]
 )
 if _LIB is not None and _LIB.kv_burst_ex_size() != BURST_DTYPE.itemsize:
@@ -473,6 +478,7 @@ def get_burst(
     first_block: int = 0,
     need: npt.NDArray[np.uint8] | None = None,
     wake_fd: int = -1,
+    min_left: int = 0,
 ) -> int:
     """Run ``exchanges`` (:data:`BURST_DTYPE`, filled in by the caller, every buffer alive for
     the call) until each is done, stopped or failed, or ``timeout_s`` passed: GETs sent and
@@ -481,8 +487,15 @@ def get_burst(
     accepted (its verdicts after its landing buffer's counts) and its blocks no longer
     counted as being written. ``need``: return as soon as each block ``first_block + j`` has
     ``need[j]`` shards accepted (the load can go on without the rest). ``wake_fd``: return
-    as soon as it is readable (the transport's wake socket). Returns how many are still
-    under way; each one's ``state`` says where it stands (:class:`Burst`)."""
+    as soon as it is readable (the transport's wake socket). ``min_left``: once no more than
+    that many are under way, wait for them a quarter of the time taken so far (at least
+    200 µs), then return (the caller's round decides whether it needs them).
+
+    A plain exchange (``table_at`` 0, ``target_at`` 0 for a burst of them: a HAS, say)
+    is sent and its reply read, not landed: a reply of the request's op with at most
+    ``count`` items of ``reply_item`` bytes (into ``items_at``) and no data section; its
+    ``reply_count`` says how many came. Returns how many are still under way; each one's
+    ``state`` says where it stands (:class:`Burst`)."""
     assert _LIB is not None
     if not len(exchanges):
         return 0
@@ -497,6 +510,7 @@ def get_burst(
             None if need is None else addresses_of(need),
             0 if need is None else len(need),
             wake_fd,
+            min_left,
         )
     )
     if left < 0:

@@ -8,6 +8,9 @@
  * (header-only use, XXH_INLINE_ALL, in kvfast_hash.c, built for SSE2, AVX2 and AVX-512 and chosen
  * at run time), bit-identical to the Python xxhash package.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* ppoll */
+#endif
 #include <errno.h>
 #include <poll.h>
 #include <stddef.h>
@@ -22,7 +25,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 11; }
+int kv_abi_version(void) { return 12; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -551,6 +554,10 @@ typedef struct {
     uint64_t sent, got, used;         /* request bytes sent; of the section being read */
     int64_t state, error;             /* BURST_*; errno (FAILED) */
     uint64_t item_flags;              /* DONE: the reply items' flag bytes, OR-ed */
+    /* A plain exchange (table_at 0: a HAS, say): its reply has up to `count` items of
+     * reply_item bytes each and no data section, and is read, not landed. reply_count: how
+     * many items its header announced. */
+    uint64_t reply_item, reply_count;
 } kv_burst_ex;
 
 /* The assembly a burst lands in: kv_land_get_reply's tables, then kv_accept_get_reply's
@@ -587,6 +594,9 @@ static void burst_done(kv_burst_ex *x, const kv_burst_target *t) {
     x->state = BURST_DONE;
 }
 
+/* Whether h is the reply expected: of the request's op, OK, this request's id; a GET's with
+ * one item per item asked and at most max_data bytes of data, a plain exchange's with at most
+ * `count` items and no data. Anything else is the Python transport's to read. */
 static int burst_header_ok(const kv_burst_ex *x, const uint8_t *h, uint64_t max_data) {
     uint16_t flags, status;
     uint32_t count, ttl;
@@ -598,9 +608,13 @@ static int burst_header_ok(const kv_burst_ex *x, const uint8_t *h, uint64_t max_
     memcpy(&ttl, h + 20, 4);
     memcpy(&data_len, h + 24, 8);
     static const uint8_t no_class[16] = {0};
-    return h[0] == 'K' && h[1] == 'V' && h[2] == 2 && h[3] == 2 /* GET */ && flags == 1 &&
-           status == 0 && id == x->expect_id && count == x->count && ttl == 0 &&
-           data_len <= max_data && memcmp(h + 32, no_class, 16) == 0;
+    uint8_t op = ((const uint8_t *)(uintptr_t)x->req_addr[0])[3];
+    int plain = x->table_at == 0;
+    int sized = plain ? (count <= x->count && data_len == 0)
+                      : (op == 2 /* GET */ && count == x->count && data_len <= max_data);
+    return h[0] == 'K' && h[1] == 'V' && h[2] == 2 && h[3] == op && flags == 1 &&
+           status == 0 && id == x->expect_id && sized && ttl == 0 &&
+           memcmp(h + 32, no_class, 16) == 0;
 }
 
 /* Read as far as the socket allows. Returns 1 while the exchange waits for more bytes. */
@@ -610,7 +624,9 @@ static int burst_recv(kv_burst_ex *x, const kv_burst_target *t, uint64_t max_dat
         if (x->state == BURST_HEAD || x->state == BURST_ITEMS) {
             int head = x->state == BURST_HEAD;
             uint8_t *buf = (uint8_t *)(uintptr_t)(head ? x->header_at : x->items_at);
-            uint64_t want = head ? BURST_HDR : x->count * BURST_REPLY_ITEM;
+            uint64_t want = head                ? BURST_HDR
+                            : x->table_at == 0 ? x->reply_count * x->reply_item
+                                               : x->count * BURST_REPLY_ITEM;
             ssize_t r = recv(fd, buf + x->got, want - x->got, MSG_DONTWAIT);
             if (r == 0) {
                 x->state = BURST_FAILED;
@@ -631,9 +647,20 @@ static int burst_recv(kv_burst_ex *x, const kv_burst_target *t, uint64_t max_dat
                     x->state = BURST_STOP_HEADER;
                     return 0;
                 }
+                uint32_t count;
+                memcpy(&count, buf + 16, 4);
+                x->reply_count = count;
                 x->state = BURST_ITEMS;
                 x->got = 0;
+                if (x->table_at == 0 && count == 0) {
+                    x->state = BURST_DONE; /* a plain reply of no items: nothing more */
+                    return 0;
+                }
                 continue;
+            }
+            if (x->table_at == 0) {
+                x->state = BURST_DONE; /* a plain reply's items are in: the caller reads them */
+                return 0;
             }
             /* Items in: their lengths must add up to the data section, and land. */
             const uint8_t *items = buf;
@@ -732,10 +759,10 @@ static int burst_send(kv_burst_ex *x) {
     return 0;
 }
 
-static int64_t burst_now_ms(void) {
+static int64_t burst_now_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 /* Run the n exchanges until each is DONE, stopped or FAILED, or timeout_ms passed, or (need
@@ -759,15 +786,23 @@ static int burst_enough(const kv_burst_target *t, uint64_t lo, const uint8_t *ne
     return 1;
 }
 
+/* min_left > 0: once no more than min_left exchanges are under way, wait for them only a
+ * quarter of the time the burst took to get there (at least BURST_GRACE_US): a node that
+ * went silent is then the caller's round's business (it may not need that node's answer),
+ * while answers sent with the others still come in here. */
+#define BURST_GRACE_US 200
+
 int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_t timeout_ms,
                      uint64_t max_data, uint64_t lo, const uint8_t *need, uint64_t count,
-                     int wake_fd) {
+                     int wake_fd, uint64_t min_left) {
     struct pollfd fds[KV_BURST_MAX + 1];
     int where[KV_BURST_MAX];
     uint8_t ready[KV_BURST_MAX]; /* worth a syscall: polled ready (or not polled yet) */
     if (n > KV_BURST_MAX) return -EINVAL;
     if (timeout_ms > 3600000) timeout_ms = 3600000;
-    int64_t deadline = burst_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    int64_t started = burst_now_us();
+    int64_t deadline = started + (timeout_ms > 0 ? timeout_ms : 0) * 1000;
+    int graced = 0;
     memset(ready, 1, n);
     for (;;) {
         int nf = 0;
@@ -791,13 +826,21 @@ int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_
         }
         if (!nf) return 0;
         if (need && burst_enough(t, lo, need, count)) return nf; /* enough: the rest later */
-        int64_t left = deadline - burst_now_ms();
-        if (left <= 0) return nf;
+        int64_t now = burst_now_us();
+        if (min_left && (uint64_t)nf <= min_left && !graced) {
+            int64_t grace = (now - started) / 4;
+            if (grace < BURST_GRACE_US) grace = BURST_GRACE_US;
+            if (now + grace < deadline) deadline = now + grace;
+            graced = 1;
+        }
+        int64_t left_us = deadline - now;
+        if (left_us <= 0) return nf;
         /* The transport's wake socket too: another thread posted work for the loop (a
          * submit, a watchdog's reset), which the loop takes as soon as this returns. */
         int polled = nf;
         if (wake_fd >= 0) fds[polled++] = (struct pollfd){.fd = wake_fd, .events = POLLIN};
-        int r = poll(fds, (nfds_t)polled, (int)left);
+        struct timespec wait = {.tv_sec = left_us / 1000000, .tv_nsec = (left_us % 1000000) * 1000};
+        int r = ppoll(fds, (nfds_t)polled, &wait, NULL);
         if (r < 0) {
             if (errno == EINTR) continue;
             return -(int64_t)errno;
