@@ -34,6 +34,7 @@ from kvcache.shard import MAX_CLASS_NAME, check_class_name
 
 __all__ = [
     "COUNT_AT",
+    "DATA_LEN_AT",
     "FLAG_PIN",
     "FLAG_REPLY",
     "FLAG_TTL",
@@ -97,6 +98,8 @@ HEADER_BYTES = _HEADER.size  # 48
 #: requests alike packs one header and writes these fields into copies of it.
 REQUEST_ID_AT = struct.calcsize("<2sBBHH")
 COUNT_AT = REQUEST_ID_AT + 8
+#: And its data section's length (u64).
+DATA_LEN_AT = struct.calcsize("<2sBBHHQII")
 #: The header's traffic-class field when the message names no class.
 _NO_CLASS = bytes(1 + MAX_CLASS_NAME)
 #: Class fields already found valid, with the names they carry: a daemon sees the same few

@@ -322,3 +322,64 @@ def test_a_has_reply_held_back_is_carried_on_by_the_socket_loop(
             for _ in range(2):
                 assert _same(_match(client, keys), want)
             assert _accounted(_counters(client))
+
+
+# ---------------------------------------------------------------------- PUT (plain bursts)
+
+
+def test_stores_are_the_same_with_and_without_the_burst(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A store of one chunk sends its PUTs, header, items and data, and reads their
+    replies in one native burst: what it stores loads back byte for byte, as without."""
+    cluster = cluster_factory()
+    for seed, burst in ((8, True), (9, False)):
+        keys, payloads = _blocks(N, seed)
+        with Client(cluster.client_config(burst=burst)) as client:
+            client.match_keys(keys[:1])  # control connections up
+            assert client.store_keys(keys[:1], payloads[:1], payload_len=P).written == 1
+            before = _counters(client)
+            got = client.store_keys(keys, payloads, payload_len=P)
+            assert (got.written, got.touched, got.failed) == (N - 1, 1, 0)
+            counters = _counters(client)
+            taken = counters["burst_taken"] - before["burst_taken"]
+            done = counters["burst_done"] - before["burst_done"]
+            # The PUTs, one per node (and the HAS of a check for stored stripes, if any).
+            assert (taken >= 12, done > 0) == (burst, burst)
+            assert _accounted(counters)
+        with Client(cluster.client_config()) as reader:
+            out = np.zeros((N, P), np.uint8)
+            assert reader.load_keys(keys, payload_len=P, out=out).blocks == N
+            assert np.array_equal(out, payloads)
+
+
+def test_a_store_to_a_stopped_daemon_leaves_its_put_half_sent_to_the_loop(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """One daemon stopped while a store's PUTs go out: its request does not fit the socket
+    buffers (64 shards of 2 MiB blocks, 13 MB), so the burst leaves it part sent, returns
+    once the other 11 answered (the write quorum is 11 of 12), and the loop goes on sending
+    it from where the burst stopped. The store is acknowledged; once the daemon resumes,
+    every block loads whole."""
+    big = 2 << 20
+    cluster = cluster_factory()
+    rng = np.random.default_rng(10)
+    keys = [rng.integers(0, 256, 16, dtype=np.uint8).tobytes() for _ in range(N)]
+    payloads = rng.integers(0, 256, (N, big), dtype=np.uint8)
+    config = replace(cluster.client_config(), hedge_ms=200.0, timeout_s=5.0, chunk_bytes=N * big)
+    with Client(config) as client:
+        assert client.store_keys(keys[:1], payloads[:1], payload_len=big).written == 1
+        cluster.pause(3)
+        try:
+            before = _counters(client)
+            began = time.monotonic()
+            assert client.store_keys(keys[1:], payloads[1:], payload_len=big).written == N - 1
+            assert time.monotonic() - began < 4.0  # not the 5 s deadline
+            counters = _counters(client)
+            assert counters["burst_left_send"] - before.get("burst_left_send", 0) == 1
+        finally:
+            cluster.resume(3)
+        out = np.zeros((N, big), np.uint8)
+        assert client.load_keys(keys, payload_len=big, out=out).blocks == N
+        assert np.array_equal(out, payloads)
+        assert _accounted(_counters(client))

@@ -220,6 +220,7 @@ def _store(
                     _start_put(
                         core, view, up, groups[g_index], batch, placement_rows, expect,
                         redirected=redirected, order=order, retain=retain,
+                        burst=len(groups) == 1,
                     )
                 )  # fmt: skip
                 if next_group < len(groups):
@@ -347,7 +348,12 @@ def _start_put(
     redirected: npt.NDArray[np.int64],
     order: npt.NDArray[np.int64],
     retain: Retain = NO_RETAIN,
+    burst: bool = False,
 ) -> tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]:
+    """Start one chunk's PUT round. ``burst``: the chunk is the store's only one, so its
+    PUTs go out, and their replies come back, in one native burst on this thread
+    (``TcpTransport.burst_plain``) until at most the nodes the write quorum can do without
+    are out; nothing else of the store waits to be encoded or sent meanwhile."""
     config = core.config
     holders = placement_rows[group]
     orders = order[group]
@@ -367,13 +373,21 @@ def _start_put(
     )
     core.count("shards_redirected", int(redirected[group].sum()))
     pump = Pump(core.transport, core.health, core.clock)
+    puts = []
     for send in round_.start(core.clock()):
         items, data = batch.node_sections(
             send.blocks, send.indices, expect[group[send.blocks], send.indices]
         )
-        pump.submit(
+        puts.append(
             PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
         )
+    if burst:
+        pump.submit_plain_burst(
+            puts, round_.next_wakeup(), min_left=max(0, config.n - config.min_write_shards)
+        )
+    else:
+        for put in puts:
+            pump.submit(put)
     return group, batch, round_, pump
 
 

@@ -71,6 +71,7 @@ from kvcache.errors import KVCacheError, NodeError, ProtocolError
 from kvcache.net import open_session
 from kvcache.wire import (
     COUNT_AT,
+    DATA_LEN_AT,
     FLAG_REPLY,
     HEADER_BYTES,
     NO_RETAIN,
@@ -554,7 +555,12 @@ class TcpTransport:
         Why: a match over 48 nodes is 48 HAS exchanges, each about 25 µs of the caller's
         Python through this loop (``bench/scale.py``, issue 21)."""
         op = exchanges[0].op if exchanges else Op.HAS
-        if any(x.op is not op or x.data or x.burst_landing() is not None for x in exchanges):
+        if any(
+            x.op is not op
+            or (x.data and not isinstance(x.data, native.Segments))
+            or x.burst_landing() is not None
+            for x in exchanges
+        ):
             return list(exchanges)
         return self._burst_turn(exchanges, lambda: self._burst_plain(exchanges, until, min_left))
 
@@ -591,9 +597,14 @@ class TcpTransport:
         busy: set[int] = set()
         for exchange in exchanges:
             # A control op goes on its node's control connection, as submit() sends it (a
-            # match never queues behind a load's bulk transfers).
-            conn = self._control[exchange.node] if exchange.op in _CONTROL_OPS else None
-            if conn is None or id(conn) in busy or not _idle(conn):
+            # match never queues behind a load's bulk transfers); a PUT on a bulk one.
+            if exchange.op in _CONTROL_OPS:
+                conn: _Conn | None = self._control[exchange.node]
+                if conn is not None and (id(conn) in busy or not _idle(conn)):
+                    conn = None
+            else:
+                conn = self._idle_bulk(exchange.node, busy)
+            if conn is None:
                 rest.append(exchange)
                 continue
             busy.add(id(conn))
@@ -606,9 +617,10 @@ class TcpTransport:
         counts = np.fromiter((len(t[0].items) for t in taken), np.int64, n)
         heads = _request_heads(op, taken, counts)
         reply_dtype = item_dtype(op, reply=True)
-        # Room for two answers a key asked, and a few more: a node holding more (several
-        # shards of a block, leftovers of other writes) is answered past the burst.
-        caps = 2 * counts + 8
+        # A HAS: room for two answers a key asked, and a few more (a node holding more,
+        # several shards of a block or leftovers of other writes, is answered past the
+        # burst). Other ops: an answer an item.
+        caps = 2 * counts + 8 if op is Op.HAS else counts
         item_at = np.zeros(n, np.int64)
         np.cumsum(caps[:-1], out=item_at[1:])
         reply_heads = np.empty(HEADER_BYTES * n, np.uint8)
@@ -628,10 +640,25 @@ class TcpTransport:
         table["header_at"] = native.addresses_of(reply_heads) + HEADER_BYTES * np.arange(n)
         table["items_at"] = native.addresses_of(reply_items) + reply_dtype.itemsize * item_at
         table["reply_item"] = reply_dtype.itemsize
+        datas = [t[0].data if isinstance(t[0].data, native.Segments) else None for t in taken]
+        if any(d is not None for d in datas):
+            # The data sections' lengths into the headers; each sent from its start.
+            lens = np.array([0 if d is None else d.nbytes for d in datas], "<u8")
+            heads.reshape(n, HEADER_BYTES)[:, DATA_LEN_AT : DATA_LEN_AT + 8] = lens.view(
+                np.uint8
+            ).reshape(-1, 8)
+            for d in datas:
+                if d is not None:
+                    d.table[2 * d.cap : 2 * d.cap + 3] = 0
+        table["data_at"] = [d.pointers[0] if d is not None else 0 for d in datas]
+        table["data_cap"] = [d.cap if d is not None else 0 for d in datas]
+        table["data_count"] = [d.count if d is not None else 0 for d in datas]
         for exchange, conn, _none, request_id in taken:
             exchange.attempts += 1
             conn.sent.append(_Sent(exchange, request_id, now))
-        later = rest  # their control connections are the burst's: queued behind it
+        # The rest go out now on connections the burst does not use, if their node has one
+        # (a control op's connection is the burst's: it is handed back).
+        later = self._send_rest(rest, busy) if op not in _CONTROL_OPS else rest
         wait = 0.0 if until is None else max(0.0, until - self.clock())
         try:
             native.get_burst(
@@ -669,6 +696,7 @@ class TcpTransport:
                 heads_rows[j],
                 np.zeros(0, np.uint64),
                 0,
+                datas[j],
             )
             left.append((j, bufs))
         self.counters["burst_done"] += done
@@ -875,6 +903,8 @@ class TcpTransport:
                 elif view.nbytes:
                     rest.append(view[sent:])
                     sent = 0
+            if bufs.data is not None and not bufs.data.done:
+                rest.append(bufs.data)  # its state says how much of it the burst sent
             conn.out = rest
             self._flush(conn)
             return
@@ -1425,6 +1455,8 @@ class _BurstBuffers(NamedTuple):
     header: npt.NDArray[np.uint8]
     landing: npt.NDArray[np.uint64]
     cap: int
+    #: The request's data section, when the burst sent it (its state says how far).
+    data: native.Segments | None = None
 
 
 def _idle(conn: _Conn) -> bool:

@@ -449,6 +449,10 @@ BURST_DTYPE = np.dtype(
         # A plain exchange (table_at 0): bytes per reply item; the count its reply announced.
         ("reply_item", "<u8"),
         ("reply_count", "<u8"),
+        # The request's data section: a Segments table (address), its cap and its count.
+        ("data_at", "<u8"),
+        ("data_cap", "<u8"),
+        ("data_count", "<u8"),
     ]
 )
 if _LIB is not None and _LIB.kv_burst_ex_size() != BURST_DTYPE.itemsize:
@@ -494,7 +498,9 @@ def get_burst(
     A plain exchange (``table_at`` 0, ``target_at`` 0 for a burst of them: a HAS, say)
     is sent and its reply read, not landed: a reply of the request's op with at most
     ``count`` items of ``reply_item`` bytes (into ``items_at``) and no data section; its
-    ``reply_count`` says how many came. Returns how many are still under way; each one's
+    ``reply_count`` says how many came. An exchange with ``data_at`` (a :class:`Segments`
+    table's address, with its ``cap`` and ``count``: a PUT's data section) sends those
+    segments after its header and items, advancing the table's own state. Returns how many are still under way; each one's
     ``state`` says where it stands (:class:`Burst`)."""
     assert _LIB is not None
     if not len(exchanges):

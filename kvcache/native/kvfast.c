@@ -558,6 +558,11 @@ typedef struct {
      * reply_item bytes each and no data section, and is read, not landed. reply_count: how
      * many items its header announced. */
     uint64_t reply_item, reply_count;
+    /* The request's data section (a PUT's), sent after header and items: a Segments table
+     * of kvcache.native (addresses, lengths, then its {segment, offset, closed} state, which
+     * the send advances), with room for data_cap segments of which data_count are used;
+     * data_at 0: none. */
+    uint64_t data_at, data_cap, data_count;
 } kv_burst_ex;
 
 /* The assembly a burst lands in: kv_land_get_reply's tables, then kv_accept_get_reply's
@@ -753,6 +758,17 @@ static int burst_send(kv_burst_ex *x) {
             return 0;
         }
         x->sent += (uint64_t)r;
+    }
+    if (x->data_at) {
+        uint64_t *table = (uint64_t *)(uintptr_t)x->data_at;
+        uint64_t *state = table + 2 * x->data_cap;
+        int64_t r = transfer((int)x->fd, table, table + x->data_cap, x->data_count, state, 1);
+        if (r < 0 && r != -EAGAIN && r != -EWOULDBLOCK) {
+            x->error = -r;
+            x->state = BURST_FAILED;
+            return 0;
+        }
+        if (state[0] < x->data_count) return 1; /* the socket's buffer is full */
     }
     x->state = BURST_HEAD;
     x->got = 0;
