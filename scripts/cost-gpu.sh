@@ -3,7 +3,8 @@
 #   ab      bench/server.py --quick --no-tls --baseline scratch/base (the daemon, before/after)
 #           and bench/client_ab.py --quick --baseline scratch/base-client (the client)
 #   client  bench/client_ab.py --quick --baseline scratch/base-client, with 12 daemons and
-#           (loads only) with 48: the client alone, before/after, and its fan-out (issue 21)
+#           with 48 (the client alone, before/after, and its fan-out: issue 21), then
+#           bench/scale.py --quick --parts nodes (48 against 12 daemons)
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
@@ -35,8 +36,8 @@ for part in ${PARTS:-ab peers engine}; do
       ;;
     client)
       bash scripts/bench-gpu.sh "bench/client_ab.py --quick --baseline scratch/base-client" \
-        "bench/client_ab.py --quick --nodes 48 --ops load --baseline scratch/base-client" \
-        || status=1
+        "bench/client_ab.py --quick --nodes 48 --baseline scratch/base-client" \
+        "bench/scale.py --quick --parts nodes" || status=1
       ;;
     peers) RUNS=1 bash scripts/peers-gpu.sh lmcache 2>&1 | tail -n 25 || status=1 ;;
     engine)
