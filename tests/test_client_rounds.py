@@ -511,3 +511,31 @@ def test_has_round_asks_each_node_for_its_blocks_and_answers_together_as_one_by_
     assert pair[0].unanswered.tolist() == pair[1].unanswered.tolist() == [0] * len(table)
     key = [(h.node, h.ordinal.tolist(), h.index.tolist()) for h in pair[0].held_shards()]
     assert key == [(h.node, h.ordinal.tolist(), h.index.tolist()) for h in pair[1].held_shards()]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.integers(0, 40),
+    width=st.integers(1, 14),
+    nodes=st.integers(1, 60),
+    unset=st.floats(0.0, 0.5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_put_round_sends_what_a_pass_per_node_finds(
+    blocks: int, width: int, nodes: int, unset: float, seed: int
+) -> None:
+    """A PUT round's sends (one sort of the holders) are, node by node, the positions
+    ``np.nonzero(holders == node)`` finds, in its order; -1s and down nodes get none."""
+    rng = np.random.default_rng(seed)
+    holders = rng.integers(0, nodes, (blocks, width))
+    holders[rng.random((blocks, width)) < unset] = -1
+    up = rng.random(nodes) < 0.8
+    round_ = PutRound(holders, up, min_write=1, hedge_s=0.01, timeout_s=1.0)
+    got = {s.node: (s.blocks.tolist(), s.indices.tolist()) for s in round_.start(0.0)}
+    want = {}
+    for node in np.unique(holders).tolist():
+        if node >= 0 and up[node]:
+            b, i = np.nonzero(holders == node)
+            want[node] = (b.tolist(), i.tolist())
+    assert got == want
+    assert all(s.blocks.dtype == np.int64 for s in round_.sends.values())

@@ -82,6 +82,8 @@ class EncodedBatch:
     shard_len: int
     #: Arrays the addresses point into (kept alive with the batch).
     keepalive: list[Any]
+    #: The keys as one array of 16-byte records (made by the first node_sections).
+    key_words: npt.NDArray[np.void] | None = None
 
     def body(self, b: int, i: int) -> bytes:
         """A copy of shard ``i`` of block ``b`` (tests and diagnostics)."""
@@ -93,8 +95,9 @@ class EncodedBatch:
         """PUT items and the data section for the shards (blocks[j], indices[j]) of one
         node: each shard's header, then its body, as segments for one gather send."""
         items = make_items(Op.PUT, len(blocks), reply=False)
-        key_words = np.frombuffer(b"".join(self.keys), "V16")
-        items["key"] = key_words[blocks] if len(blocks) else b""
+        if self.key_words is None:  # once a batch, not once a node
+            self.key_words = np.frombuffer(b"".join(self.keys), "V16")
+        items["key"] = self.key_words[blocks] if len(blocks) else b""
         items["index"] = indices
         items["length"] = HEADER_BYTES + self.shard_len
         items["expect"] = expect

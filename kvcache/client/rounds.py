@@ -56,6 +56,27 @@ class Send(NamedTuple):
 _tickets = itertools.count(1)
 
 
+def _by_holder(holders: IntArray) -> list[tuple[int, IntArray, IntArray]]:
+    """Per node of ``holders`` (-1s left out), in node order: the (block, shard index)
+    positions it holds, in row-major order, as ``np.nonzero(holders == node)`` gives them,
+    found in one sort rather than one pass over ``holders`` per node (48 nodes: 48 passes)."""
+    width = holders.shape[1] if holders.ndim == 2 else 0
+    flat = holders.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    nodes = flat[order]
+    order = order[nodes >= 0]
+    nodes = nodes[nodes >= 0]
+    if not len(nodes):
+        return []
+    blocks, indices = np.divmod(order.astype(np.int64), max(1, width))
+    bounds = [0, *(np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist(), len(nodes)]
+    firsts = nodes[bounds[:-1]].tolist()
+    return [
+        (int(node), blocks[a:b], indices[a:b])
+        for node, a, b in zip(firsts, bounds[:-1], bounds[1:], strict=True)
+    ]
+
+
 def _send(node: int, blocks: IntArray, indices: IntArray) -> Send:
     return Send(
         next(_tickets), node, blocks.astype(np.int64, copy=False),
@@ -600,12 +621,10 @@ class PutRound:
         self.failed: set[int] = set()
         #: Shards sent on to another node after their node failed.
         self.respilled = 0
-        for node in np.unique(holders).tolist():
-            if node < 0 or not node_up[node]:
-                continue
-            b, i = np.nonzero(holders == node)
-            send = _send(node, b, i)
-            self.sends[send.ticket] = send
+        for node, b, i in _by_holder(holders):
+            if node_up[node]:
+                send = Send(next(_tickets), node, b, i)
+                self.sends[send.ticket] = send
         self.pending = set(self.sends)
         self.started = 0.0
         self.quorum_at: float | None = None
