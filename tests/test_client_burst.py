@@ -359,27 +359,40 @@ def test_a_store_to_a_stopped_daemon_leaves_its_put_half_sent_to_the_loop(
     """One daemon stopped while a store's PUTs go out: its request does not fit the socket
     buffers (64 shards of 2 MiB blocks, 13 MB), so the burst leaves it part sent, returns
     once the other 11 answered (the write quorum is 11 of 12), and the loop goes on sending
-    it from where the burst stopped. The store is acknowledged; once the daemon resumes,
-    every block loads whole."""
+    it from where the burst stopped. Once the daemon resumes it stores every shard whole:
+    with two other daemons stopped, a load needs its shards, and they load byte for byte."""
     big = 2 << 20
     cluster = cluster_factory()
     rng = np.random.default_rng(10)
     keys = [rng.integers(0, 256, 16, dtype=np.uint8).tobytes() for _ in range(N)]
     payloads = rng.integers(0, 256, (N, big), dtype=np.uint8)
-    config = replace(cluster.client_config(), hedge_ms=200.0, timeout_s=5.0, chunk_bytes=N * big)
+    config = replace(cluster.client_config(), hedge_ms=200.0, timeout_s=20.0, chunk_bytes=N * big)
     with Client(config) as client:
         assert client.store_keys(keys[:1], payloads[:1], payload_len=big).written == 1
+        held = cluster.node_stats()[3]["usage"]["shards"]
         cluster.pause(3)
         try:
             before = _counters(client)
             began = time.monotonic()
             assert client.store_keys(keys[1:], payloads[1:], payload_len=big).written == N - 1
-            assert time.monotonic() - began < 4.0  # not the 5 s deadline
+            assert time.monotonic() - began < 10.0  # not the 20 s deadline
             counters = _counters(client)
             assert counters["burst_left_send"] - before.get("burst_left_send", 0) == 1
         finally:
             cluster.resume(3)
-        out = np.zeros((N, big), np.uint8)
-        assert client.load_keys(keys, payload_len=big, out=out).blocks == N
-        assert np.array_equal(out, payloads)
+        # The loop finishes sending node 3's PUT: wait (bounded) until it has stored it.
+        deadline = time.monotonic() + 15.0
+        while cluster.node_stats()[3]["usage"]["shards"] < held + N - 1:
+            assert time.monotonic() < deadline, "node 3 never stored the half-sent PUT"
+            time.sleep(0.05)
         assert _accounted(_counters(client))
+    cluster.pause(0)
+    cluster.pause(1)
+    try:
+        with Client(replace(cluster.client_config(), hedge_ms=200.0, timeout_s=5.0)) as reader:
+            out = np.zeros((N, big), np.uint8)
+            assert reader.load_keys(keys, payload_len=big, out=out).blocks == N
+            assert np.array_equal(out, payloads)
+    finally:
+        cluster.resume(0)
+        cluster.resume(1)

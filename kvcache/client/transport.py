@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -611,6 +611,13 @@ class TcpTransport:
             taken.append((exchange, conn, None, next(conn.ids)))
         if not taken:
             return rest
+        # The rest go out first: a control op on its own node's control connection (the
+        # burst does not use it), a PUT on a bulk connection the burst does not use; a
+        # send that fails at once may reset a node whose connection the burst took.
+        later = self._send_rest(rest, busy)
+        taken, later = _still_idle(taken, later)
+        if not taken:
+            return later
         n = len(taken)
         op = taken[0][0].op
         now = self.clock()
@@ -656,9 +663,6 @@ class TcpTransport:
         for exchange, conn, _none, request_id in taken:
             exchange.attempts += 1
             conn.sent.append(_Sent(exchange, request_id, now))
-        # The rest go out now on connections the burst does not use, if their node has one
-        # (a control op's connection is the burst's: it is handed back).
-        later = self._send_rest(rest, busy) if op not in _CONTROL_OPS else rest
         wait = 0.0 if until is None else max(0.0, until - self.clock())
         try:
             native.get_burst(
@@ -715,11 +719,16 @@ class TcpTransport:
 
     def _send_rest(self, rest: list[Exchange], busy: set[int]) -> list[Exchange]:
         """Send the exchanges a burst does not take on connections it does not use (else
-        they would wait for it); those of a node whose every connection it uses are
-        returned."""
+        they would wait for it; a control op on its node's control connection); those of a
+        node whose every such connection it uses are returned."""
         later: list[Exchange] = []
         for exchange in rest:
-            spare = self._free_bulk(exchange.node, busy)
+            spare: _Conn | None
+            if exchange.op in _CONTROL_OPS:
+                ctl = self._control[exchange.node]
+                spare = None if id(ctl) in busy else ctl
+            else:
+                spare = self._free_bulk(exchange.node, busy)
             if spare is None:
                 later.append(exchange)
             else:
@@ -741,6 +750,12 @@ class TcpTransport:
             taken.append((exchange, conn, how, next(conn.ids)))
         if not taken:
             return rest
+        # The rest go out first, on connections the burst does not use (else they would
+        # wait for it); those of a node whose every connection it uses are handed back.
+        later = self._send_rest(rest, busy)
+        taken, later = _still_idle(taken, later)
+        if not taken:
+            return later
         n = len(taken)
         now = self.clock()
         counts = np.fromiter((len(t[0].items) for t in taken), np.int64, n)
@@ -781,9 +796,6 @@ class TcpTransport:
         for exchange, conn, _how, request_id in taken:
             exchange.attempts += 1
             conn.sent.append(_Sent(exchange, request_id, now))
-        # The rest go out now, on connections the burst does not use (else they would wait
-        # for it); those of a node whose every connection it uses are handed back.
-        later = self._send_rest(rest, busy)
         first, need = _burst_need(taken)
         wait = 0.0 if until is None else max(0.0, until - self.clock())
         try:
@@ -1457,6 +1469,16 @@ class _BurstBuffers(NamedTuple):
     cap: int
     #: The request's data section, when the burst sent it (its state says how far).
     data: native.Segments | None = None
+
+
+def _still_idle(taken: list[Any], later: list[Exchange]) -> tuple[list[Any], list[Exchange]]:
+    """The burst's picks whose connection is still idle after the rest were sent (a send
+    that failed at once resets its node, closing every connection of it: the burst must not
+    use a descriptor that is no longer the connection's), and ``later`` with the others."""
+    kept = [t for t in taken if _idle(t[1])]
+    if len(kept) == len(taken):
+        return taken, later
+    return kept, later + [t[0] for t in taken if not _idle(t[1])]
 
 
 def _idle(conn: _Conn) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -510,7 +511,7 @@ def get_burst(
             _address_of_writable(exchanges),
             len(exchanges),
             target_at,
-            max(0, int(timeout_s * 1000)),
+            max(0, math.ceil(timeout_s * 1000)),  # whole ms, rounded up: never cut short
             max_data,
             first_block,
             None if need is None else addresses_of(need),

@@ -843,7 +843,9 @@ int64_t kv_get_burst(kv_burst_ex *ex, size_t n, const kv_burst_target *t, int64_
         if (!nf) return 0;
         if (need && burst_enough(t, lo, need, count)) return nf; /* enough: the rest later */
         int64_t now = burst_now_us();
-        if (min_left && (uint64_t)nf <= min_left && !graced) {
+        /* The grace starts once some exchange is over (a burst of no more than min_left
+         * would otherwise give up before any reply could come). */
+        if (min_left && (uint64_t)nf <= min_left && (size_t)nf < n && !graced) {
             int64_t grace = (now - started) / 4;
             if (grace < BURST_GRACE_US) grace = BURST_GRACE_US;
             if (now + grace < deadline) deadline = now + grace;
