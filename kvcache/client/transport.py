@@ -632,20 +632,9 @@ class TcpTransport:
         np.cumsum(caps[:-1], out=item_at[1:])
         reply_heads = np.empty(HEADER_BYTES * n, np.uint8)
         reply_items = np.empty(int(caps.sum()) * reply_dtype.itemsize, np.uint8)
-        table = np.zeros(n, native.BURST_DTYPE)
-        table["fd"] = [t[1].sock.fileno() for t in taken]  # type: ignore[union-attr]
-        table["req_addr"][:, 0] = native.addresses_of(heads) + HEADER_BYTES * np.arange(n)
-        table["req_len"][:, 0] = HEADER_BYTES
-        items_sent = [np.ascontiguousarray(t[0].items) for t in taken]
-        table["req_addr"][:, 1] = [
-            (t[0].items_at or native.addresses_of(a)) if a.nbytes else 0
-            for t, a in zip(taken, items_sent, strict=True)
-        ]
-        table["req_len"][:, 1] = [a.nbytes for a in items_sent]
-        table["expect_id"] = [t[3] for t in taken]
-        table["count"] = caps
-        table["header_at"] = native.addresses_of(reply_heads) + HEADER_BYTES * np.arange(n)
-        table["items_at"] = native.addresses_of(reply_items) + reply_dtype.itemsize * item_at
+        table, items_sent = _burst_table(
+            taken, heads, reply_heads, reply_items, item_at, caps, reply_dtype.itemsize
+        )
         table["reply_item"] = reply_dtype.itemsize
         datas = [t[0].data if isinstance(t[0].data, native.Segments) else None for t in taken]
         if any(d is not None for d in datas):
@@ -660,9 +649,7 @@ class TcpTransport:
         table["data_at"] = [d.pointers[0] if d is not None else 0 for d in datas]
         table["data_cap"] = [d.cap if d is not None else 0 for d in datas]
         table["data_count"] = [d.count if d is not None else 0 for d in datas]
-        for exchange, conn, _none, request_id in taken:
-            exchange.attempts += 1
-            conn.sent.append(_Sent(exchange, request_id, now))
+        _mark_sent(taken, now)
         wait = 0.0 if until is None else max(0.0, until - self.clock())
         try:
             native.get_burst(
@@ -704,17 +691,7 @@ class TcpTransport:
             )
             left.append((j, bufs))
         self.counters["burst_done"] += done
-        for j, bufs in left:
-            exchange, conn = taken[j][0], taken[j][1]
-            if not (conn.sent and conn.sent[0].exchange is exchange):
-                continue
-            try:
-                self._after_burst(conn, exchange, int(states[j]), table[j], bufs, None)
-            except (OSError, ssl.SSLError, KVCacheError) as exc:
-                self._failed(conn, exc)
-        for conn in pumps:
-            if conn.sock is not None and conn.queue:
-                self._pump(conn)
+        self._burst_over(taken, [(j, None, bufs) for j, bufs in left], states, table, pumps)
         return later
 
     def _send_rest(self, rest: list[Exchange], busy: set[int]) -> list[Exchange]:
@@ -776,26 +753,14 @@ class TcpTransport:
         lands = np.empty(int(words.sum()), np.uint64)
         for k in range(3):  # each segment table's state (segment, offset, closed)
             lands[land_at + 2 * caps + k] = 0
-        table = np.zeros(n, native.BURST_DTYPE)
-        table["fd"] = [t[1].sock.fileno() for t in taken]  # type: ignore[union-attr]
-        table["req_addr"][:, 0] = native.addresses_of(heads) + HEADER_BYTES * np.arange(n)
-        table["req_len"][:, 0] = HEADER_BYTES
-        items_sent = [np.ascontiguousarray(t[0].items) for t in taken]
-        table["req_addr"][:, 1] = [
-            t[0].items_at or native.addresses_of(a) for t, a in zip(taken, items_sent, strict=True)
-        ]
-        table["req_len"][:, 1] = [a.nbytes for a in items_sent]
-        table["expect_id"] = [t[3] for t in taken]
-        table["count"] = counts
+        table, items_sent = _burst_table(
+            taken, heads, reply_heads, reply_items, item_at, counts, reply_dtype.itemsize
+        )
         table["blocks_at"] = [t[2].shards_at[0] for t in taken]
         table["indices_at"] = [t[2].shards_at[1] for t in taken]
-        table["header_at"] = native.addresses_of(reply_heads) + HEADER_BYTES * np.arange(n)
-        table["items_at"] = native.addresses_of(reply_items) + reply_dtype.itemsize * item_at
         table["table_at"] = native.addresses_of(lands) + 8 * land_at
         table["cap"] = caps
-        for exchange, conn, _how, request_id in taken:
-            exchange.attempts += 1
-            conn.sent.append(_Sent(exchange, request_id, now))
+        _mark_sent(taken, now)
         first, need = _burst_need(taken)
         wait = 0.0 if until is None else max(0.0, until - self.clock())
         try:
@@ -861,8 +826,20 @@ class TcpTransport:
             )
             left.append((j, landing, bufs))
         self.counters["burst_done"] += done
-        # Then each exchange left goes back to its connection where it stands, unless a
-        # reset of its node (one of these steps failing) took it already.
+        self._burst_over(taken, left, states, table, pumps)
+        return later
+
+    def _burst_over(
+        self,
+        taken: Sequence[tuple[Exchange, _Conn, Any, int]],
+        left: list[tuple[int, native.GetLanding | None, _BurstBuffers]],
+        states: list[int],
+        table: npt.NDArray[np.void],
+        pumps: list[_Conn],
+    ) -> None:
+        """After a burst: each exchange ``left`` goes back to its connection where it
+        stands, unless a reset of its node (one of these steps failing) took it already;
+        then the connections with requests queued behind the burst send them."""
         for j, landing, bufs in left:
             exchange, conn = taken[j][0], taken[j][1]
             if not (conn.sent and conn.sent[0].exchange is exchange):
@@ -874,7 +851,6 @@ class TcpTransport:
         for conn in pumps:
             if conn.sock is not None and conn.queue:
                 self._pump(conn)
-        return later
 
     def _free_bulk(self, node: int, busy: set[int]) -> _Conn | None:
         """The least loaded bulk connection of ``node`` a burst does not use, if any."""
@@ -1469,6 +1445,45 @@ class _BurstBuffers(NamedTuple):
     cap: int
     #: The request's data section, when the burst sent it (its state says how far).
     data: native.Segments | None = None
+
+
+def _burst_table(
+    taken: Sequence[tuple[Exchange, _Conn, Any, int]],
+    heads: npt.NDArray[np.uint8],
+    reply_heads: npt.NDArray[np.uint8],
+    reply_items: npt.NDArray[np.uint8],
+    item_at: npt.NDArray[np.int64],
+    counts: npt.NDArray[np.int64],
+    reply_item: int,
+) -> tuple[npt.NDArray[np.void], list[npt.NDArray[Any]]]:
+    """A burst's table, the columns every burst fills: each exchange's connection, its
+    request (its header in ``heads``, then its items), the request id its reply must
+    carry, room for ``counts`` reply items of ``reply_item`` bytes and where its reply's header and items go
+    (``reply_heads``, ``reply_items`` from ``item_at`` items on). Returns the table and
+    the items sent (kept alive until the burst is over)."""
+    n = len(taken)
+    table = np.zeros(n, native.BURST_DTYPE)
+    table["fd"] = [t[1].sock.fileno() for t in taken]  # type: ignore[union-attr]
+    table["req_addr"][:, 0] = native.addresses_of(heads) + HEADER_BYTES * np.arange(n)
+    table["req_len"][:, 0] = HEADER_BYTES
+    items_sent = [np.ascontiguousarray(t[0].items) for t in taken]
+    table["req_addr"][:, 1] = [
+        (t[0].items_at or native.addresses_of(a)) if a.nbytes else 0
+        for t, a in zip(taken, items_sent, strict=True)
+    ]
+    table["req_len"][:, 1] = [a.nbytes for a in items_sent]
+    table["expect_id"] = [t[3] for t in taken]
+    table["count"] = counts
+    table["header_at"] = native.addresses_of(reply_heads) + HEADER_BYTES * np.arange(n)
+    table["items_at"] = native.addresses_of(reply_items) + reply_item * item_at
+    return table, items_sent
+
+
+def _mark_sent(taken: Sequence[tuple[Exchange, _Conn, Any, int]], now: float) -> None:
+    """The burst's requests count as sent, each at the tail of its connection."""
+    for exchange, conn, _how, request_id in taken:
+        exchange.attempts += 1
+        conn.sent.append(_Sent(exchange, request_id, now))
 
 
 def _still_idle(taken: list[Any], later: list[Exchange]) -> tuple[list[Any], list[Exchange]]:
