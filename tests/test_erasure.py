@@ -457,6 +457,7 @@ def test_public_names_are_pinned() -> None:
     assert sorted(kvcache.erasure.__all__) == [
         "Backend",
         "Codec",
+        "EncodeJob",
         "ErasureParams",
         "alloc_stripes",
         "encode_payloads",

@@ -519,6 +519,98 @@ def test_every_hash_kernel_equals_xxhash(chunks: list[bytes]) -> None:
         )
 
 
+def _runnable_kernels() -> list[str]:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return ["sse2"] + [
+        k for k in ("avx2", "avx512") if (k if k != "avx512" else "avx512f") in flags
+    ]
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 5),
+    st.integers(1, 40_000),
+    st.sampled_from([(10, 2), (8, 4), (3, 1), (2, 0)]),
+    st.integers(0, 2**32),
+)
+def test_encoding_and_hashing_block_by_block_equal_the_three_passes(
+    blocks: int, payload_len: int, km: tuple[int, int], seed: int
+) -> None:
+    """``encode_hashed`` (each kernel the CPU runs) gives the parity of the codec's
+    ``encode_rows`` and the digests of xxhash, block by block, for payloads whose last data
+    row is partly padding (rows copied out as the client's encoding does)."""
+    from kvcache.erasure import Backend, ErasureParams, get_codec, isal_available
+
+    if not isal_available():
+        pytest.skip("libisal.so.2 not installed")
+    k, m = km
+    n = k + m
+    # A codec needs parity; with m = 0 the job runs with no output rows (hashes only).
+    codec = get_codec(ErasureParams(k=k, m=max(m, 1)), Backend.ISAL)
+    job = codec.encode_job()
+    assert job is not None
+    if m == 0:
+        job = job._replace(outputs=0)
+    rng = np.random.default_rng(seed)
+    length = -(-payload_len // k)
+    payloads = rng.integers(0, 256, (blocks, payload_len), dtype=np.uint8)
+    # Every row in its own padded copy (a zero tail past the payload's end), parity after.
+    padded = np.zeros((blocks, k * length), np.uint8)
+    padded[:, :payload_len] = payloads
+    stripes = np.zeros((blocks, n, length), np.uint8)
+    rows = np.empty((blocks, n), np.uint64)
+    for b in range(blocks):
+        stripes[b, :k] = padded[b].reshape(k, length)
+        rows[b] = native.addresses_of(stripes[b]) + np.arange(n, dtype=np.uint64) * length
+    bases = np.array([native.addresses_of(payloads[b]) for b in range(blocks)], np.uint64)
+    want_parity = stripes.copy()
+    if m:
+        want_rows = np.empty_like(rows)
+        for b in range(blocks):
+            want_rows[b] = (
+                native.addresses_of(want_parity[b]) + np.arange(n, dtype=np.uint64) * length
+            )
+        codec.encode_rows(want_rows, length)
+    want_digests = [xxhash.xxh3_128_digest(payloads[b].tobytes()) for b in range(blocks)]
+    want_hashes = [
+        [xxhash.xxh3_64_intdigest(want_parity[b, i].tobytes()) for i in range(n)]
+        for b in range(blocks)
+    ]
+    digests, hashes = native.encode_hashed(job, k, rows, length, bases, payload_len)
+    assert [bytes(d) for d in digests.tolist()] == want_digests
+    assert hashes.tolist() == want_hashes
+    assert np.array_equal(stripes, want_parity)
+    lib = native._LIB
+    for kernel in _runnable_kernels():
+        f = getattr(lib, f"kv_encode_hashed_{kernel}")
+        f.argtypes = lib.kv_encode_hashed.argtypes
+        f.restype = None
+        stripes[:, k:] = 0
+        got_digests = np.empty(blocks, "V16")
+        got_hashes = np.zeros((blocks, n), np.uint64)
+        if blocks:
+            f(
+                job.function, length, k, job.outputs, job.tables, blocks,
+                native.addresses_of(rows), native.addresses_of(bases), payload_len,
+                native.addresses_of(got_digests), native.addresses_of(got_hashes),
+            )  # fmt: skip
+        assert [bytes(d) for d in got_digests.tolist()] == want_digests, kernel
+        assert got_hashes.tolist() == want_hashes, kernel
+        assert np.array_equal(stripes, want_parity), kernel
+
+
+def test_encode_hashed_refuses_rows_of_another_shape() -> None:
+    from kvcache.erasure import Backend, ErasureParams, get_codec, isal_available
+
+    if not (native.AVAILABLE and isal_available()):
+        pytest.skip("needs the native library and libisal.so.2")
+    job = get_codec(ErasureParams(k=10, m=2), Backend.ISAL).encode_job()
+    assert job is not None
+    with pytest.raises(ValueError, match="rows must be"):
+        native.encode_hashed(job, 10, np.zeros((3, 11), np.uint64), 64, np.zeros(3, np.uint64), 640)
+
+
 @needs_native
 @settings(max_examples=40, deadline=None)
 @given(

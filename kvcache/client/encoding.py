@@ -6,8 +6,10 @@ with zeros, into a small scratch), parity is computed into its own array by
 :meth:`kvcache.erasure.Codec.encode_rows` reading the rows where they are,
 and a node's PUT is a list of (address, length) segments (``header, body,
 header, body, ...``, :class:`kvcache.native.Segments`) that the transport
-sends with one gather call. Hashes are taken in one batched call per batch
-(:mod:`kvcache.native`), not one call per shard. Headers come from
+sends with one gather call. With ISA-L and the native library, the parity and the
+hashes are computed in one native call per batch that works block by block
+(:func:`kvcache.native.encode_hashed`), so each block's bytes come from memory once;
+otherwise in one batched call each (:mod:`kvcache.native`), not one call per shard. Headers come from
 :func:`kvcache.shard.build_headers`, the one vectorised home of the header
 layout.
 """
@@ -158,9 +160,15 @@ def encode_batch(
         parity_base
         + (np.arange(blocks, dtype=np.uint64)[:, None] * (n - k) + np.arange(n - k)) * length
     )
-    payload_hashes = native.xxh3_128_many(bases, np.uint64(payload_len))
-    codec.encode_rows(addresses, length, keepalive=(rows, scratch, parity))
-    shard_hashes = native.xxh3_64_many(addresses, np.uint64(length))
+    job = codec.encode_job() if native.AVAILABLE else None
+    if job is not None:  # block by block, each block's bytes read from memory once
+        payload_hashes, shard_hashes = native.encode_hashed(
+            job, k, addresses, length, bases, payload_len
+        )
+    else:
+        payload_hashes = native.xxh3_128_many(bases, np.uint64(payload_len))
+        codec.encode_rows(addresses, length, keepalive=(rows, scratch, parity))
+        shard_hashes = native.xxh3_64_many(addresses, np.uint64(length))
     stripe_ids = np.array([new_stripe_id() for _ in range(blocks)], np.uint64)
     headers = build_headers(
         keys=np.frombuffer(b"".join(keys), "V16") if blocks else np.zeros(0, "V16"),

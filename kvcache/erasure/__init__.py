@@ -21,7 +21,7 @@ Modules: :mod:`.gf` (field and matrices), :mod:`.params`, :mod:`.codec`
 
 from __future__ import annotations
 
-from kvcache.erasure.codec import Backend, Codec
+from kvcache.erasure.codec import Backend, Codec, EncodeJob
 from kvcache.erasure.factory import get_codec, isal_available
 from kvcache.erasure.params import ErasureParams
 from kvcache.erasure.stripes import alloc_stripes, encode_payloads, payload_view
@@ -29,6 +29,7 @@ from kvcache.erasure.stripes import alloc_stripes, encode_payloads, payload_view
 __all__ = [
     "Backend",
     "Codec",
+    "EncodeJob",
     "ErasureParams",
     "alloc_stripes",
     "encode_payloads",

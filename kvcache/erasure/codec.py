@@ -22,7 +22,7 @@ import enum
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -30,7 +30,7 @@ import numpy.typing as npt
 from kvcache.erasure.params import ErasureParams
 from kvcache.errors import ErasureError, TooManyErasuresError
 
-__all__ = ["Backend", "Codec", "RebuildPlan", "plan_rebuild"]
+__all__ = ["Backend", "Codec", "EncodeJob", "RebuildPlan", "plan_rebuild"]
 
 StripeArray = npt.NDArray[np.uint8]
 
@@ -98,6 +98,17 @@ def _at(address: int, length: int) -> npt.NDArray[np.uint8]:
     raw = memoryview((ctypes.c_uint8 * length).from_address(address)).cast("B")
     view: npt.NDArray[np.uint8] = np.frombuffer(raw, np.uint8)
     return view
+
+
+class EncodeJob(NamedTuple):
+    """A codec's encode as one native function call a block, for loops that run it themselves
+    between other work on the same bytes (``kvcache.native.encode_hashed``): the address of
+    ISA-L's ``ec_encode_data``, of the parity tables it takes, and the parity rows it
+    writes."""
+
+    function: int
+    tables: int
+    outputs: int
 
 
 class Codec(abc.ABC):
@@ -174,6 +185,11 @@ class Codec(abc.ABC):
         for b in range(blocks):
             for i in range(k, n):
                 _at(int(rows[b, i]), length)[:] = stripes[b, i]
+
+    def encode_job(self) -> EncodeJob | None:
+        """The encode as a native call (see :class:`EncodeJob`), or None where the backend
+        has none (numpy): callers then use :meth:`encode_rows`."""
+        return None
 
     def reconstruct(
         self,

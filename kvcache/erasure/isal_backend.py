@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from kvcache import native
 from kvcache.erasure import gf
-from kvcache.erasure.codec import Backend, Codec, RebuildPlan, StripeArray
+from kvcache.erasure.codec import Backend, Codec, EncodeJob, RebuildPlan, StripeArray
 from kvcache.erasure.isal_lib import IsalLib
 from kvcache.erasure.params import ErasureParams
 from kvcache.errors import ErasureError
@@ -163,6 +163,11 @@ class IsalCodec(Codec):
             stride=self._params.n * _POINTER,
             coding_offset=self._params.k * _POINTER,
         )
+
+    def encode_job(self) -> EncodeJob:
+        """See :meth:`Codec.encode_job`: ``ec_encode_data`` with the parity tables."""
+        program = self._encode_program
+        return EncodeJob(self._lib.encode_address, program.tables_address, program.outputs)
 
     def _rebuild(self, stripes: StripeArray, plan: RebuildPlan) -> None:
         self._run(stripes, self._rebuild_program(plan.sources, plan.targets))

@@ -25,7 +25,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 12; }
+int kv_abi_version(void) { return 13; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -39,6 +39,12 @@ void kv_xxh3_128_many_avx512(const uint64_t *, const uint64_t *, size_t, uint8_t
 int kv_recv_hashed_sse2(KV_RECV_HASHED_ARGS);
 int kv_recv_hashed_avx2(KV_RECV_HASHED_ARGS);
 int kv_recv_hashed_avx512(KV_RECV_HASHED_ARGS);
+#define KV_ENCODE_HASHED_ARGS                                                                 \
+    uint64_t, int, int, int, uint64_t, size_t, const uint64_t *, const uint64_t *, uint64_t, \
+        uint8_t *, uint64_t *
+void kv_encode_hashed_sse2(KV_ENCODE_HASHED_ARGS);
+void kv_encode_hashed_avx2(KV_ENCODE_HASHED_ARGS);
+void kv_encode_hashed_avx512(KV_ENCODE_HASHED_ARGS);
 
 enum { KERNEL_SSE2, KERNEL_AVX2, KERNEL_AVX512 };
 
@@ -75,6 +81,26 @@ void kv_xxh3_128_many(const uint64_t *addrs, const uint64_t *lens, size_t n, uin
     case KERNEL_AVX512: kv_xxh3_128_many_avx512(addrs, lens, n, out); break;
     case KERNEL_AVX2: kv_xxh3_128_many_avx2(addrs, lens, n, out); break;
     default: kv_xxh3_128_many_sse2(addrs, lens, n, out);
+    }
+}
+
+/* A batch encoded and hashed block by block (kvfast_hash.c, on this CPU's kernel): see
+ * kvcache.native.encode_hashed. */
+void kv_encode_hashed(uint64_t encode, int length, int k, int outputs, uint64_t tables,
+                      size_t count, const uint64_t *rows, const uint64_t *payloads,
+                      uint64_t payload_len, uint8_t *payload_hashes, uint64_t *shard_hashes) {
+    switch (kernel()) {
+    case KERNEL_AVX512:
+        kv_encode_hashed_avx512(encode, length, k, outputs, tables, count, rows, payloads,
+                                payload_len, payload_hashes, shard_hashes);
+        break;
+    case KERNEL_AVX2:
+        kv_encode_hashed_avx2(encode, length, k, outputs, tables, count, rows, payloads,
+                              payload_len, payload_hashes, shard_hashes);
+        break;
+    default:
+        kv_encode_hashed_sse2(encode, length, k, outputs, tables, count, rows, payloads,
+                              payload_len, payload_hashes, shard_hashes);
     }
 }
 

@@ -83,3 +83,31 @@ int KV_CAT(kv_recv_hashed, KV_SUFFIX)(int fd, uint8_t *buf, uint64_t len, uint64
     }
     return status;
 }
+
+/* ec_encode_data's signature (ISA-L): len, k, rows, tables, data rows, coding rows. */
+typedef void (*kv_encode_fn)(int, int, int, unsigned char *, unsigned char **, unsigned char **);
+
+/* Encode and hash count blocks one block at a time, so that each block's bytes are read from
+ * memory once and hashed while they are in the core's cache: block i's XXH3-128 of its
+ * payload_len payload bytes at payloads[i] (canonical, into payload_hashes + 16 i), then its
+ * parity (encode(length, k, outputs, tables, rows + n i, rows + n i + k), n = k + outputs),
+ * then the XXH3-64 of each of its n rows of length bytes (into shard_hashes + n i). The
+ * three passes over a whole batch read every byte from memory three times. */
+void KV_CAT(kv_encode_hashed, KV_SUFFIX)(uint64_t encode, int length, int k, int outputs,
+                                         uint64_t tables, size_t count, const uint64_t *rows,
+                                         const uint64_t *payloads, uint64_t payload_len,
+                                         uint8_t *payload_hashes, uint64_t *shard_hashes) {
+    kv_encode_fn fn = (kv_encode_fn)(uintptr_t)encode;
+    size_t n = (size_t)k + (size_t)outputs;
+    for (size_t i = 0; i < count; i++) {
+        XXH128_canonical_t c;
+        XXH128_canonicalFromHash(
+            &c, XXH3_128bits((const void *)(uintptr_t)payloads[i], (size_t)payload_len));
+        memcpy(payload_hashes + 16 * i, c.digest, 16);
+        unsigned char **row = (unsigned char **)(uintptr_t)(rows + n * i);
+        if (outputs > 0) fn(length, k, outputs, (unsigned char *)(uintptr_t)tables, row, row + k);
+        for (size_t j = 0; j < n; j++) {
+            shard_hashes[n * i + j] = XXH3_64bits(row[j], (size_t)length);
+        }
+    }
+}
