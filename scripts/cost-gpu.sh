@@ -5,6 +5,9 @@
 #   client  bench/client_ab.py --quick --baseline scratch/base-client, with 12 daemons and
 #           with 48 (the client alone, before/after, and its fan-out: issue 21), then
 #           bench/scale.py --quick --parts nodes (48 against 12 daemons)
+#   store   bench/page_cache.py (what the host's page cache charges a write), bench/native.py
+#           --quick (the store's encode and hashes block by block against three passes) and
+#           bench/client_ab.py --quick --ops store --baseline scratch/base-client
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
@@ -39,6 +42,10 @@ for part in ${PARTS:-ab peers engine}; do
         "bench/client_ab.py --quick --nodes 48 --baseline scratch/base-client" \
         "bench/scale.py --quick --parts nodes" || status=1
       ;;
+    store)
+      bash scripts/bench-gpu.sh "bench/page_cache.py" "bench/native.py --quick" \
+        "bench/client_ab.py --quick --ops store --baseline scratch/base-client" || status=1
+      ;;
     peers) RUNS=1 bash scripts/peers-gpu.sh lmcache 2>&1 | tail -n 25 || status=1 ;;
     engine)
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
@@ -63,7 +70,7 @@ for part in ${PARTS:-ab peers engine}; do
         done
       ) || status=1
       ;;
-    *) echo "unknown part: $part (ab, client, peers, engine, degraded)" >&2; status=2 ;;
+    *) echo "unknown part: $part (ab, client, store, peers, engine, degraded)" >&2; status=2 ;;
   esac
 done
 exit "$status"
