@@ -108,6 +108,42 @@ def test_a_store_of_new_blocks_asks_no_has_and_one_of_stored_blocks_touches_them
         assert has_requests(shared_cluster) > before
 
 
+def test_a_stopped_holder_holds_up_no_store_of_stored_blocks_nor_a_touch_or_delete(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A daemon that stops answering (SIGSTOP: its connections stay up) must not make a
+    store of a prompt whose prefix is stored wait out the client's timeout: the PUT round
+    is decided once every block is written or answered CONFLICT, and the touch of the
+    stored blocks, like a delete, waits for at most the holders a block may lack, then a
+    hedge's time. (A store that ran into the stopped node used to take the whole
+    ``timeout_s``.)"""
+    cluster = cluster_factory()
+    timeout_s = 10.0
+    space, tokens = ns("stopped-holder"), prompt(24, 21)
+    payloads = payloads_for(space, tokens)
+    with client_for(cluster, timeout_s=timeout_s, hedge_ms=50.0) as client:
+        head = tokens[: 12 * 64]
+        assert client.store(space, head, payloads[:12]).written == 12
+        cluster.pause(3)
+        try:
+            started = time.monotonic()
+            stored = client.store(space, tokens, payloads)
+            took = time.monotonic() - started
+            assert (stored.written, stored.touched, stored.failed) == (12, 12, 0)
+            assert took < timeout_s / 2, took
+            assert_loads(client, space, tokens, 24)
+            started = time.monotonic()
+            assert client.touch(space, tokens) == 24
+            assert time.monotonic() - started < timeout_s / 2
+            started = time.monotonic()
+            assert client.delete(space, head) == 12
+            assert time.monotonic() - started < timeout_s / 2
+        finally:
+            cluster.resume(3)
+        # The deleted blocks are gone (the stopped node's one shard each is not enough).
+        assert client.match_prefix(space, tokens).hit_blocks == 0
+
+
 def test_longer_prompt_hits_only_shared_prefix(shared_cluster: LocalCluster) -> None:
     space = ns("prefix")
     base = prompt(8, 2)

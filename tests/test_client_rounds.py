@@ -282,6 +282,22 @@ def test_put_round_counts_refused_shards_as_not_stored() -> None:
     assert r.done and not r.written.any()
 
 
+def test_put_round_of_conflicted_blocks_waits_a_hedge_time_not_for_a_silent_holder() -> None:
+    """Blocks some holder answered CONFLICT for are decided (the store writes them the
+    careful way afterwards): with every block written or conflicted, a holder that never
+    answers holds the round up a hedge's time, not the timeout."""
+    r = PutRound(holders(2), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0)
+    sends = r.start(0.0)
+    for send in sends[:-1]:  # the last holder never answers
+        stored = np.array([True, False])  # block 1 is another stripe's on every holder
+        r.conflicts[send.blocks[~stored]] = True
+        r.on_reply(send.ticket, stored, 0.01)
+    assert r.written.tolist() == [True, False] and not r.done
+    assert r.next_wakeup() == pytest.approx(0.06)
+    r.tick(0.07)
+    assert r.done and r.pending  # ended with the silent holder's PUT still out
+
+
 def test_put_round_skips_down_nodes() -> None:
     up = np.ones(N, bool)
     up[[0, 1]] = False

@@ -589,6 +589,8 @@ class PutRound:
     sent to ``respill(b, holders[b], failed_nodes)`` instead, as long as
     ``redirected[b]`` (shards of the block already off their holders) stays
     within ``redirect_limit``; :attr:`holders` always says where each shard went.
+    Once every block is decided (written, or answered CONFLICT by some holder) the round
+    waits for the rest only ``hedge_s`` more, not to ``timeout_s``.
     """
 
     def __init__(
@@ -703,7 +705,11 @@ class PutRound:
         return result
 
     def _check(self, now: float) -> None:
-        if self.quorum_at is None and self.written.all():
+        # Decided: written, or answered CONFLICT by some holder (the store takes those the
+        # careful way after the round, whatever the rest answer). A round whose blocks are
+        # all decided waits for stragglers only a hedge's time, not the timeout: a holder
+        # that stopped answering must not hold up a store of blocks that already exist.
+        if self.quorum_at is None and (self.written | self.conflicts).all():
             self.quorum_at = now
         limit = self.started + self._timeout_s
         if self.quorum_at is not None:

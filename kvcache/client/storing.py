@@ -465,7 +465,14 @@ def touch_or_delete(
     retain: Retain = NO_RETAIN,
 ) -> int:
     """Send TOUCH (or DELETE of every shard) for ``keys`` to every node that may hold some
-    (the view's read rows); keys any node knew."""
+    (the view's read rows); keys any node knew.
+
+    It waits for every node's answer, but not for a node that stopped answering: once each
+    key waits on no more nodes than its stripe may lose (``n - min_write_shards``, the
+    holders a written block may lack), the rest get a hedge's time, not the timeout. A
+    store of blocks that exist already touches them this way, and a holder that hangs
+    must not hold that store up (a touch it misses leaves its shard to expire earlier; a
+    delete it misses leaves one shard of a block no longer readable)."""
     if not keys:
         return 0
     view = view or core.view()
@@ -475,10 +482,12 @@ def touch_or_delete(
     found = np.zeros(len(keys), bool)
     pump = Pump(core.transport, core.health, core.clock)
     blocks_of: dict[int, npt.NDArray[np.int64]] = {}
+    waiting = np.zeros(len(keys), np.int64)  # per key: the nodes it still waits on
     for node in np.unique(rows).tolist():
         if node < 0 or not up[node]:
             continue
         blocks = np.nonzero((rows == node).any(axis=1))[0]
+        waiting[blocks] += 1
         items = make_items(op, len(blocks), reply=False)
         items["key"] = key_words[blocks]
         if op is Op.DELETE:
@@ -498,10 +507,15 @@ def touch_or_delete(
             )
         )
     deadline = core.clock() + core.config.timeout_s
+    slack = core.config.n - core.config.min_write_shards
     while pump.outstanding and core.clock() < deadline:
         for event in pump.wait(deadline):
+            waiting[blocks_of[event.ticket]] -= 1
             if event.reply is not None:
                 found[blocks_of[event.ticket][event.reply.items["status"] == 0]] = True
+        if pump.outstanding and int(waiting.max()) <= slack:
+            deadline = min(deadline, core.clock() + core.hedge_s(core.meta_latency))
+            slack = -1  # the hedge's time is given once
     pump.abandon(core.config.timeout_s)
     return int(found.sum())
 
