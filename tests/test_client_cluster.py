@@ -144,6 +144,37 @@ def test_a_stopped_holder_holds_up_no_store_of_stored_blocks_nor_a_touch_or_dele
         assert client.match_prefix(space, tokens).hit_blocks == 0
 
 
+def test_a_store_with_two_holders_stopped_sends_their_shards_on_and_is_written(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """Two daemons that stop answering (as many as 10 + 2 may lose) before the client knows:
+    the store's PUT round sends their shards on to live nodes once the others have
+    answered, so the blocks are written, well before the timeout (a store like this used to
+    wait out ``timeout_s`` and fail every block), and load byte for byte, before and after
+    the stopped daemons come back."""
+    cluster = cluster_factory()
+    timeout_s = 10.0
+    space, tokens = ns("two-stopped"), prompt(24, 23)
+    payloads = payloads_for(space, tokens)
+    with client_for(cluster, timeout_s=timeout_s, hedge_ms=50.0) as client:
+        assert client.store(space, prompt(4, 24), payloads[:4]).written == 4  # connections up
+        cluster.pause(3)
+        cluster.pause(7)
+        try:
+            started = time.monotonic()
+            stored = client.store(space, tokens, payloads)
+            took = time.monotonic() - started
+            assert (stored.written, stored.failed) == (24, 0)
+            assert took < timeout_s / 2, took
+            assert_loads(client, space, tokens, 24)
+        finally:
+            cluster.resume(3)
+            cluster.resume(7)
+        assert_loads(client, space, tokens, 24)
+    with client_for(cluster) as fresh:  # a client that knows of no trouble at all
+        assert_loads(fresh, space, tokens, 24)
+
+
 def test_longer_prompt_hits_only_shared_prefix(shared_cluster: LocalCluster) -> None:
     space = ns("prefix")
     base = prompt(8, 2)

@@ -298,6 +298,48 @@ def test_put_round_of_conflicted_blocks_waits_a_hedge_time_not_for_a_silent_hold
     assert r.done and r.pending  # ended with the silent holder's PUT still out
 
 
+def test_put_round_sends_a_silent_holder_s_shards_on_once_the_others_answered() -> None:
+    """Two holders never answer: once no reply came for as long as the round took until the
+    last one (at least a hedge's time), tick() sends their shards to the next live nodes,
+    and the round is written long before its timeout. Their requests stay out: a late
+    answer still counts."""
+    nodes = N + 2
+    up = np.ones(nodes, bool)
+
+    def respill(b: int, row: np.ndarray, failed: frozenset[int]) -> int:
+        return next(n for n in range(nodes) if n not in failed and n not in row.tolist())
+
+    r = PutRound(
+        holders(3), up, min_write=11, hedge_s=0.05, timeout_s=1.0, respill=respill,
+        redirect_limit=4,
+    )  # fmt: skip
+    sends = r.start(0.0)
+    silent = {3, 7}
+    for send in sends:
+        if send.node not in silent:
+            r.on_reply(send.ticket, np.ones(len(send.blocks), bool), 0.2)
+    assert not r.written.any() and not r.done
+    assert r.next_wakeup() == pytest.approx(0.4)  # the round's 0.2 s again
+    assert r.tick(0.3) == []
+    hedged = r.tick(0.4)
+    assert sorted(s.node for s in hedged) == [N, N + 1] and r.stalled == silent
+    assert r.respilled == 6 and (r.redirected == 2).all()
+    assert all(s.ticket in r.pending for s in sends if s.node in silent)
+    assert r.next_wakeup() == pytest.approx(1.0)  # nothing left to hedge: the timeout
+    for send in hedged:
+        r.on_reply(send.ticket, np.ones(len(send.blocks), bool), 0.41)
+    assert r.written.all() and not r.done
+    r.tick(0.47)
+    assert r.done and (r.holders[:, 3] == r.holders[0, 3]).all()
+    assert set(r.holders[0, [3, 7]].tolist()) == {N, N + 1}
+
+
+def test_put_round_hedges_no_holder_while_none_answered() -> None:
+    r = PutRound(holders(1), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0)
+    r.start(0.0)
+    assert r.next_wakeup() == 1.0 and r.tick(0.5) == [] and not r.stalled
+
+
 def test_put_round_skips_down_nodes() -> None:
     up = np.ones(N, bool)
     up[[0, 1]] = False

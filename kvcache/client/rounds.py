@@ -590,7 +590,11 @@ class PutRound:
     ``redirected[b]`` (shards of the block already off their holders) stays
     within ``redirect_limit``; :attr:`holders` always says where each shard went.
     Once every block is decided (written, or answered CONFLICT by some holder) the round
-    waits for the rest only ``hedge_s`` more, not to ``timeout_s``.
+    waits for the rest only ``hedge_s`` more, not to ``timeout_s``. A holder that stays
+    silent while the others have answered is hedged like a failed one (its shards sent
+    on, its request left out in case it answers after all): once no reply came for as
+    long as the round took until its last one (at least ``hedge_s``), :meth:`tick`
+    returns those sends.
     """
 
     def __init__(
@@ -621,6 +625,9 @@ class PutRound:
         self.redirect_limit = redirect_limit
         #: Nodes whose request failed in this round.
         self.failed: set[int] = set()
+        #: Nodes still silent when the others had answered (their shards sent on).
+        self.stalled: set[int] = set()
+        self._last_reply = 0.0
         #: Shards sent on to another node after their node failed.
         self.respilled = 0
         for node, b, i in _by_holder(holders):
@@ -628,13 +635,14 @@ class PutRound:
                 send = Send(next(_tickets), node, b, i)
                 self.sends[send.ticket] = send
         self.pending = set(self.sends)
+        self._first = frozenset(self.sends)  # the requests a silent holder may be hedged for
         self.started = 0.0
         self.quorum_at: float | None = None
         self.done = not self.pending
 
     def start(self, now: float) -> list[Send]:
         """The PUT requests to send."""
-        self.started = now
+        self.started = self._last_reply = now
         self._check(now)
         return list(self.sends.values())
 
@@ -643,6 +651,7 @@ class PutRound:
         if ticket not in self.pending:
             return
         self.pending.discard(ticket)
+        self._last_reply = now
         send = self.sends[ticket]
         self.acks[send.blocks[stored], send.indices[stored]] = True
         self._check(now)
@@ -653,16 +662,28 @@ class PutRound:
         if ticket not in self.pending:
             return []
         self.pending.discard(ticket)
+        self._last_reply = now
         send = self.sends[ticket]
         self.failed.add(send.node)
         out = self._redirect(send, now)
         self._check(now)
         return out
 
+    def _stall_at(self) -> float | None:
+        """When the round's first requests still out count as stalled: no reply for as
+        long as the round took until its last one, and at least a hedge's time; None
+        while nothing answered, every block is decided or none is left to hedge (a
+        request that carries shards on is not hedged again: it waits for the timeout)."""
+        if self.done or self.quorum_at is not None or self._last_reply <= self.started:
+            return None
+        if all(self.sends[t].node in self.stalled for t in self.pending & self._first):
+            return None
+        return self._last_reply + max(self._hedge_s, self._last_reply - self.started)
+
     def _redirect(self, send: Send, now: float) -> list[Send]:
         if self._respill is None or now >= self.started + self._timeout_s:
             return []
-        failed = frozenset(self.failed)
+        failed = frozenset(self.failed | self.stalled)
         moved: dict[int, list[tuple[int, int]]] = {}
         for b, i in zip(send.blocks.tolist(), send.indices.tolist(), strict=True):
             if self.acks[b, i] or self.holders[b, i] != send.node:
@@ -686,17 +707,29 @@ class PutRound:
             out.append(new)
         return out
 
-    def tick(self, now: float) -> None:
-        """Time passed."""
+    def tick(self, now: float) -> list[Send]:
+        """Time passed; returns the sends that carry a stalled holder's shards on (see the
+        class docstring)."""
+        out: list[Send] = []
+        stall_at = self._stall_at()
+        if stall_at is not None and now >= stall_at:
+            for ticket in sorted(self.pending & self._first):
+                send = self.sends[ticket]
+                if send.node not in self.stalled:
+                    self.stalled.add(send.node)
+                    out.extend(self._redirect(send, now))
         self._check(now)
+        return out
 
     def next_wakeup(self) -> float | None:
         """When :meth:`tick` must be called next."""
         if self.done:
             return None
+        limit = self.started + self._timeout_s
         if self.quorum_at is not None:
-            return min(self.started + self._timeout_s, self.quorum_at + self._hedge_s)
-        return self.started + self._timeout_s
+            return min(limit, self.quorum_at + self._hedge_s)
+        stall_at = self._stall_at()
+        return limit if stall_at is None else min(limit, stall_at)
 
     @property
     def written(self) -> BoolArray:

@@ -47,7 +47,7 @@ from kvcache.client.driver import Pump, PumpedExchange
 from kvcache.client.encoding import EncodedBatch, as_payload_rows, encode_batch
 from kvcache.client.matching import held_shards
 from kvcache.client.plan import HeldShards, best_counts
-from kvcache.client.rounds import PutRound
+from kvcache.client.rounds import PutRound, Send
 from kvcache.client.view import ClusterView
 from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import BlockKey
@@ -382,9 +382,9 @@ def _start_put(
             PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
         )
     if burst:
-        pump.submit_plain_burst(
-            puts, round_.next_wakeup(), min_left=max(0, config.n - config.min_write_shards)
-        )
+        # The burst returns once at most the holders a block may lack for a while are out
+        # (n - k: the round hedges a silent holder by sending its shards on).
+        pump.submit_plain_burst(puts, round_.next_wakeup(), min_left=max(0, config.n - config.k))
     else:
         for put in puts:
             pump.submit(put)
@@ -401,19 +401,21 @@ def _drive_put(
 ) -> None:
     """Run a PUT round to its end; blocks a holder answered CONFLICT for are marked in
     ``round_.conflicts``."""
+
+    def send_on(sends: list[Send]) -> None:
+        for send in sends:
+            items, data = batch.node_sections(
+                send.blocks, send.indices, group_expect[send.blocks, send.indices]
+            )
+            pump.submit(
+                PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
+            )
+
     while not round_.done:
         for event in pump.wait(round_.next_wakeup()):
             now = core.clock()
             if event.reply is None:
-                for send in round_.on_failure(event.ticket, now):
-                    items, data = batch.node_sections(
-                        send.blocks, send.indices, group_expect[send.blocks, send.indices]
-                    )
-                    pump.submit(
-                        PumpedExchange(
-                            pump, send.ticket, send.node, Op.PUT, items, data, retain=retain
-                        )
-                    )
+                send_on(round_.on_failure(event.ticket, now))
                 continue
             statuses = event.reply.items["status"]
             conflicts = statuses == Status.CONFLICT
@@ -423,7 +425,7 @@ def _drive_put(
                 if sent is not None and len(sent.blocks) == len(statuses):
                     round_.conflicts[sent.blocks[conflicts]] = True
             round_.on_reply(event.ticket, statuses == 0, now)
-        round_.tick(core.clock())
+        send_on(round_.tick(core.clock()))
     # Counted from the round's start: a round that ran to its deadline marks the nodes that
     # never answered down, so the next store sends their shards elsewhere at once.
     pump.abandon(core.config.timeout_s, since=round_.started)
