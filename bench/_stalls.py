@@ -11,7 +11,12 @@ tenants ``default`` and ``alice``, and returns its figures:
 - ``restarted_node_lost_loads``: loads short of their prompt after a daemon was killed
   (kill -9) and started again, each daemon in turn;
 - ``rolling_restart_lost_loads``: loads short of their prompt while every daemon is
-  stopped (SIGTERM) and started again, one at a time, under a steady load.
+  stopped (SIGTERM) and started again, one at a time, under a steady load;
+- ``stopped_holders_store_written`` / ``stopped_holders_store_s``: two daemons stopped
+  (SIGSTOP: connections up, nothing answered) before the client knows, the fraction of a
+  64-block store's blocks written and its seconds (the client's timeout is 5 s); then the
+  same for a store of a prompt whose first half is stored
+  (``stopped_holder_restore_s``, one daemon stopped) and whether everything loads.
 """
 
 from __future__ import annotations
@@ -201,3 +206,39 @@ def restarts(cluster: LocalCluster, loads_per_node: int = 45) -> dict[str, Any]:
         "rolling_restart_loads": rolling["loads"],
         "rolling_restart_lost_stores": stores_failed,
     }
+
+
+def stopped_holders(cluster: LocalCluster) -> dict[str, Any]:
+    """Stores while daemons hang (see the module docstring); each paused daemon is resumed."""
+    timeout_s = 5.0
+    config = cluster.client_config(tenant="alice", timeout_s=timeout_s)
+    out: dict[str, Any] = {"stopped_holders_timeout_s": timeout_s}
+    with Client(config) as client:
+        _stored(client, 4, 31)  # connections up, as in a client that has been working
+        rng = np.random.default_rng(32)
+        keys = [rng.bytes(16) for _ in range(64)]
+        src = rng.integers(0, 256, (64, P), dtype=np.uint8)
+        cluster.pause(3)
+        cluster.pause(7)
+        try:
+            started = time.monotonic()
+            written = client.store_keys(keys, src, payload_len=P).written
+            out["stopped_holders_store_s"] = time.monotonic() - started
+            out["stopped_holders_store_written"] = written / len(keys)
+            loaded = _load_ok(client, keys, src, np.empty_like(src))
+        finally:
+            cluster.resume(3)
+            cluster.resume(7)
+        again = [rng.bytes(16) for _ in range(64)]
+        assert client.store_keys(again[:32], src[:32], payload_len=P).written == 32
+        cluster.pause(5)
+        try:
+            started = time.monotonic()
+            result = client.store_keys(again, src, payload_len=P)
+            out["stopped_holder_restore_s"] = time.monotonic() - started
+            loaded = loaded and result.written + result.touched == 64
+            loaded = loaded and _load_ok(client, again, src, np.empty_like(src))
+        finally:
+            cluster.resume(5)
+    out["stopped_holders_all_loaded"] = int(loaded)
+    return out

@@ -437,6 +437,7 @@ def main() -> None:
             figures.update(stalls.stalled_puts(cluster, loads=50 if quick else 200))
             figures.update(stalls.preauth_flood(cluster, attempts=100 if quick else 500))
             figures.update(stalls.restarts(cluster, loads_per_node=45))
+            figures.update(stalls.stopped_holders(cluster))
             print(f"# availability done at {time.monotonic() - started:.0f} s", flush=True)
             chaos_ns = space("chaos")
             tally = run_kill_stop(cluster, chaos_ns, seconds=chaos_s, seed=7)
@@ -477,6 +478,10 @@ def main() -> None:
         ("preauth_flood_new_conn_success", ">=", 0.99),
         ("restarted_node_lost_loads", "==", 0),
         ("rolling_restart_lost_loads", "==", 0),
+        ("stopped_holders_store_written", ">=", 1.0),
+        ("stopped_holders_store_s", "<=", 1.0),
+        ("stopped_holder_restore_s", "<=", 1.0),
+        ("stopped_holders_all_loaded", "==", 1),
     ]
     rows = []
     for name, op, target in targets:
