@@ -480,7 +480,7 @@ def main() -> None:
         ("rolling_restart_lost_loads", "==", 0),
         ("stopped_holders_store_written", ">=", 1.0),
         ("stopped_holders_store_s", "<=", 1.0),
-        ("stopped_holder_restore_s", "<=", 1.0),
+        ("stopped_holders_restore_s", "<=", 1.0),
         ("stopped_holders_all_loaded", "==", 1),
     ]
     rows = []

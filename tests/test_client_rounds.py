@@ -334,6 +334,29 @@ def test_put_round_sends_a_silent_holder_s_shards_on_once_the_others_answered() 
     assert set(r.holders[0, [3, 7]].tolist()) == {N, N + 1}
 
 
+def test_put_round_sends_on_no_shard_of_a_conflicted_block() -> None:
+    """A block some holder answered CONFLICT for is written the careful way after the
+    round: a silent holder's shard of it is not sent on (that of a new block is)."""
+    nodes = N + 1
+    r = PutRound(
+        holders(2), np.ones(nodes, bool), min_write=11, hedge_s=0.05, timeout_s=1.0,
+        respill=lambda b, row, failed: N, redirect_limit=4,
+    )  # fmt: skip
+    sends = r.start(0.0)
+    for send in sends:
+        if send.node in (3, 4):
+            continue  # silent; node 5 answers CONFLICT for block 1, the rest store all
+        stored = np.array([True, send.node != 5])
+        if send.node == 5:
+            r.conflicts[1] = True
+        r.on_reply(send.ticket, stored, 0.1)
+    hedged = r.tick(0.2)
+    assert [(s.node, s.blocks.tolist(), s.indices.tolist()) for s in hedged] == [
+        (N, [0], [3]),
+        (N, [0], [4]),
+    ]
+
+
 def test_put_round_hedges_no_holder_while_none_answered() -> None:
     r = PutRound(holders(1), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0)
     r.start(0.0)

@@ -686,8 +686,8 @@ class PutRound:
         failed = frozenset(self.failed | self.stalled)
         moved: dict[int, list[tuple[int, int]]] = {}
         for b, i in zip(send.blocks.tolist(), send.indices.tolist(), strict=True):
-            if self.acks[b, i] or self.holders[b, i] != send.node:
-                continue
+            if self.acks[b, i] or self.holders[b, i] != send.node or self.conflicts[b]:
+                continue  # stored, sent on already, or written the careful way after all
             if self.redirected[b] >= self.redirect_limit:
                 continue
             node = self._respill(b, self.holders[b], failed)

@@ -469,12 +469,12 @@ def touch_or_delete(
     """Send TOUCH (or DELETE of every shard) for ``keys`` to every node that may hold some
     (the view's read rows); keys any node knew.
 
-    It waits for every node's answer, but not for a node that stopped answering: once each
-    key waits on no more nodes than its stripe may lose (``n - min_write_shards``, the
-    holders a written block may lack), the rest get a hedge's time, not the timeout. A
-    store of blocks that exist already touches them this way, and a holder that hangs
-    must not hold that store up (a touch it misses leaves its shard to expire earlier; a
-    delete it misses leaves one shard of a block no longer readable)."""
+    It waits for every node's answer, but not for nodes that stopped answering: once each
+    key waits on no more nodes than its stripe may lose (``n - k``), the rest get a
+    hedge's time, not the timeout. A store of blocks that exist already touches them this
+    way, and a holder that hangs must not hold that store up (a touch it misses leaves
+    its shard to expire earlier, with k others touched; a delete it misses leaves fewer
+    than k shards of a block no longer readable)."""
     if not keys:
         return 0
     view = view or core.view()
@@ -509,7 +509,7 @@ def touch_or_delete(
             )
         )
     deadline = core.clock() + core.config.timeout_s
-    slack = core.config.n - core.config.min_write_shards
+    slack = core.config.n - core.config.k
     while pump.outstanding and core.clock() < deadline:
         for event in pump.wait(deadline):
             waiting[blocks_of[event.ticket]] -= 1
