@@ -12,7 +12,7 @@ PUBLIC = {
     "kvcache.engine": ["PagedKVAdapter", "TransferHandle", "kv_dtype"],
     "kvcache.retention": ["DAY_S", "DEFAULT_CLASSES", "DEFAULT_CLASS_NAME", "NO_HINT", "Applied", "Hint", "RetentionPolicy", "clamp", "merged_expiry", "parse_duration"],
     "kvcache.server": ["Clock", "DaemonInfo", "DaemonThread", "DataServer", "RequestHandler", "ServerConfig", "ShardStore", "SyncMode", "load_server_config", "run_daemon"],
-    "kvcache.erasure": ["Backend", "Codec", "ErasureParams", "alloc_stripes", "encode_payloads", "get_codec", "isal_available", "payload_view"],
+    "kvcache.erasure": ["Backend", "Codec", "EncodeJob", "ErasureParams", "alloc_stripes", "encode_payloads", "get_codec", "isal_available", "payload_view"],
     "kvcache.testing": ["HostCluster", "HostDaemon", "HostNet", "HostNetMode", "cleanup_stale"],
     "kvcache.sim": ["BalanceStats", "FailureModel", "Layout", "MonteCarloResult", "MoveStats", "RepairCost", "RepairTime", "StripeChain", "balance_stats", "expm", "measure_balance", "measure_join", "measure_leave", "moved_slots", "plan_loss", "repair_time", "sample_keys", "simulate_failures", "synthetic_map"],
     "kvcache.swa_local": ["DEFAULT_TTL_S", "HolderRecord", "PeerTransport", "StateKey", "StoredState", "SwaConfig", "SwaStore", "SwaTier", "TcpPeerTransport", "Wanted", "state_digest", "state_namespace_id", "window_blocks"],
