@@ -175,6 +175,26 @@ def test_a_store_with_two_holders_stopped_sends_their_shards_on_and_is_written(
         assert_loads(client, space, tokens, 24)
     with client_for(cluster) as fresh:  # a client that knows of no trouble at all
         assert_loads(fresh, space, tokens, 24)
+    # A store of many chunks, four in flight: the rounds are driven in turn, each after
+    # the ones before it, and a later chunk's round sends the silent nodes' shards on as
+    # it begins (an earlier round found them silent).
+    space, tokens = ns("two-stopped-chunks"), prompt(48, 25)
+    payloads = payloads_for(space, tokens)
+    config = {"timeout_s": timeout_s, "hedge_ms": 50.0, "chunk_bytes": 4 * P, "window": 4}
+    with client_for(cluster, **config) as client:
+        assert client.store(space, prompt(4, 26), payloads[:4]).written == 4
+        cluster.pause(3)
+        cluster.pause(7)
+        try:
+            started = time.monotonic()
+            stored = client.store(space, tokens, payloads)
+            took = time.monotonic() - started
+            assert (stored.written, stored.failed) == (48, 0)
+            assert took < timeout_s / 2, took
+        finally:
+            cluster.resume(3)
+            cluster.resume(7)
+        assert_loads(client, space, tokens, 48)
 
 
 def test_longer_prompt_hits_only_shared_prefix(shared_cluster: LocalCluster) -> None:

@@ -298,20 +298,22 @@ def test_put_round_of_conflicted_blocks_waits_a_hedge_time_not_for_a_silent_hold
     assert r.done and r.pending  # ended with the silent holder's PUT still out
 
 
-def test_put_round_sends_a_silent_holder_s_shards_on_once_the_others_answered() -> None:
-    """Two holders never answer: once no reply came for as long as the round took until the
-    last one (at least a hedge's time), tick() sends their shards to the next live nodes,
-    and the round is written long before its timeout. Their requests stay out: a late
-    answer still counts."""
-    nodes = N + 2
-    up = np.ones(nodes, bool)
+def _least_loaded(b: int, row: np.ndarray, failed: frozenset[int]) -> int:
+    """With exactly N nodes every node is a target: the live one holding fewest shards of
+    the block, as the client's respill does."""
+    counts = np.bincount(row[row >= 0], minlength=N)
+    live = [n for n in range(N) if n not in failed]
+    return min(live, key=lambda n: (counts[n], n)) if live else -1
 
-    def respill(b: int, row: np.ndarray, failed: frozenset[int]) -> int:
-        return next(n for n in range(nodes) if n not in failed and n not in row.tolist())
 
+def test_put_round_sends_silent_holders_shards_on_once_the_others_answered() -> None:
+    """Two holders never answer: once no reply came for as long as the round took until
+    the last one (at least a hedge's time), tick() sends their shards to live nodes, never
+    to the other silent one, and the round is written long before its timeout. Their
+    requests stay out: a late answer still counts, and is kept for a rollback."""
     r = PutRound(
-        holders(3), up, min_write=11, hedge_s=0.05, timeout_s=1.0, respill=respill,
-        redirect_limit=4,
+        holders(3), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0,
+        respill=_least_loaded, redirect_limit=4, max_silent=2,
     )  # fmt: skip
     sends = r.start(0.0)
     silent = {3, 7}
@@ -322,45 +324,53 @@ def test_put_round_sends_a_silent_holder_s_shards_on_once_the_others_answered() 
     assert r.next_wakeup() == pytest.approx(0.4)  # the round's 0.2 s again
     assert r.tick(0.3) == []
     hedged = r.tick(0.4)
-    assert sorted(s.node for s in hedged) == [N, N + 1] and r.stalled == silent
+    assert r.stalled == silent and not {s.node for s in hedged} & silent
     assert r.respilled == 6 and (r.redirected == 2).all()
+    assert not np.isin(r.holders[:, [3, 7]], list(silent)).any()
     assert all(s.ticket in r.pending for s in sends if s.node in silent)
     assert r.next_wakeup() == pytest.approx(1.0)  # nothing left to hedge: the timeout
     for send in hedged:
         r.on_reply(send.ticket, np.ones(len(send.blocks), bool), 0.41)
     assert r.written.all() and not r.done
+    late = next(s for s in sends if s.node == 3)
+    r.on_reply(late.ticket, np.ones(len(late.blocks), bool), 0.42)
+    assert [(node, blocks.tolist()) for node, blocks in r.late_acks] == [(3, [0, 1, 2])]
     r.tick(0.47)
-    assert r.done and (r.holders[:, 3] == r.holders[0, 3]).all()
-    assert set(r.holders[0, [3, 7]].tolist()) == {N, N + 1}
+    assert r.done
 
 
-def test_put_round_sends_on_no_shard_of_a_conflicted_block() -> None:
-    """A block some holder answered CONFLICT for is written the careful way after the
-    round: a silent holder's shard of it is not sent on (that of a new block is)."""
-    nodes = N + 1
+def test_put_round_hedges_no_holder_while_none_answered_or_too_many_are_silent() -> None:
     r = PutRound(
-        holders(2), np.ones(nodes, bool), min_write=11, hedge_s=0.05, timeout_s=1.0,
-        respill=lambda b, row, failed: N, redirect_limit=4,
+        holders(1), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0,
+        respill=_least_loaded, redirect_limit=4, max_silent=2,
     )  # fmt: skip
     sends = r.start(0.0)
-    for send in sends:
-        if send.node in (3, 4):
-            continue  # silent; node 5 answers CONFLICT for block 1, the rest store all
-        stored = np.array([True, send.node != 5])
-        if send.node == 5:
-            r.conflicts[1] = True
-        r.on_reply(send.ticket, stored, 0.1)
-    hedged = r.tick(0.2)
-    assert [(s.node, s.blocks.tolist(), s.indices.tolist()) for s in hedged] == [
-        (N, [0], [3]),
-        (N, [0], [4]),
-    ]
-
-
-def test_put_round_hedges_no_holder_while_none_answered() -> None:
-    r = PutRound(holders(1), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=1.0)
-    r.start(0.0)
+    r.on_failure(sends[0].ticket, 0.0)  # refused at once: a failure, not an answer
     assert r.next_wakeup() == 1.0 and r.tick(0.5) == [] and not r.stalled
+    for send in sends[1:9]:  # three holders left silent: more than max_silent
+        r.on_reply(send.ticket, np.ones(1, bool), 0.1)
+    assert r.next_wakeup() == 1.0 and r.tick(0.9) == [] and not r.stalled
+
+
+def test_put_round_begins_by_hedging_the_nodes_an_earlier_round_found_silent() -> None:
+    """A store drives its chunks' rounds in turn: a later chunk's round sends the shards
+    of the nodes an earlier one found silent on as it begins, and counts its time from
+    there (its replies waited for the driver)."""
+    r = PutRound(
+        holders(2), np.ones(N, bool), min_write=11, hedge_s=0.05, timeout_s=5.0,
+        respill=_least_loaded, redirect_limit=4, max_silent=2,
+    )  # fmt: skip
+    sends = r.start(0.0)
+    hedged = r.begin(3.0, {7})
+    assert r.stalled == {7} and len(hedged) == 1 and hedged[0].node != 7
+    for send in [*sends, *hedged]:
+        if send.node not in (7, 9, 10):
+            r.on_reply(send.ticket, np.ones(len(send.blocks), bool), 3.0)
+    # Nodes 9 and 10 silent too: hedged a hedge's time after the last reply, not 3 s on.
+    assert not r.written.any() and r.next_wakeup() == pytest.approx(3.05)
+    more = r.tick(3.06)
+    assert r.stalled == {7, 9, 10} and len(more) == 2
+    assert not {s.node for s in more} & r.stalled
 
 
 def test_put_round_skips_down_nodes() -> None:

@@ -29,7 +29,7 @@ a socket, so tests drive them through any schedule of replies and delays.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -590,11 +590,14 @@ class PutRound:
     ``redirected[b]`` (shards of the block already off their holders) stays
     within ``redirect_limit``; :attr:`holders` always says where each shard went.
     Once every block is decided (written, or answered CONFLICT by some holder) the round
-    waits for the rest only ``hedge_s`` more, not to ``timeout_s``. A holder that stays
-    silent while the others have answered is hedged like a failed one (its shards sent
-    on, its request left out in case it answers after all): once no reply came for as
-    long as the round took until its last one (at least ``hedge_s``), :meth:`tick`
-    returns those sends.
+    waits for the rest only ``hedge_s`` more, not to ``timeout_s``. Holders that stay
+    silent while the others have answered (no more than ``max_silent`` of the round's
+    nodes) are hedged like failed ones (their shards sent on, their requests left out in
+    case they answer after all): once no reply came for as long as the round took from
+    :meth:`begin` until its last one (at least ``hedge_s``), :meth:`tick` returns those
+    sends. A store drives its chunks' rounds in turn; :meth:`begin` also hedges at once
+    the nodes an earlier chunk's round found silent. A late answer of a hedged node is
+    kept in :attr:`late_acks`, so a rollback deletes there too.
     """
 
     def __init__(
@@ -608,6 +611,7 @@ class PutRound:
         respill: Respill | None = None,
         redirected: IntArray | None = None,
         redirect_limit: int = 0,
+        max_silent: int = 0,
     ) -> None:
         self.holders = holders.copy()
         self.min_write = min_write
@@ -627,7 +631,11 @@ class PutRound:
         self.failed: set[int] = set()
         #: Nodes still silent when the others had answered (their shards sent on).
         self.stalled: set[int] = set()
-        self._last_reply = 0.0
+        #: (node, blocks) a hedged node stored after all, its shards being elsewhere now.
+        self.late_acks: list[tuple[int, IntArray]] = []
+        self._max_silent = max_silent
+        self._since = 0.0  # when the driver began handling this round's replies
+        self._last_reply: float | None = None  # the last reply handled (not failures)
         #: Shards sent on to another node after their node failed.
         self.respilled = 0
         for node, b, i in _by_holder(holders):
@@ -642,9 +650,22 @@ class PutRound:
 
     def start(self, now: float) -> list[Send]:
         """The PUT requests to send."""
-        self.started = self._last_reply = now
+        self.started = self._since = now
         self._check(now)
         return list(self.sends.values())
+
+    def begin(self, now: float, silent: Iterable[int] = ()) -> list[Send]:
+        """The driver handles this round's replies from ``now`` on (replies that waited for
+        it are stamped with the time it handles them, so the round's time counts from
+        here); the round's requests to ``silent`` nodes (found silent by an earlier round
+        of the same store) are hedged at once: returns the sends that carry them on."""
+        self._since = max(self._since, now)
+        out: list[Send] = []
+        nodes = {self.sends[t].node for t in self.pending & self._first} & set(silent)
+        if nodes and not self.done and self.quorum_at is None:
+            out = self._hedge(nodes, now)
+        self._check(now)
+        return out
 
     def on_reply(self, ticket: int, stored: BoolArray, now: float) -> None:
         """Which shards of ``ticket`` the node stored."""
@@ -653,7 +674,10 @@ class PutRound:
         self.pending.discard(ticket)
         self._last_reply = now
         send = self.sends[ticket]
+        moved = send.node in self.stalled
         self.acks[send.blocks[stored], send.indices[stored]] = True
+        if moved and stored.any():
+            self.late_acks.append((send.node, np.unique(send.blocks[stored])))
         self._check(now)
 
     def on_failure(self, ticket: int, now: float) -> list[Send]:
@@ -662,7 +686,6 @@ class PutRound:
         if ticket not in self.pending:
             return []
         self.pending.discard(ticket)
-        self._last_reply = now
         send = self.sends[ticket]
         self.failed.add(send.node)
         out = self._redirect(send, now)
@@ -674,11 +697,28 @@ class PutRound:
         long as the round took until its last one, and at least a hedge's time; None
         while nothing answered, every block is decided or none is left to hedge (a
         request that carries shards on is not hedged again: it waits for the timeout)."""
-        if self.done or self.quorum_at is not None or self._last_reply <= self.started:
+        if self.done or self.quorum_at is not None or self._last_reply is None:
             return None
-        if all(self.sends[t].node in self.stalled for t in self.pending & self._first):
+        silent = self._silent()
+        if not silent or len(silent) > self._max_silent:
             return None
-        return self._last_reply + max(self._hedge_s, self._last_reply - self.started)
+        last = self._last_reply
+        return last + max(self._hedge_s, last - self._since)
+
+    def _silent(self) -> set[int]:
+        """The nodes of the round's first requests still out, not hedged yet."""
+        return {self.sends[t].node for t in self.pending & self._first} - self.stalled
+
+    def _hedge(self, nodes: set[int], now: float) -> list[Send]:
+        """Send the shards of ``nodes``' first requests on (all of them marked first, so
+        none is sent to another of them)."""
+        self.stalled |= nodes
+        out: list[Send] = []
+        for ticket in sorted(self.pending & self._first):
+            send = self.sends[ticket]
+            if send.node in nodes:
+                out.extend(self._redirect(send, now))
+        return out
 
     def _redirect(self, send: Send, now: float) -> list[Send]:
         if self._respill is None or now >= self.started + self._timeout_s:
@@ -713,11 +753,7 @@ class PutRound:
         out: list[Send] = []
         stall_at = self._stall_at()
         if stall_at is not None and now >= stall_at:
-            for ticket in sorted(self.pending & self._first):
-                send = self.sends[ticket]
-                if send.node not in self.stalled:
-                    self.stalled.add(send.node)
-                    out.extend(self._redirect(send, now))
+            out = self._hedge(self._silent(), now)
         self._check(now)
         return out
 

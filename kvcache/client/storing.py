@@ -199,6 +199,7 @@ def _store(
             first.set_result(encode(groups[0]))
             pending.insert(0, first)
         flights: list[tuple[npt.NDArray[np.int64], EncodedBatch, PutRound, Pump]] = []
+        silent: set[int] = set()  # nodes a chunk's round found silent: hedged at once after
         next_group = len(pending)
         done_groups = 0
         while done_groups < len(groups):
@@ -227,7 +228,8 @@ def _store(
                     pending.append(pool.submit(encode, groups[next_group]))
                     next_group += 1
             group, batch, round_, pump = flights[0]
-            _drive_put(core, round_, pump, batch, expect[group], retain)
+            _drive_put(core, round_, pump, batch, expect[group], retain, silent)
+            silent |= round_.stalled
             flights.pop(0)
             done_groups += 1
             ok = round_.written
@@ -370,6 +372,7 @@ def _start_put(
         respill=respill,
         redirected=redirected[group],
         redirect_limit=view.redirect_limit,
+        max_silent=config.n - config.k,
     )
     core.count("shards_redirected", int(redirected[group].sum()))
     pump = Pump(core.transport, core.health, core.clock)
@@ -398,9 +401,11 @@ def _drive_put(
     batch: EncodedBatch,
     group_expect: Any,
     retain: Retain = NO_RETAIN,
+    silent: set[int] | frozenset[int] = frozenset(),
 ) -> None:
     """Run a PUT round to its end; blocks a holder answered CONFLICT for are marked in
-    ``round_.conflicts``."""
+    ``round_.conflicts``. ``silent``: nodes an earlier round of the store found silent
+    (this round sends their shards on at once)."""
 
     def send_on(sends: list[Send]) -> None:
         for send in sends:
@@ -411,6 +416,7 @@ def _drive_put(
                 PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
             )
 
+    send_on(round_.begin(core.clock(), silent))
     while not round_.done:
         for event in pump.wait(round_.next_wakeup()):
             now = core.clock()
@@ -436,14 +442,22 @@ def _drive_put(
 def _rollback(
     core: ClientCore, batch: EncodedBatch, round_: PutRound, failed: npt.NDArray[np.bool_]
 ) -> None:
-    """Delete the shards of failed blocks that did get stored (only this write's stripe)."""
+    """Delete the shards of failed blocks that did get stored (only this write's stripe),
+    where their holders are now and where a hedged node stored them after all."""
     mask = round_.acks & failed[:, None]
     if not mask.any():
         return
     key_words = np.frombuffer(b"".join(batch.keys), dtype="V16")
     pump = Pump(core.transport, core.health, core.clock)
-    for tickets, node in enumerate(np.unique(round_.holders[mask]).tolist(), start=1):
-        b = np.unique(np.nonzero(mask & (round_.holders == node))[0])
+    on: dict[int, list[npt.NDArray[np.int64]]] = {}
+    for node in np.unique(round_.holders[mask]).tolist():
+        on.setdefault(int(node), []).append(np.nonzero(mask & (round_.holders == node))[0])
+    for node, blocks in round_.late_acks:
+        on.setdefault(node, []).append(blocks[failed[blocks]])
+    for tickets, (node, parts) in enumerate(sorted(on.items()), start=1):
+        b = np.unique(np.concatenate(parts))
+        if not len(b):
+            continue
         items = make_items(Op.DELETE, len(b), reply=False)
         items["key"] = key_words[b]
         items["stripe"] = batch.stripe_ids[b]
@@ -473,8 +487,8 @@ def touch_or_delete(
     key waits on no more nodes than its stripe may lose (``n - k``), the rest get a
     hedge's time, not the timeout. A store of blocks that exist already touches them this
     way, and a holder that hangs must not hold that store up (a touch it misses leaves
-    its shard to expire earlier, with k others touched; a delete it misses leaves fewer
-    than k shards of a block no longer readable)."""
+    its shards to expire earlier; a delete it misses leaves its shards behind, which for
+    10 + 2 are too few to read the block)."""
     if not keys:
         return 0
     view = view or core.view()
