@@ -609,6 +609,8 @@ def test_encode_hashed_refuses_rows_of_another_shape() -> None:
     assert job is not None
     with pytest.raises(ValueError, match="rows must be"):
         native.encode_hashed(job, 10, np.zeros((3, 11), np.uint64), 64, np.zeros(3, np.uint64), 640)
+    with pytest.raises(ValueError, match="at most 2"):
+        native.encode_hashed(job, 10, np.zeros((1, 12), np.uint64), 2**31, np.zeros(1), 2**34)
 
 
 @needs_native

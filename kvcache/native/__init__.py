@@ -562,6 +562,8 @@ def encode_hashed(
     if _LIB is None:
         raise RuntimeError("encode_hashed needs the native library")
     function, tables, outputs = job
+    if not 0 <= length <= 2**31 - 1:
+        raise ValueError(f"ec_encode_data takes rows of at most 2**31 - 1 bytes, got {length}")
     table = np.ascontiguousarray(rows, np.uint64)
     bases = np.ascontiguousarray(payloads, np.uint64)
     count = table.shape[0]
