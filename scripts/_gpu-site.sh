@@ -12,3 +12,7 @@ export KVCACHE_NATIVE=require KVCACHE_NATIVE_LIBRARY="$(pwd)/.whl/lib/libkvfast.
 # The daemons' native data plane, and the LMDB it links (beside it: rpath $ORIGIN).
 export KVCACHE_SERVE_LIBRARY="$(pwd)/.whl/lib/libkvserve.so"
 export OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
+# The commit the carried wheel was built from (scripts/gpu-prepare.sh), unless given.
+if [ -z "${KVCACHE_COMMIT:-}" ] && [ -f .whl/COMMIT ]; then
+  export KVCACHE_COMMIT="$(cat .whl/COMMIT)"
+fi

@@ -23,7 +23,8 @@
 #                        (each with its own kvcache/native/libkvfast.so when its ABI differs:
 #                        build it with that commit's scripts/build-native.sh)
 #   .peer-wheels/lmcache bash scripts/peers-gpu.sh prepare lmcache
-# then run  command="KVCACHE_COMMIT=<sha> bash scripts/cost-gpu.sh"
+# then run  command="bash scripts/cost-gpu.sh" (the figures name the commit the wheel was
+#           built from, .whl/COMMIT; KVCACHE_COMMIT=<sha> overrides it)
 #           carry=[".whl", "scratch/base", "scratch/base-client", ".peer-wheels/lmcache"]
 set -uo pipefail
 cd "$(dirname "$0")/.."
