@@ -3,15 +3,16 @@ paused nodes, racing writers, holes in the prefix."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 from vllm_e2e.damage import damage_block
 
-from kvcache.client import Client, ClientConfig
+from kvcache.client import Client, ClientConfig, StoreResult
 from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
@@ -46,6 +47,27 @@ def assert_loads(client: Client, space: Namespace, tokens: np.ndarray, blocks: i
     expected = payloads_for(space, tokens)
     for got, want in zip(result.payloads, expected, strict=False):
         assert np.array_equal(got, want)
+
+
+@contextlib.contextmanager
+def paused(cluster: LocalCluster, *nodes: int) -> Iterator[None]:
+    """Daemons ``nodes`` stopped (SIGSTOP: connections up, nothing answered), resumed after."""
+    for node in nodes:
+        cluster.pause(node)
+    try:
+        yield
+    finally:
+        for node in nodes:
+            cluster.resume(node)
+
+
+def timed_store(
+    client: Client, space: Namespace, tokens: np.ndarray, payloads: list[np.ndarray]
+) -> tuple[StoreResult, float]:
+    """A store and its seconds."""
+    started = time.monotonic()
+    stored = client.store(space, tokens, payloads)
+    return stored, time.monotonic() - started
 
 
 def test_round_trip_and_touch(shared_cluster: LocalCluster) -> None:
@@ -124,12 +146,8 @@ def test_stopped_holders_hold_up_no_store_of_stored_blocks_nor_a_touch_or_delete
     with client_for(cluster, timeout_s=timeout_s, hedge_ms=50.0) as client:
         head = tokens[: 12 * 64]
         assert client.store(space, head, payloads[:12]).written == 12
-        cluster.pause(3)
-        cluster.pause(7)
-        try:
-            started = time.monotonic()
-            stored = client.store(space, tokens, payloads)
-            took = time.monotonic() - started
+        with paused(cluster, 3, 7):
+            stored, took = timed_store(client, space, tokens, payloads)
             assert (stored.written, stored.touched, stored.failed) == (12, 12, 0)
             assert took < timeout_s / 2, took
             assert_loads(client, space, tokens, 24)
@@ -139,9 +157,6 @@ def test_stopped_holders_hold_up_no_store_of_stored_blocks_nor_a_touch_or_delete
             started = time.monotonic()
             assert client.delete(space, head) == 12
             assert time.monotonic() - started < timeout_s / 2
-        finally:
-            cluster.resume(3)
-            cluster.resume(7)
         # The deleted blocks are gone (the stopped nodes' two shards each are not enough).
         assert client.match_prefix(space, tokens).hit_blocks == 0
 
@@ -160,18 +175,11 @@ def test_a_store_with_two_holders_stopped_sends_their_shards_on_and_is_written(
     payloads = payloads_for(space, tokens)
     with client_for(cluster, timeout_s=timeout_s, hedge_ms=50.0) as client:
         assert client.store(space, prompt(4, 24), payloads[:4]).written == 4  # connections up
-        cluster.pause(3)
-        cluster.pause(7)
-        try:
-            started = time.monotonic()
-            stored = client.store(space, tokens, payloads)
-            took = time.monotonic() - started
+        with paused(cluster, 3, 7):
+            stored, took = timed_store(client, space, tokens, payloads)
             assert (stored.written, stored.failed) == (24, 0)
             assert took < timeout_s / 2, took
             assert_loads(client, space, tokens, 24)
-        finally:
-            cluster.resume(3)
-            cluster.resume(7)
         assert_loads(client, space, tokens, 24)
     with client_for(cluster) as fresh:  # a client that knows of no trouble at all
         assert_loads(fresh, space, tokens, 24)
@@ -183,17 +191,10 @@ def test_a_store_with_two_holders_stopped_sends_their_shards_on_and_is_written(
     config = {"timeout_s": timeout_s, "hedge_ms": 50.0, "chunk_bytes": 4 * P, "window": 4}
     with client_for(cluster, **config) as client:
         assert client.store(space, prompt(4, 26), payloads[:4]).written == 4
-        cluster.pause(3)
-        cluster.pause(7)
-        try:
-            started = time.monotonic()
-            stored = client.store(space, tokens, payloads)
-            took = time.monotonic() - started
+        with paused(cluster, 3, 7):
+            stored, took = timed_store(client, space, tokens, payloads)
             assert (stored.written, stored.failed) == (48, 0)
             assert took < timeout_s / 2, took
-        finally:
-            cluster.resume(3)
-            cluster.resume(7)
         assert_loads(client, space, tokens, 48)
 
 
