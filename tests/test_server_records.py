@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixtures import put_items
 
+from kvcache import native
 from kvcache.credentials import tenant_id
-from kvcache.errors import IntegrityError, ShardFormatError, StorageError
+from kvcache.errors import IntegrityError, ProtocolError, ShardFormatError, StorageError
 from kvcache.server.probe import fake_shard
 from kvcache.server.records import (
     PARTITION_LEN,
@@ -21,6 +22,7 @@ from kvcache.server.records import (
     ClassTable,
     Row,
     check_put,
+    check_put_numpy,
     expiry_entry,
     fresh_rows,
     partition,
@@ -83,6 +85,32 @@ def test_check_put_agrees_with_split_shard(batch: list[tuple[bytes, int, bytes]]
     assert checked.positions == ok
     assert [bytes(r) for r in checked.records] == [batch[i][2] for i in ok]
     assert checked.keys == [TENANT + batch[i][0] + batch[i][1].to_bytes(2, "big") for i in ok]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.lists(mutated_records(), min_size=1, max_size=8), expects=st.data())
+def test_native_put_checks_equal_the_numpy_ones(
+    batch: list[tuple[bytes, int, bytes]], expects: st.DataObject
+) -> None:
+    """kv_check_put (one call per request) gives every field of CheckedPut the numpy
+    columns give, on records mutated every way the reference test mutates them."""
+    if not native.AVAILABLE:
+        pytest.skip("the native helpers are not built (CI requires them)")
+    items, data = put_items(batch)
+    items["expect"] = expects.draw(st.lists(_U64, min_size=len(batch), max_size=len(batch)))
+    fast, slow = check_put(TENANT, items, data), check_put_numpy(TENANT, items, data)
+    assert fast.status.dtype == slow.status.dtype
+    assert fast.status.tolist() == slow.status.tolist()
+    assert (fast.positions, fast.keys, fast.classes) == (slow.positions, slow.keys, slow.classes)
+    assert (fast.stripes, fast.expects, fast.checks) == (slow.stripes, slow.expects, slow.checks)
+    assert [bytes(r) for r in fast.records] == [bytes(r) for r in slow.records]
+
+
+@pytest.mark.parametrize("check", [check_put, check_put_numpy])
+def test_put_lengths_that_do_not_add_up_are_refused(check: object) -> None:
+    items, data = put_items([(os.urandom(16), 0, fake_shard(os.urandom(16), 0, b"x" * 64))])
+    with pytest.raises(ProtocolError, match="add up to"):
+        check(TENANT, items, data[:-1])  # type: ignore[operator]
 
 
 def test_store_keys_round_trip() -> None:

@@ -233,6 +233,83 @@ def test_under_its_budget_a_sparse_segment_is_left_alone(tmp_path: Path, clock: 
         assert store.recount() == store.usage()
 
 
+def node_share(n: int) -> list[tuple[bytes, int, bytes]]:
+    """What one node of twelve gets of block ``n``: one of its shards."""
+    return block_records(key(n), body_len=2048, indices=[n % 12])
+
+
+def fill_full_node(
+    store: ShardStore, clock: FakeClock, *, seconds: int, per_second: int, first: int = 0
+) -> int:
+    """PUT ``per_second`` batches a second, each of one shard of 16 fresh blocks (keys from
+    ``first`` on), for ``seconds`` seconds into a node that fills and evicts, running its
+    maintenance after each PUT as the daemon does; returns the most bytes the segment
+    files took at any point."""
+    most = 0
+    for s in range(seconds):
+        for b in range(per_second):
+            base = first + 1000 * s + 16 * b
+            batch = [shard for n in range(base, base + 16) for shard in node_share(n)]
+            assert put(store, batch) == [Status.OK] * 16
+            store.drain_after_crossing()
+            while store.maintain():
+                pass
+            most = max(most, store.segments.file_bytes)
+        clock.step(1)
+    return most
+
+
+def test_a_full_node_does_not_compact_what_eviction_takes_next(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Shards written in one second share an expiry and are evicted in key order, so a
+    full node thins every segment of the head second at once. Those segments are left to
+    eviction, not compacted (their records are the next to go): no record is copied, the
+    dead space stays within about a second's writes, and what is live reads back whole."""
+    capacity = 1 << 20
+    with ShardStore(tmp_path / "full", capacity_bytes=capacity, clock=clock, segment_bytes=SEG,
+                    segment_budget_bytes=capacity * 8 // 10) as store:  # fmt: skip
+        per_second = 15  # 240 shards, ~520 KiB of records a second: half the node
+        most = fill_full_node(store, clock, seconds=10, per_second=per_second)
+        assert store.counters["evicted_shards"] > 16 * per_second * 5
+        assert store.counters["segments_dropped"] > 20
+        assert store.counters["compacted_shards"] == 0
+        second = 16 * per_second * (2048 + 104 + 64)
+        assert most <= store.segment_budget + 2 * second + 2 * SEG
+        newest = range(9000, 9000 + 16 * per_second)  # the last second: all live
+        status, data, _ = read(store, [(key(n), n % 12) for n in newest])
+        assert status == [Status.OK] * len(newest)
+        assert data == b"".join(r for n in newest for _, _, r in node_share(n))
+        assert store.recount() == store.usage()
+
+
+def test_a_full_node_still_compacts_a_sparse_segment_that_lives_longer(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Under the same pressure, a sparse segment whose shards outlive the head (a longer
+    class) is compacted: its live records move forward, exactly."""
+    policy = RetentionPolicy.from_mapping({"classes": {"chat": "1d", "agent": "7d"}})
+    capacity = 1 << 20
+    with ShardStore(tmp_path / "db", capacity_bytes=capacity, clock=clock, segment_bytes=SEG,
+                    policy=policy, segment_budget_bytes=capacity // 2) as store:  # fmt: skip
+        agent = {n: block_records(key(n), body_len=2048, traffic_class="agent") for n in range(6)}
+        for shards in agent.values():
+            assert put(store, shards) == [Status.OK] * 12
+        gone = [n for n in agent if n % 3]
+        store.delete(T, get_items([(key(n), i) for n in gone for i in range(12)]))
+        clock.step(1)
+        fill_full_node(store, clock, seconds=3, per_second=14, first=10_000)
+        assert store.counters["evicted_shards"] > 0
+        assert store.counters["compacted_shards"] >= 12 * (len(agent) - len(gone))
+        for n, shards in agent.items():
+            status, data, _ = read(store, [(key(n), i) for i in range(12)])
+            if n in gone:
+                assert status == [Status.NOT_FOUND] * 12
+            else:
+                assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert store.recount() == store.usage()
+
+
 def test_the_periodic_sync_syncs_segments_then_the_index(tmp_path: Path, clock: FakeClock) -> None:
     """sync = periodic: the sync thread fdatasyncs the segments written since its last round
     before it syncs LMDB (what a synced index points at is on disk first)."""

@@ -49,6 +49,7 @@ __all__ = [
     "Burst",
     "accept_items",
     "addresses_of",
+    "check_put",
     "ec_run_many",
     "encode_hashed",
     "get_burst",
@@ -69,7 +70,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 13
+_ABI_VERSION = 14
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -128,6 +129,8 @@ def _load() -> Any:
     lib.kv_get_keys.restype = None
     lib.kv_get_quiet.argtypes = [ptr, ptr, size, ptr, size, u64, ptr, ptr, ptr]
     lib.kv_get_quiet.restype = ctypes.c_int64
+    lib.kv_check_put.argtypes = [ptr, ptr, size, ptr, u64, ptr, ptr, ptr, ptr, ptr]
+    lib.kv_check_put.restype = ctypes.c_int64
     for name in ("kv_recv_scatter", "kv_send_gather"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_int, ptr, ptr, size, ptr]
@@ -766,6 +769,7 @@ def put_segments(
 #: GET request item: the layouts kv_get_keys and kv_get_quiet read (kvfast.c).
 STORE_KEY_LEN = 26
 GET_ITEM_LEN = 32
+PUT_ITEM_LEN = 32
 #: Bytes of one getmulti answer row of a daemon's index: a block's key (24), its row (32).
 INDEX_HIT_LEN = 56
 
@@ -825,6 +829,55 @@ def get_quiet(
     if count < 0:
         return None
     return runs[:count], int(total[0])
+
+
+class PutChecks(NamedTuple):
+    """:func:`check_put`'s answer: the status of every item, and for the items that passed
+    (``passed`` of them, in request order) their item positions, their storage keys as one buffer
+    of 26-byte rows, their (offset, length, stripe id, expected stripe, header check)
+    columns and their class fields (S16)."""
+
+    status: npt.NDArray[np.uint8]
+    passed: int
+    positions: npt.NDArray[np.uint64]
+    keys: bytes
+    columns: npt.NDArray[np.uint64]
+    names: npt.NDArray[np.bytes_]
+
+
+def check_put(tenant: bytes, items: npt.NDArray[np.void], data: Any) -> PutChecks | None:
+    """A daemon's checks of a PUT request (``kv_check_put``): the verdicts of
+    ``kvcache.server.records.check_put`` in one call, hashing each record while it is in
+    cache. ``items``: C-contiguous records of the wire's PUT item. None when the items'
+    lengths do not add up to the data's."""
+    assert _LIB is not None
+    n = len(items)
+    status = np.empty(n, np.uint8)
+    positions = np.empty(n, np.uint64)
+    keys = ctypes.create_string_buffer(n * STORE_KEY_LEN)
+    columns = np.empty((n, 5), np.uint64)
+    names = np.empty(n, "S16")
+    size = memoryview(data).nbytes
+    count = int(
+        _LIB.kv_check_put(
+            tenant,
+            _at(items),
+            n,
+            buffer_address(data) if size else None,
+            size,
+            _address_of_writable(status),
+            _address_of_writable(positions),
+            keys,
+            _address_of_writable(columns),
+            _address_of_writable(names),
+        )
+    )
+    if count < 0:
+        return None
+    return PutChecks(
+        status, count, positions[:count], keys.raw[: count * STORE_KEY_LEN], columns[:count],
+        names[:count],
+    )  # fmt: skip
 
 
 _BLOCKING = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})

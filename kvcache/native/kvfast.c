@@ -25,7 +25,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 13; }
+int kv_abi_version(void) { return 14; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -542,6 +542,99 @@ int64_t kv_get_quiet(const uint8_t *items, const uint8_t *keys, size_t n, const 
     }
     *total = sum;
     return m + 1;
+}
+
+/* ---------------------------------------------------------------- the daemon's PUT checks
+ *
+ * kvcache.server.records.check_put over a whole request in one call: the same verdicts, in
+ * the same order of precedence, as its numpy columns (a property test holds them equal).
+ * Layouts: a PUT request item, 32 bytes: block key [0, 16), shard index u16 LE at 16,
+ * length u32 LE at 20, expected stripe u64 LE at 24; a record is the 104-byte shard header
+ * (kvcache.shard.HEADER_DTYPE, little-endian) then its body. */
+#define PUT_ITEM 32
+#define SHARD_HEADER 104
+#define SHARD_CHECKED 100
+enum { ST_OK = 0, ST_BAD_ITEM = 2, ST_CHECKSUM = 3, ST_WRONG_KEY = 4 };
+
+static uint32_t le32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static int name_byte(uint8_t c, int first) {
+    if ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')) return 1;
+    return !first && (c == '_' || c == '-');
+}
+
+/* kvcache.shard.header_verdicts(checksum=False) of one header, and its record's length. */
+static int put_header_ok(const uint8_t *h, uint64_t length) {
+    uint32_t k = h[6], m = h[7], class_len = h[9];
+    uint64_t payload_len = le32(h + 12);
+    if (memcmp(h, "KVSH", 4) != 0 || h[4] != 1 || h[5] != SHARD_HEADER) return 0;
+    if (h[10] != 0 || h[11] != 0 || k < 1 || m > 255 - k || h[8] >= k + m) return 0;
+    if (payload_len < 1 || le64(h + 76) < le64(h + 68)) return 0;
+    uint64_t per = (payload_len + k - 1) / k;
+    uint64_t shard_len = (per + 63) / 64 * 64;
+    if (shard_len != le32(h + 16)) return 0;
+    if (class_len < 1 || class_len > 15) return 0;
+    for (uint32_t c = 0; c < 16; c++) {
+        uint8_t b = h[84 + c];
+        if (c < class_len ? !name_byte(b, c == 0) : b != 0) return 0;
+    }
+    return length == SHARD_HEADER + shard_len;
+}
+
+/* Status per item into status; for the p-th item that passed, in request order: pos[p] its
+ * item, keys[26 p ..] its storage key (tenant's 8 bytes, block key, index u16 BE), cols[5 p
+ * ..] its record's offset and length in data, its header's stripe id, the item's expected
+ * stripe and the header check, names[16 p ..] its header's class field. Returns the count
+ * that passed, or -1 (nothing written) when the items' lengths do not add up to data_len. */
+int64_t kv_check_put(const uint8_t *tenant, const uint8_t *items, size_t n, const uint8_t *data,
+                     uint64_t data_len, uint8_t *status, uint64_t *pos, uint8_t *keys,
+                     uint64_t *cols, uint8_t *names) {
+    uint64_t total = 0;
+    for (size_t j = 0; j < n; j++) total += le32(items + j * PUT_ITEM + 20);
+    if (total != data_len) return -1;
+    int64_t passed = 0;
+    uint64_t off = 0;
+    for (size_t j = 0; j < n; j++) {
+        const uint8_t *item = items + j * PUT_ITEM;
+        uint64_t length = le32(item + 20), at = off;
+        const uint8_t *rec = data + at, *h = rec;
+        off += length;
+        status[j] = ST_BAD_ITEM;
+        if (length < SHARD_HEADER || !put_header_ok(h, length)) continue;
+        uint64_t addr[2] = {(uint64_t)(uintptr_t)rec, (uint64_t)(uintptr_t)(rec + SHARD_HEADER)};
+        uint64_t lens[2] = {SHARD_CHECKED, length - SHARD_HEADER}, sums[2];
+        kv_xxh3_64_many(addr, lens, 2, sums);
+        if ((uint32_t)sums[0] != le32(h + 100)) continue;
+        if (sums[1] != le64(h + 60)) {
+            status[j] = ST_CHECKSUM;
+            continue;
+        }
+        uint16_t index = (uint16_t)(item[16] | (item[17] << 8));
+        if (memcmp(item, h + 28, 16) != 0 || index != h[8]) {
+            status[j] = ST_WRONG_KEY;
+            continue;
+        }
+        status[j] = ST_OK;
+        pos[passed] = j;
+        uint8_t *key = keys + passed * STORE_KEY;
+        memcpy(key, tenant, 8);
+        memcpy(key + 8, item, 16);
+        key[24] = item[17];
+        key[25] = item[16];
+        uint64_t *col = cols + 5 * passed;
+        col[0] = at;
+        col[1] = length;
+        col[2] = le64(h + 20);
+        col[3] = le64(item + 24);
+        col[4] = le32(h + 100);
+        memcpy(names + 16 * passed, h + 84, 16);
+        passed++;
+    }
+    return passed;
 }
 
 /* ---------------------------------------------------------------- the client's GET burst

@@ -504,8 +504,40 @@ def split_store_key(key: bytes | memoryview) -> tuple[TenantId, bytes, int]:
     return TenantId(raw[:TENANT_LEN]), raw[TENANT_LEN:-2], int.from_bytes(raw[-2:], "big")
 
 
+_PUT_ITEM = ITEM_DTYPES[(Op.PUT, False)]
+assert _PUT_ITEM.itemsize == native.PUT_ITEM_LEN
+
+
 def check_put(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> CheckedPut:
-    """Check every record of a PUT batch; never raises on bad records, only marks them."""
+    """Check every record of a PUT batch; never raises on bad records, only marks them.
+    One native call when the helpers are loaded (:func:`check_put_numpy` otherwise)."""
+    if not (
+        native.AVAILABLE and len(items) and items.dtype == _PUT_ITEM and items.flags.c_contiguous
+    ):
+        return check_put_numpy(tenant, items, data)
+    checks = native.check_put(tenant, items, data)
+    if checks is None:
+        total = int(items["length"].astype(np.int64).sum())
+        raise ProtocolError(f"item lengths add up to {total}, data is {len(data)} bytes")
+    if not checks.passed:
+        return CheckedPut(checks.status, [], [], [], [], [], [], [])
+    view = memoryview(data)
+    offset, length, stripe, expect, check = checks.columns.T.tolist()
+    names: dict[bytes, str] = {}
+    return CheckedPut(
+        checks.status,
+        checks.positions.tolist(),
+        split_rows(checks.keys, KEY_LEN),
+        [view[a : a + n] for a, n in zip(offset, length, strict=True)],
+        [names.get(b) or names.setdefault(b, b.decode("ascii")) for b in checks.names.tolist()],
+        stripe,
+        expect,
+        check,
+    )
+
+
+def check_put_numpy(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> CheckedPut:
+    """:func:`check_put` without the native helpers."""
     n = len(items)
     status = np.full(n, Status.BAD_ITEM, dtype=np.uint8)
     if n == 0:

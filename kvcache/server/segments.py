@@ -286,7 +286,10 @@ class SegmentFiles:
         lengths = np.fromiter(map(len, records), np.int64, n)
         total = int(lengths.sum())
         tenant_ids = np.frombuffer(b"".join(k[:_TENANT_LEN] for k in keys), "<u8")
-        tenants, slots = np.unique(tenant_ids, return_inverse=True)
+        if n and tenant_ids.min() == tenant_ids.max():  # one tenant: the usual batch
+            tenants, slots = tenant_ids[:1], np.zeros(n, np.intp)
+        else:
+            tenants, slots = np.unique(tenant_ids, return_inverse=True)
         uniform = 0
         if len(tenants) == 1 and n and int(lengths.min()) == int(lengths.max()):
             uniform = int(lengths[0])  # every record of one length and tenant: no entries
