@@ -8,6 +8,8 @@
 #   store   bench/page_cache.py (what the host's page cache charges a write), bench/native.py
 #           --quick (the store's encode and hashes block by block against three passes) and
 #           bench/client_ab.py --quick --ops store --baseline scratch/base-client
+#   daemon  bench/server.py --quick --no-tls --baseline scratch/base (the daemon alone,
+#           before/after) and bench/profile_daemon.py --op put (where a PUT's CPU goes, by phase)
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
@@ -47,6 +49,16 @@ for part in ${PARTS:-ab peers engine}; do
       bash scripts/bench-gpu.sh "bench/page_cache.py" "bench/native.py --quick" \
         "bench/client_ab.py --quick --ops store --baseline scratch/base-client" || status=1
       ;;
+    daemon)
+      bash scripts/bench-gpu.sh "bench/server.py --quick --no-tls --baseline scratch/base" \
+        || status=1
+      (
+        source scripts/_gpu-site.sh
+        python3 bench/profile_daemon.py --op put --seconds 15 >"$OUT/profile_daemon_put.txt" 2>&1 \
+          || echo "FAILED: bench/profile_daemon.py --op put"
+        tail -n 14 "$OUT/profile_daemon_put.txt"
+      ) || status=1
+      ;;
     peers) RUNS=1 bash scripts/peers-gpu.sh lmcache 2>&1 | tail -n 25 || status=1 ;;
     engine)
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
@@ -71,7 +83,7 @@ for part in ${PARTS:-ab peers engine}; do
         done
       ) || status=1
       ;;
-    *) echo "unknown part: $part (ab, client, store, peers, engine, degraded)" >&2; status=2 ;;
+    *) echo "unknown part: $part (ab, client, store, daemon, peers, engine, degraded)" >&2; status=2 ;;
   esac
 done
 exit "$status"
