@@ -8,6 +8,8 @@ reference shape (112 KiB blocks, 10 + 2, 64 blocks a call, 11 shards asked per b
 - receiving that reply's data section over a socketpair (``recvmsg_into`` over a list of
   views vs ``recv_scatter`` over segments);
 - a PUT's data section for one node (per-shard views vs segments) and sending it;
+- a daemon's checks of that PUT (64 shards: header rules, both checksums, the keys) as
+  numpy columns (``records.check_put_numpy``) vs one ``kv_check_put`` call;
 - a store batch's parity and hashes (XXH3-128 of each payload, XXH3-64 of each of its 12
   shards) as three native passes over the batch against ``encode_hashed``'s one pass that
   works block by block, for 64 and 1,024 blocks, each call after 256 MiB of other memory
@@ -34,13 +36,17 @@ from _common import best_of, commit, machine, parser, print_table, write_json
 
 from kvcache import native
 from kvcache.client.assembly import LoadAssembly
+from kvcache.credentials import tenant_id
 from kvcache.erasure import get_codec
-from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, header_checks, shard_len_for
+from kvcache.server.records import check_put, check_put_numpy
+from kvcache.shard import HEADER_BYTES, HEADER_DTYPE, build_headers, header_checks, shard_len_for
+from kvcache.wire import Op, make_items
 
 P = 114_688
 K, N = 10, 12
 BLOCKS = 64
 L = shard_len_for(P, K)
+TENANT = tenant_id("default")
 
 
 def _python_payload_hashes(rows: np.ndarray) -> list[bytes]:
@@ -72,6 +78,39 @@ def _python_landing_views(
         views.append(hdr[at : at + HEADER_BYTES])
         views.append(flat[b * P + i * L : b * P + i * L + L])
     return views
+
+
+def _node_put(rows: np.ndarray) -> tuple[np.ndarray, memoryview]:
+    """What one node of 12 receives of a store of ``rows``: a PUT of one shard a block."""
+    keys = np.frombuffer(np.random.default_rng(3).bytes(16 * BLOCKS), "V16")
+    stripes = np.arange(1, BLOCKS + 1, dtype=np.uint64)
+    shards = rows.reshape(BLOCKS, -1)[:, :L].copy()  # the first data row of each block
+    headers = build_headers(
+        keys=keys,
+        stripe_ids=stripes,
+        k=K,
+        m=N - K,
+        payload_len=P,
+        payload_hashes=np.zeros(BLOCKS, "V16"),
+        shard_hashes=np.repeat(
+            native.xxh3_64_many(
+                native.addresses_of(shards) + np.arange(BLOCKS, dtype=np.uint64) * np.uint64(L), L
+            )[:, None],
+            N,
+            axis=1,
+        ),
+        traffic_class="chat",
+        created_ms=0,
+        expiry_ms=0,
+    )[:, 0]
+    records = np.empty((BLOCKS, HEADER_BYTES + L), np.uint8)
+    records[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(BLOCKS, HEADER_BYTES)
+    records[:, HEADER_BYTES:] = shards
+    items = make_items(Op.PUT, BLOCKS, reply=False)
+    items["key"] = keys
+    items["index"] = 0
+    items["length"] = HEADER_BYTES + L
+    return items, memoryview(records.tobytes())
 
 
 def _transfer(send: socket.socket, recv_one: object, nbytes: int, payload: bytes) -> None:
@@ -122,6 +161,18 @@ def main() -> None:
         f"header checks of {len(headers)} shard headers",
         lambda: _python_header_checks(headers),
         lambda: header_checks(headers),
+    )
+
+    put_items, put_data = _node_put(rows)
+    fast = check_put(TENANT, put_items, put_data)
+    assert fast.positions == list(range(BLOCKS)) and fast.keys == (
+        check_put_numpy(TENANT, put_items, put_data).keys
+    )
+    row(
+        "put_checks",
+        f"a daemon's checks of a {BLOCKS}-shard PUT",
+        lambda: check_put_numpy(TENANT, put_items, put_data),
+        lambda: check_put(TENANT, put_items, put_data),
     )
 
     out = np.zeros((BLOCKS, P), np.uint8)

@@ -44,6 +44,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import operator
 import struct
 import time
@@ -325,6 +326,8 @@ class ShardStore:
         #: The latest expiry (ms) of what this process appended to each segment (a segment
         #: written before the start is not in it): see :meth:`_goes_first`.
         self._latest_expiry: dict[int, int] = {}
+        #: When reclaim() last found only such segments to compact (monotonic seconds).
+        self._head_looked = -math.inf
         #: Event counters (expired/evicted shards and bytes, errors by kind). The key set
         #: is fixed here, so another thread may copy the dict at any time.
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -1793,15 +1796,22 @@ class ShardStore:
             if not self._sparse or self.segments.file_bytes <= self.segment_budget:
                 return False
             # A full node (within a drain of its low watermark) leaves to eviction what
-            # eviction takes next; any other compacts it (deletes made it sparse).
-            full = self.book.used >= 2 * self._low - self._high
-            head = self._first_expiry_ms() if full else None
+            # eviction takes next; any other compacts it (deletes made it sparse). Finding
+            # the head reads every partition's, so a full node with nothing else to compact
+            # looks again a second later, not at every turn of the loop.
+            head = None
+            if self.book.used >= 2 * self._low - self._high:
+                if self._monotonic() < self._head_looked + 1.0:
+                    return False
+                head = self._first_expiry_ms()
             sparse = [
                 (state[s].live_bytes / state[s].end, s)
                 for s in self._sparse
                 if head is None or not self._goes_first(s, head)
             ]
             if not sparse:
+                if head is not None:
+                    self._head_looked = self._monotonic()
                 return False
             self._compacting = (min(sparse)[1], 0)
         seg, start = self._compacting
