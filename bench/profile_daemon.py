@@ -54,6 +54,9 @@ if os.environ.get("KVCACHE_PROFILE_PHASES") and "server" in sys.argv:
         (store.ShardStore, "_write", "write"), (segments.SegmentFiles, "append", "seg_append"),
         (loop.DataServer, "_send", "send"), (net_loop.SendQueue, "flush", "flush"),
         (loop.DataServer, "_maintain", "maintain"), (loop.DataServer, "serve", "serve"),
+        (store.ShardStore, "_rows_of", "rows_of"), (store.ShardStore, "_write_fresh", "write_fresh"),
+        (store.ShardStore, "_make_room", "make_room"), (store.ShardStore, "_write_usage", "write_usage"),
+        (store.ShardStore, "_pin_rooms", "pin_rooms"), (store.ShardStore, "_make_room_for_quota", "quota"),
     ]:
         wrap(owner, name, phase)
 
