@@ -11,7 +11,7 @@ import lmdb
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_fixtures import FakeClock, block_records, get_items, put_items
+from server_fixtures import FakeClock, block_records, get_items, keys_items, put_items
 
 from kvcache.credentials import tenant_id
 from kvcache.errors import StorageError
@@ -20,7 +20,7 @@ from kvcache.retention import DAY_S, RetentionPolicy
 from kvcache.server.probe import fake_shard
 from kvcache.server.segments import SegmentFd, SegmentFiles
 from kvcache.server.store import ShardStore
-from kvcache.wire import Status
+from kvcache.wire import Op, Status
 
 T = tenant_id("default")
 SEG = 64 << 10  # small segments, so a few blocks fill one
@@ -265,10 +265,10 @@ def test_a_full_node_does_not_compact_what_eviction_takes_next(
     """Shards written in one second share an expiry and are evicted in key order, so a
     full node thins every segment of the head second at once. Those segments are left to
     eviction, not compacted (their records are the next to go): no record is copied, the
-    dead space stays within about a second's writes, and what is live reads back whole."""
+    dead space stays within about two seconds' writes, and what is live reads back whole."""
     capacity = 1 << 20
-    with ShardStore(tmp_path / "full", capacity_bytes=capacity, clock=clock, segment_bytes=SEG,
-                    segment_budget_bytes=capacity * 8 // 10) as store:  # fmt: skip
+    with ShardStore(tmp_path / "full", capacity_bytes=capacity, clock=clock, monotonic=clock,
+                    segment_bytes=SEG, segment_budget_bytes=capacity * 8 // 10) as store:  # fmt: skip
         per_second = 15  # 240 shards, ~520 KiB of records a second: half the node
         most = fill_full_node(store, clock, seconds=10, per_second=per_second)
         assert store.counters["evicted_shards"] > 16 * per_second * 5
@@ -283,30 +283,71 @@ def test_a_full_node_does_not_compact_what_eviction_takes_next(
         assert store.recount() == store.usage()
 
 
-def test_a_full_node_still_compacts_a_sparse_segment_that_lives_longer(
+def test_a_full_node_compacts_a_sparse_segment_that_lives_longer(
     tmp_path: Path, clock: FakeClock
 ) -> None:
-    """Under the same pressure, a sparse segment whose shards outlive the head (a longer
-    class) is compacted: its live records move forward, exactly."""
+    """On a full node, a segment of a longer class that deletes thinned is compacted (its
+    records are not the next to go), even when the node found only head segments to
+    compact a moment before, and while it then idles: its live records move forward,
+    exactly, and the dead space goes."""
     policy = RetentionPolicy.from_mapping({"classes": {"chat": "1d", "agent": "7d"}})
     capacity = 1 << 20
-    with ShardStore(tmp_path / "db", capacity_bytes=capacity, clock=clock, segment_bytes=SEG,
-                    policy=policy, segment_budget_bytes=capacity // 2) as store:  # fmt: skip
+    with ShardStore(tmp_path / "db", capacity_bytes=capacity, clock=clock, monotonic=clock,
+                    segment_bytes=SEG, policy=policy,
+                    segment_budget_bytes=capacity // 2) as store:  # fmt: skip
+        fill_full_node(store, clock, seconds=6, per_second=14)  # chat: full, evicting
         agent = {n: block_records(key(n), body_len=2048, traffic_class="agent") for n in range(6)}
         for shards in agent.values():
             assert put(store, shards) == [Status.OK] * 12
-        gone = [n for n in agent if n % 3]
+        for b in range(3):  # more chat in the same second: their segments are sealed
+            batch = [shard for n in range(50_000 + 16 * b, 50_016 + 16 * b)
+                     for shard in node_share(n)]  # fmt: skip
+            assert put(store, batch) == [Status.OK] * 16
+            store.drain_after_crossing()
+            while store.maintain():  # it finds only head segments to compact, if any
+                pass
+        assert store.book.used >= 0.7 * capacity  # full: within a drain of the low watermark
+        before = store.counters["compacted_shards"]
+        gone = [n for n in agent if n]  # deleted within the second it last looked
         store.delete(T, get_items([(key(n), i) for n in gone for i in range(12)]))
-        clock.step(1)
-        fill_full_node(store, clock, seconds=3, per_second=14, first=10_000)
-        assert store.counters["evicted_shards"] > 0
-        assert store.counters["compacted_shards"] >= 12 * (len(agent) - len(gone))
+        for _ in range(10):  # the node idles: maintenance each second, nothing else
+            while store.maintain():
+                pass
+            clock.step(1)
+        assert store.counters["compacted_shards"] - before >= 12  # block 0's, moved
         for n, shards in agent.items():
             status, data, _ = read(store, [(key(n), i) for i in range(12)])
             if n in gone:
                 assert status == [Status.NOT_FOUND] * 12
             else:
                 assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert store.recount() == store.usage()
+
+
+def test_a_full_node_compacts_the_segments_of_records_a_hit_kept(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Hits slide a few shards' expiries while the rest of their seconds are evicted: the
+    segments they keep alive fall behind the head, and are compacted (they are not the
+    next to go), so the files stay within about a second's writes of their budget."""
+    capacity = 1 << 20
+    hot: list[bytes] = []
+    with ShardStore(tmp_path / "db", capacity_bytes=capacity, clock=clock, monotonic=clock,
+                    segment_bytes=SEG, segment_budget_bytes=capacity * 8 // 10,
+                    touch_resolution_s=1, touch_flush_s=0) as store:  # fmt: skip
+        per_second = 15
+        for s in range(30):
+            fill_full_node(store, clock, seconds=1, per_second=per_second, first=1000 * s)
+            if s < 8:
+                hot.extend(key(1000 * s + 32 * b) for b in range(per_second // 2 + 1))
+            status = store.touch(T, keys_items(Op.TOUCH, hot), "chat")["status"]
+            assert (status == Status.OK).all()  # the hot blocks stay live
+            store.flush_touches()
+        assert store.counters["compacted_shards"] > 0
+        second = 16 * per_second * (2048 + 104 + 64)
+        assert store.segments.file_bytes <= store.segment_budget + second + 2 * SEG
+        status, _, _ = read(store, [(k, int.from_bytes(k, "big") % 12) for k in hot])
+        assert status == [Status.OK] * len(hot)
         assert store.recount() == store.usage()
 
 

@@ -512,7 +512,12 @@ def check_put(tenant: bytes, items: npt.NDArray[np.void], data: memoryview) -> C
     """Check every record of a PUT batch; never raises on bad records, only marks them.
     One native call when the helpers are loaded (:func:`check_put_numpy` otherwise)."""
     if not (
-        native.AVAILABLE and len(items) and items.dtype == _PUT_ITEM and items.flags.c_contiguous
+        native.AVAILABLE
+        and len(items)
+        and items.dtype == _PUT_ITEM
+        and items.flags.c_contiguous
+        and type(tenant) is bytes
+        and len(tenant) == TENANT_LEN
     ):
         return check_put_numpy(tenant, items, data)
     checks = native.check_put(tenant, items, data)

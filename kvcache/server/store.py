@@ -326,8 +326,8 @@ class ShardStore:
         #: The latest expiry (ms) of what this process appended to each segment (a segment
         #: written before the start is not in it): see :meth:`_goes_first`.
         self._latest_expiry: dict[int, int] = {}
-        #: When reclaim() last found only such segments to compact (monotonic seconds).
-        self._head_looked = -math.inf
+        #: The node's earliest live expiry as reclaim() last read it, and when (monotonic s).
+        self._head_seen: tuple[int, float] = (0, -math.inf)
         #: Event counters (expired/evicted shards and bytes, errors by kind). The key set
         #: is fixed here, so another thread may copy the dict at any time.
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -1801,17 +1801,13 @@ class ShardStore:
             # looks again a second later, not at every turn of the loop.
             head = None
             if self.book.used >= 2 * self._low - self._high:
-                if self._monotonic() < self._head_looked + 1.0:
-                    return False
-                head = self._first_expiry_ms()
+                head = self._head_for_compaction()
             sparse = [
                 (state[s].live_bytes / state[s].end, s)
                 for s in self._sparse
                 if head is None or not self._goes_first(s, head)
             ]
             if not sparse:
-                if head is not None:
-                    self._head_looked = self._monotonic()
                 return False
             self._compacting = (min(sparse)[1], 0)
         seg, start = self._compacting
@@ -1825,25 +1821,36 @@ class ShardStore:
         if expiry_ms > self._latest_expiry.get(seg, -1):
             self._latest_expiry[seg] = expiry_ms
 
+    def _head_for_compaction(self) -> int:
+        """The node's earliest live expiry for :meth:`_goes_first`, read at most once a
+        second: reading it visits every partition's first expiry, and reclaim() asks at
+        every turn of a full node's loop. A second-old head is at most a second behind."""
+        head, seen = self._head_seen
+        now = self._monotonic()
+        if now >= seen + 1.0:
+            head = self._first_expiry_ms()
+            self._head_seen = (head, now)
+        return head
+
     def _goes_first(self, seg: int, head_ms: int) -> bool:
         """Whether ``seg``'s records are the node's next to go: every record this process
-        appended there expires within a second of the earliest live expiry of the node
-        (``head_ms``), so eviction empties it before anything newer. Asked while the
-        node is full.
+        appended there expires within two seconds of the earliest live expiry of the node
+        (``head_ms``, read up to a second ago), so eviction empties it before anything
+        newer. Asked while the node is full. A segment whose recorded expiries all lie before the head holds only
+        records whose expiry a hit slid since (the rest are gone): it is compacted as any.
 
         Such a segment is not compacted: copying its live records forward is work thrown
         away. Expiries are whole seconds, and one second's shards are evicted in key
         order, not in the order they were written, so a full node whose writes of one
         second span several segments thins all of them at once; compacting them cost a
         full node 4x the CPU of its PUTs (measured: 2.8 ms against 0.67 ms a 64-shard
-        PUT, 64 MiB node). The dead space left is within the records of one expiry second
-        per class, and it goes with them. A touch that moved a record's expiry since is
-        not seen here: that only delays compaction until the head passes the segment's
-        recorded expiry; a node that stops filling keeps that dead space until the
-        records expire.
+        PUT, 64 MiB node). The dead space left is within the records of two expiry seconds
+        per class, and it goes with them; a node that stops filling keeps it until they
+        expire. A hit that slid a record's expiry is not seen here: that only delays its
+        segment's compaction until the head passes the segment's recorded expiry.
         """
         latest = self._latest_expiry.get(seg)
-        return latest is not None and latest <= head_ms + EXPIRY_UNIT_MS
+        return latest is not None and head_ms <= latest <= head_ms + 2 * EXPIRY_UNIT_MS
 
     def _compact_step(self, seg: int, start: int) -> int | None:
         """Copy the live records of ``seg``'s batches from offset ``start`` forward, about
