@@ -12,6 +12,10 @@
 #           before/after) and bench/profile_daemon.py --op put (where a PUT's CPU goes, by phase)
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
+#   engine-ab  the same headline for scratch/base (its tree and scratch/whl-base's wheels and
+#           libraries) and then for this tree, one run each on one host: the engine's
+#           before/after ($OUT/base, $OUT/new). The daemons and the benchmark import the
+#           tree's kvcache, so the base run swaps the tree's kvcache/ for scratch/base's.
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
 #           this tree and then for scratch/base (its own native libraries): the degraded
 #           load's cost before/after, on the host's cores
@@ -21,6 +25,8 @@
 # Beforehand, on this machine (all git-ignored):
 #   .whl                 kvcache's wheels and libraries, as for scripts/engine-gpu.sh
 #   scratch/base         the daemon's baseline:  git archive COMMIT kvcache | tar -x -C scratch/base
+#   scratch/whl-base     engine-ab's baseline wheels: .whl as gpu-prepare.sh fills it, with
+#                        the base's kvcache wheel, its libkvfast.so / libkvserve.so and COMMIT
 #   scratch/base-client  the client's baseline, the same way
 #                        (each with its own kvcache/native/libkvfast.so when its ABI differs:
 #                        build it with that commit's scripts/build-native.sh)
@@ -64,6 +70,26 @@ for part in ${PARTS:-ab peers engine}; do
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
         | tail -n 40 || status=1
       ;;
+    engine-ab)
+      headline() {
+        mkdir -p "$1"
+        OUT="$1" RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 \
+          2>&1 | grep -E '^\| `(e2e_|load_vs|dsv41|client_c|daemon_cpu)' || echo "FAILED: $1"
+      }
+      if [ ! -d scratch/base/kvcache ] || [ ! -d scratch/whl-base ]; then
+        echo "engine-ab needs scratch/base and scratch/whl-base carried" >&2
+        status=1
+      else
+        mv .whl .whl-new && mv scratch/whl-base .whl && mv kvcache kvcache-new \
+          && cp -r scratch/base/kvcache kvcache && rm -rf /tmp/kvcache-site
+        echo "== base ($(cat .whl/COMMIT 2>/dev/null))"
+        headline "$OUT/base"
+        rm -rf kvcache && mv kvcache-new kvcache && mv .whl scratch/whl-base && mv .whl-new .whl \
+          && rm -rf /tmp/kvcache-site
+        echo "== new ($(cat .whl/COMMIT 2>/dev/null))"
+        headline "$OUT/new"
+      fi
+      ;;
     degraded)
       (
         source scripts/_gpu-site.sh
@@ -83,7 +109,7 @@ for part in ${PARTS:-ab peers engine}; do
         done
       ) || status=1
       ;;
-    *) echo "unknown part: $part (ab, client, store, daemon, peers, engine, degraded)" >&2; status=2 ;;
+    *) echo "unknown part: $part (ab, client, store, daemon, peers, engine, engine-ab, degraded)" >&2; status=2 ;;
   esac
 done
 exit "$status"
