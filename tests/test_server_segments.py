@@ -283,6 +283,34 @@ def test_a_full_node_does_not_compact_what_eviction_takes_next(
         assert store.recount() == store.usage()
 
 
+def test_a_restarted_full_node_still_leaves_its_head_segments_to_eviction(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Each segment's latest expiry is kept in its meta row, so a full node restarted (a
+    rolling restart) still knows which segments eviction empties next, and copies none."""
+
+    def open_full() -> ShardStore:
+        return ShardStore(tmp_path / "full", capacity_bytes=1 << 20, clock=clock,
+                          monotonic=clock, segment_bytes=SEG,
+                          segment_budget_bytes=(1 << 20) * 8 // 10)  # fmt: skip
+
+    with open_full() as store:
+        fill_full_node(store, clock, seconds=4, per_second=15)
+        assert store.counters["compacted_shards"] == 0
+        kept = dict(store._latest_expiry)
+        assert kept and set(kept) <= set(store.segments.state)
+    with open_full() as store:
+        assert store._latest_expiry == kept
+        fill_full_node(store, clock, seconds=6, per_second=15, first=4000)
+        assert store.counters["evicted_shards"] > 16 * 15 * 3
+        assert store.counters["segments_dropped"] > 10
+        assert store.counters["compacted_shards"] == 0
+        assert set(store._latest_expiry) <= set(store.segments.state)  # dropped ones forgotten
+        assert store.recount() == store.usage()
+    with open_full() as store:  # what it dropped is gone from the meta rows too
+        assert set(store._latest_expiry) <= set(store.segments.state)
+
+
 def test_a_full_node_compacts_a_sparse_segment_that_lives_longer(
     tmp_path: Path, clock: FakeClock
 ) -> None:

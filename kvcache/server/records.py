@@ -73,6 +73,7 @@ __all__ = [
     "ROW",
     "ROW_DTYPE",
     "ROW_LEN",
+    "SEGMENT_EXPIRY_PREFIX",
     "SEGMENT_PREFIX",
     "CheckedPut",
     "ClassTable",
@@ -110,6 +111,9 @@ PARTITION_LEN = TENANT_LEN + CLASS_LEN
 USAGE_PREFIX = b"usage:"
 #: Meta rows of the segment files' end and live bytes (kvcache.server.segments).
 SEGMENT_PREFIX = b"seg:"
+#: Meta rows of the latest expiry (ms, u64 big-endian) appended to each segment; a segment
+#: without one (written before they were kept) counts as unknown (ShardStore._goes_first).
+SEGMENT_EXPIRY_PREFIX = b"segx:"
 #: Meta row of the class table (:class:`ClassTable`).
 CLASSES_KEY = b"classes"
 

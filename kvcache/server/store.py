@@ -79,6 +79,7 @@ from kvcache.server.records import (
     ROW,
     ROW_DTYPE,
     ROW_LEN,
+    SEGMENT_EXPIRY_PREFIX,
     SEGMENT_PREFIX,
     TENANT_LEN,
     USAGE_PREFIX,
@@ -323,8 +324,8 @@ class ShardStore:
         self._sealed_upto = -1
         #: Sealed segments under 90 % live: candidates for compaction.
         self._sparse: set[int] = set()
-        #: The latest expiry (ms) of what this process appended to each segment (a segment
-        #: written before the start is not in it): see :meth:`_goes_first`.
+        #: The latest expiry (ms) appended to each segment, as its meta row keeps it (a
+        #: segment written before they were kept is not in it): see :meth:`_goes_first`.
         self._latest_expiry: dict[int, int] = {}
         #: The node's earliest live expiry as reclaim() last read it, and when (monotonic s).
         self._head_seen: tuple[int, float] = (0, -math.inf)
@@ -630,7 +631,7 @@ class ShardStore:
                         cols.keep_last()
                     seg, first, prior_state = self.segments.append(cols.keys, cols.records)
                     appended = (seg, prior_state)
-                    self._note_expiry(seg, max(cols.expiry))
+                    self._note_expiry(txn, seg, max(cols.expiry))
                     lengths = np.fromiter(map(len, cols.records), np.int64, len(cols.records))
                     rows = fresh_rows(
                         cols.keys,
@@ -1776,6 +1777,7 @@ class ShardStore:
             with self._env.begin(write=True) as txn:
                 for seg in empty:
                     txn.delete(SEGMENT_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
+                    txn.delete(SEGMENT_EXPIRY_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
             for seg in empty:
                 seg_files.drop(seg)
                 self._latest_expiry.pop(seg, None)
@@ -1817,9 +1819,12 @@ class ShardStore:
             self.counters["segments_compacted"] += 1
         return True
 
-    def _note_expiry(self, seg: int, expiry_ms: int) -> None:
+    def _note_expiry(self, txn: lmdb.Transaction, seg: int, expiry_ms: int) -> None:
+        """Keep ``seg``'s latest expiry (in memory and, in ``txn``, in its meta row)."""
         if expiry_ms > self._latest_expiry.get(seg, -1):
             self._latest_expiry[seg] = expiry_ms
+            txn.put(SEGMENT_EXPIRY_PREFIX + seg.to_bytes(4, "big"), _U64.pack(expiry_ms),
+                    db=self._meta)  # fmt: skip
 
     def _head_for_compaction(self) -> int:
         """The node's earliest live expiry for :meth:`_goes_first`, read at most once a
@@ -1890,7 +1895,7 @@ class ShardStore:
                     offset = first
                     for skey, raw, record in zip(keys, olds, records, strict=True):
                         moved = replace(Row.unpack(raw, self.classes), seg=new, off=offset)
-                        self._note_expiry(new, moved.expiry_ms)
+                        self._note_expiry(txn, new, moved.expiry_ms)
                         offset += len(record)
                         txn.delete(skey[:BLOCK_LEN], raw, db=self._index)
                         txn.put(skey[:BLOCK_LEN], moved.pack(self.classes), db=self._index)
@@ -1991,6 +1996,13 @@ class ShardStore:
                         break
                     seg = int.from_bytes(key[len(SEGMENT_PREFIX) :], "big")
                     segments[seg] = SegmentState.unpack(bytes(value))
+            latest: dict[int, int] = {}
+            if cursor.set_range(SEGMENT_EXPIRY_PREFIX):
+                for key, value in cursor:
+                    if not key.startswith(SEGMENT_EXPIRY_PREFIX):
+                        break
+                    seg = int.from_bytes(key[len(SEGMENT_EXPIRY_PREFIX) :], "big")
+                    latest[seg] = _U64.unpack(value)[0]
             lost = self._lost_segments(segments)
             forgotten = Deltas()
             if lost:
@@ -1998,6 +2010,10 @@ class ShardStore:
                 for seg in lost:
                     txn.delete(SEGMENT_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
                     segments.pop(seg)
+            for seg in set(latest) - set(segments):  # a segment gone: its row goes too
+                txn.delete(SEGMENT_EXPIRY_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
+                del latest[seg]
+        self._latest_expiry = latest
         self.book.apply(forgotten)
         self.segments.load(segments)
         if raw_policy is not None:
