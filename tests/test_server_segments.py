@@ -64,6 +64,18 @@ def churn_segments(store: ShardStore) -> None:
     assert store.counters["segments_dropped"] >= 5
 
 
+def assert_blocks(
+    store: ShardStore, blocks: dict[int, list[tuple[bytes, int, bytes]]], gone: list[int]
+) -> None:
+    """Every block of ``gone`` is not found; every other reads back whole, byte for byte."""
+    for n, shards in blocks.items():
+        status, data, _ = read(store, [(key(n), i) for i in range(12)])
+        if n in gone:
+            assert status == [Status.NOT_FOUND] * 12
+        else:
+            assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+
+
 def seg_files(path: Path) -> list[Path]:
     return sorted((path / "segments").glob("*.seg"))
 
@@ -148,12 +160,7 @@ def test_compaction_moves_live_records_and_keeps_their_bytes(
                 break
         assert store.counters["compacted_shards"] > 0
         assert store.segments.file_bytes <= 150 << 10
-        for n, shards in blocks.items():
-            status, data, _ = read(store, [(key(n), i) for i in range(12)])
-            if n in gone:
-                assert status == [Status.NOT_FOUND] * 12
-            else:
-                assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert_blocks(store, blocks, gone)
         assert store.recount() == store.usage()
         # Scrub's reader sees the moved records whole.
         assert len(store.records_after(b"", max_bytes=1 << 30)) == 12 * (8 - len(gone))
@@ -343,12 +350,7 @@ def test_a_full_node_compacts_a_sparse_segment_that_lives_longer(
                 pass
             clock.step(1)
         assert store.counters["compacted_shards"] - before >= 12  # block 0's, moved
-        for n, shards in agent.items():
-            status, data, _ = read(store, [(key(n), i) for i in range(12)])
-            if n in gone:
-                assert status == [Status.NOT_FOUND] * 12
-            else:
-                assert status == [Status.OK] * 12 and data == b"".join(r for _, _, r in shards)
+        assert_blocks(store, agent, gone)
         assert store.recount() == store.usage()
 
 

@@ -1982,27 +1982,17 @@ class ShardStore:
             self.classes = ClassTable.unpack(txn.get(CLASSES_KEY, db=self._meta))
             raw_policy = txn.get(b"policy", db=self._meta)
             cursor = txn.cursor(db=self._meta)
-            rows = []
-            if cursor.set_range(USAGE_PREFIX):
-                for key, value in cursor:
-                    if not key.startswith(USAGE_PREFIX):
-                        break
-                    rows.append((bytes(key), bytes(value)))
-            self.book.load(rows)
-            segments: dict[int, SegmentState] = {}
-            if cursor.set_range(SEGMENT_PREFIX):
-                for key, value in cursor:
-                    if not key.startswith(SEGMENT_PREFIX):
-                        break
-                    seg = int.from_bytes(key[len(SEGMENT_PREFIX) :], "big")
-                    segments[seg] = SegmentState.unpack(bytes(value))
-            latest: dict[int, int] = {}
-            if cursor.set_range(SEGMENT_EXPIRY_PREFIX):
-                for key, value in cursor:
-                    if not key.startswith(SEGMENT_EXPIRY_PREFIX):
-                        break
-                    seg = int.from_bytes(key[len(SEGMENT_EXPIRY_PREFIX) :], "big")
-                    latest[seg] = _U64.unpack(value)[0]
+            self.book.load(
+                [(USAGE_PREFIX + rest, value) for rest, value in _meta_rows(cursor, USAGE_PREFIX)]
+            )
+            segments = {
+                int.from_bytes(rest, "big"): SegmentState.unpack(value)
+                for rest, value in _meta_rows(cursor, SEGMENT_PREFIX)
+            }
+            latest = {
+                int.from_bytes(rest, "big"): _U64.unpack(value)[0]
+                for rest, value in _meta_rows(cursor, SEGMENT_EXPIRY_PREFIX)
+            }
             lost = self._lost_segments(segments)
             forgotten = Deltas()
             if lost:
@@ -2027,6 +2017,18 @@ class ShardStore:
                 )
             self.policy = persisted
         self._next_sweep_ms = self._first_expiry_ms()
+
+
+def _meta_rows(cursor: lmdb.Cursor, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """The meta rows whose keys start with ``prefix``: (the rest of the key, value)."""
+    rows: list[tuple[bytes, bytes]] = []
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            raw = bytes(key)
+            if not raw.startswith(prefix):
+                break
+            rows.append((raw[len(prefix) :], bytes(value)))
+    return rows
 
 
 def _bytes_by_class(c: CheckedPut) -> dict[str, int]:
