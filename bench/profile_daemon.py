@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -74,13 +75,21 @@ N = 1024
 B = 64
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=("get", "put"), default="get")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--no-native-plane", action="store_true")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvcache-phases-"))
+    try:
+        return _run(args, work)
+    finally:  # the cluster's files are gigabytes: never left behind
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path) -> int:
+    """The profiled run, its files in ``work``; prints the table."""
     (work / "site").mkdir()
     (work / "site" / "sitecustomize.py").write_text(SITE)
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -121,6 +130,7 @@ def main() -> None:
     print("\n| phase | calls | CPU s | µs per call of 64 blocks |\n|---|---:|---:|---:|")
     for phase, ns, calls in sorted(rows, key=lambda r: -int(r[1])):
         print(f"| {phase} | {calls} | {int(ns) / 1e9:.3f} | {int(ns) / 1e3 / per:.0f} |")
+    return 0
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ __all__ = [
     "BlockKey",
     "Namespace",
     "TokenArray",
+    "are_block_keys",
     "as_token_array",
     "block_keys",
     "full_blocks",
@@ -50,6 +51,15 @@ KEY_BYTES = 16
 
 BlockKey = NewType("BlockKey", bytes)
 TokenArray = npt.NDArray[np.uint32]
+
+
+def are_block_keys(keys: Sequence[object]) -> bool:
+    """Whether every item of ``keys`` is a block key: bytes (or a bytes subclass) of
+    :data:`KEY_BYTES`. Judged by type and length over the whole list at once (``map`` of
+    builtins), not a Python step per key: a 64-block call checks its keys on every load."""
+    types = set(map(type, keys))
+    return all(issubclass(t, bytes) for t in types) and set(map(len, keys)) <= {KEY_BYTES}  # type: ignore[arg-type]
+
 
 _MAX_FIELD = 1024
 _U32_CODE = "I" if array.array("I").itemsize == 4 else "L"

@@ -187,10 +187,8 @@ def encoded(
         now_ms=5,
     )
     records = {}
-    for node in range(N):
-        b = np.arange(count)
-        i = np.full(count, node)
-        items, data = batch.node_sections(b, i)
+    parts = [(np.arange(count), np.full(count, node)) for node in range(N)]
+    for (b, i), (items, data) in zip(parts, batch.sections(parts), strict=True):
         shard_len = batch.shard_len
         assert list(items["length"]) == [HEADER_BYTES + shard_len] * count
         raw = b"".join(bytes(v) for v in data.views())
@@ -200,6 +198,45 @@ def encoded(
             assert header.stripe_id == batch.stripe_ids[bb]
             records[(int(bb), int(ii))] = rec
     return ks, records, batch.stripe_ids, payloads
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.tuples(st.integers(0, 4), st.integers(0, N - 1)), max_size=9), max_size=6),
+    st.booleans(),
+)
+def test_sections_give_each_node_its_items_and_segments(
+    parts_drawn: list[list[tuple[int, int]]], with_expect: bool
+) -> None:
+    """Every node's PUT from one sections() call: its items name its shards (key, index,
+    length, the stripe it may replace) and its segments are each shard's header then its
+    body, whatever the nodes' shard counts (none included)."""
+    codec = get_codec(ErasureParams(k=K, m=N - K), Backend.NUMPY)
+    ks = [BlockKey(bytes([b]) * 16) for b in range(5)]
+    batch = encode_batch(
+        codec, ks, as_payload_rows([payload_for_key(k, 640) for k in ks], 640),
+        payload_len=640, traffic_class="chat", now_ms=5,
+    )  # fmt: skip
+    expect = np.arange(5 * N, dtype=np.uint64).reshape(5, N) + 1 if with_expect else None
+    parts = [
+        (np.array([b for b, _ in p], np.int64), np.array([i for _, i in p], np.int64))
+        for p in parts_drawn
+    ]
+    out = batch.sections(parts, expect)
+    assert len(out) == len(parts)
+    record = HEADER_BYTES + batch.shard_len
+    for (b, i), (items, data) in zip(parts, out, strict=True):
+        assert [bytes(k) for k in items["key"]] == [bytes(ks[x]) for x in b.tolist()]
+        assert items["index"].tolist() == i.tolist()
+        assert items["length"].tolist() == [record] * len(b)
+        want = [0] * len(b) if expect is None else expect[b, i].tolist()
+        assert items["expect"].tolist() == want
+        assert data.nbytes == record * len(b) and data.count == 2 * len(b)
+        raw = b"".join(bytes(v) for v in data.views())
+        for j, (x, y) in enumerate(zip(b.tolist(), i.tolist(), strict=True)):
+            rec = raw[j * record : (j + 1) * record]
+            assert rec[:HEADER_BYTES] == batch.headers[x, y].tobytes()
+            assert rec[HEADER_BYTES:] == batch.body(x, y)
 
 
 @pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.ISAL])

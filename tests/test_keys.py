@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 import kvcache
 from kvcache.errors import ConfigError
-from kvcache.keys import BLOCK_TAG, NAMESPACE_TAG, Namespace, as_token_array, block_keys
+from kvcache.keys import (
+    BLOCK_TAG,
+    NAMESPACE_TAG,
+    Namespace,
+    are_block_keys,
+    as_token_array,
+    block_keys,
+)
 from kvcache.layout import DType, KVLayout
 
 SMALL = KVLayout(tokens_per_block=4, bytes_per_token=2, dtype=DType.FLOAT16, layers_in_block=1)
@@ -163,3 +170,26 @@ def test_public_names_pinned() -> None:
     assert sorted(kvcache.__all__) == sorted(
         ["REFERENCE_LAYOUT", "BlockKey", "DType", "KVLayout", "Namespace", "block_keys"]
     )
+
+
+class _KeyBytes(bytes):
+    """A bytes subclass, as a caller's own key type may be."""
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(min_size=14, max_size=18),
+            st.binary(min_size=16, max_size=16).map(_KeyBytes),
+            st.binary(min_size=16, max_size=16).map(bytearray),
+            st.text(min_size=16, max_size=16),
+            st.integers(),
+            st.none(),
+        ),
+        max_size=8,
+    )
+)
+def test_are_block_keys_is_the_per_key_rule(keys: list[object]) -> None:
+    """The whole-list check says what a check of each key would: bytes of 16."""
+    assert are_block_keys(keys) == all(isinstance(k, bytes) and len(k) == 16 for k in keys)

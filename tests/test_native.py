@@ -459,24 +459,6 @@ def test_native_accept_checks_the_identity_but_an_unknown_stripe() -> None:
     assert np.flatnonzero(asm.not_found).tolist() == [3]
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(0, 30), st.integers(0, 2**32))
-def test_put_segments_interleave_headers_and_bodies(count: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    n, blocks_in_batch = 12, 5
-    bodies = rng.integers(1, 2**40, (blocks_in_batch, n)).astype(np.uint64)
-    b = rng.integers(0, blocks_in_batch, count).astype(np.int64)
-    i = rng.integers(0, n, count).astype(np.int64)
-    seg = native.put_segments(
-        b, i, n=n, header_bytes=104, headers_at=4096, bodies=bodies, body_len=777, keepalive=None
-    )
-    want_addrs, want_lens = [], []
-    for bb, ii in zip(b.tolist(), i.tolist(), strict=True):
-        want_addrs += [4096 + (bb * n + ii) * 104, int(bodies[bb, ii])]
-        want_lens += [104, 777]
-    assert seg.addrs.tolist() == want_addrs and seg.lens.tolist() == want_lens
-
-
 @needs_native
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.binary(min_size=0, max_size=3000), min_size=1, max_size=8))

@@ -32,7 +32,7 @@ from kvcache.client.transport import Transport
 from kvcache.cluster import ClusterMap
 from kvcache.errors import ArgumentError, ClosedError, ConfigError
 from kvcache.gc_pause import gc_paused
-from kvcache.keys import BlockKey, Namespace, block_keys
+from kvcache.keys import BlockKey, Namespace, are_block_keys, block_keys
 from kvcache.retention.decide import Hint
 from kvcache.wire import NO_RETAIN, Op, Retain
 
@@ -156,7 +156,7 @@ class Client:
         """Like :meth:`match_prefix` for block keys computed by the caller (e.g. an engine's own
         prefix hashes mapped to keys); ``keys`` must be a prefix chain, first block first."""
         keys = list(keys)
-        if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+        if not are_block_keys(keys):
             raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
         return match_keys(self._core, keys, tokens_per_block=tokens_per_block)
 
@@ -167,7 +167,7 @@ class Client:
         """:meth:`match_keys`, plus the SWA holder records the nodes keep for ``keys``, in
         the same round trip (``kvcache.swa_local.directory`` parses them)."""
         keys = list(keys)
-        if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+        if not are_block_keys(keys):
             raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
         return match_with_directory(self._core, keys, tokens_per_block=tokens_per_block)
 
@@ -224,7 +224,7 @@ class Client:
         """
         if not isinstance(match, MatchResult):
             keys = list(match) if isinstance(match, Sequence) else None
-            if keys is None or any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+            if keys is None or not are_block_keys(keys):
                 raise ArgumentError(
                     "match must be a MatchResult or a sequence of 16-byte block keys"
                 )

@@ -84,35 +84,72 @@ class EncodedBatch:
     shard_len: int
     #: Arrays the addresses point into (kept alive with the batch).
     keepalive: list[Any]
-    #: The keys as one array of 16-byte records (made by the first node_sections).
+    #: The keys as one array of 16-byte records (made by the first :meth:`sections`).
     key_words: npt.NDArray[np.void] | None = None
 
     def body(self, b: int, i: int) -> bytes:
         """A copy of shard ``i`` of block ``b`` (tests and diagnostics)."""
         return ctypes.string_at(int(self.addresses[b, i]), self.shard_len)
 
-    def node_sections(
-        self, blocks: npt.NDArray[np.int64], indices: npt.NDArray[np.int64], expect: Any = 0
-    ) -> tuple[npt.NDArray[np.void], native.Segments]:
-        """PUT items and the data section for the shards (blocks[j], indices[j]) of one
-        node: each shard's header, then its body, as segments for one gather send."""
-        items = make_items(Op.PUT, len(blocks), reply=False)
-        if self.key_words is None:  # once a batch, not once a node
+    def sections(
+        self,
+        parts: Sequence[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]],
+        expect: npt.NDArray[np.uint64] | None = None,
+    ) -> list[tuple[npt.NDArray[np.void], native.Segments]]:
+        """Each node's PUT: its items, and its data section as segments for one gather
+        send (per shard (blocks[j], indices[j]) its header, then its body). ``parts`` are
+        the nodes' (blocks, indices), ``expect`` the (blocks, n) stripes a PUT may replace
+        (None: none). All nodes' items are one array and their segment tables one buffer,
+        built with a few whole-array steps, and each node gets its slices: a store to a
+        large cluster sends each node a few shards, so per-node steps, not bytes, decide
+        its cost there."""
+        if not parts:
+            return []
+        counts = np.fromiter((len(b) for b, _ in parts), np.int64, len(parts))
+        blocks = np.concatenate([b for b, _ in parts]).astype(np.int64, copy=False)
+        indices = np.concatenate([i for _, i in parts]).astype(np.int64, copy=False)
+        total = len(blocks)
+        items = make_items(Op.PUT, total, reply=False)
+        if self.key_words is None:
             self.key_words = np.frombuffer(b"".join(self.keys), "V16")
-        items["key"] = self.key_words[blocks] if len(blocks) else b""
+        items["key"] = self.key_words[blocks] if total else b""
         items["index"] = indices
         items["length"] = HEADER_BYTES + self.shard_len
-        items["expect"] = expect
-        return items, native.put_segments(
-            blocks,
-            indices,
-            n=self.headers.shape[1],
-            header_bytes=HEADER_BYTES,
-            headers_at=native.addresses_of(self.headers),
-            bodies=self.addresses,
-            body_len=self.shard_len,
-            keepalive=self,
+        items["expect"] = expect[blocks, indices] if total and expect is not None else 0
+        # Each node's table: 2c addresses, 2c lengths (header, body per shard), 3 words of
+        # send state (zero); one buffer holds them all, node after node.
+        words = 4 * counts + 3
+        table_at = np.zeros(len(parts), np.int64)
+        np.cumsum(words[:-1], out=table_at[1:])
+        tables = np.zeros(int(words.sum()), np.uint64)
+        first = np.repeat(np.arange(len(parts)), counts)
+        shard_at = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        addr_at = table_at[first] + 2 * shard_at
+        len_at = addr_at + 2 * counts[first]
+        cell = blocks.astype(np.uint64) * np.uint64(self.headers.shape[1]) + indices.astype(
+            np.uint64
         )
+        tables[addr_at] = np.uint64(native.addresses_of(self.headers)) + cell * np.uint64(
+            HEADER_BYTES
+        )
+        tables[addr_at + 1] = self.addresses.reshape(-1)[cell.astype(np.int64)]
+        tables[len_at] = HEADER_BYTES
+        tables[len_at + 1] = self.shard_len
+        base = native.addresses_of(tables)
+        size = HEADER_BYTES + self.shard_len
+        out = []
+        ends = np.cumsum(counts).tolist()
+        for c, at, end in zip(counts.tolist(), table_at.tolist(), ends, strict=True):
+            table = tables[at : at + 4 * c + 3]
+            out.append(
+                (
+                    items[end - c : end],
+                    native.Segments(
+                        table, 2 * c, 2 * c, (self, tables), at=base + 8 * at, nbytes=c * size
+                    ),
+                )
+            )
+        return out
 
 
 def encode_batch(

@@ -669,15 +669,20 @@ class PutRound:
 
     def on_reply(self, ticket: int, stored: BoolArray, now: float) -> None:
         """Which shards of ``ticket`` the node stored."""
-        if ticket not in self.pending:
-            return
-        self.pending.discard(ticket)
-        self._last_reply = now
-        send = self.sends[ticket]
-        moved = send.node in self.stalled
-        self.acks[send.blocks[stored], send.indices[stored]] = True
-        if moved and stored.any():
-            self.late_acks.append((send.node, np.unique(send.blocks[stored])))
+        self.on_replies([(ticket, stored)], now)
+
+    def on_replies(self, replies: Sequence[tuple[int, BoolArray]], now: float) -> None:
+        """:meth:`on_reply` for replies that arrived together (a burst's, one per node):
+        the round is judged once for all of them."""
+        for ticket, stored in replies:
+            if ticket not in self.pending:
+                continue
+            self.pending.discard(ticket)
+            self._last_reply = now
+            send = self.sends[ticket]
+            self.acks[send.blocks[stored], send.indices[stored]] = True
+            if send.node in self.stalled and stored.any():
+                self.late_acks.append((send.node, np.unique(send.blocks[stored])))
         self._check(now)
 
     def on_failure(self, ticket: int, now: float) -> list[Send]:

@@ -50,12 +50,16 @@ from kvcache.client.plan import HeldShards, best_counts
 from kvcache.client.rounds import PutRound, Send
 from kvcache.client.view import ClusterView
 from kvcache.errors import ArgumentError, ConfigError
-from kvcache.keys import BlockKey
+from kvcache.keys import BlockKey, are_block_keys
 from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 __all__ = ["Payloads", "StoreResult", "store_keys", "touch_or_delete"]
 
 log = logging.getLogger(__name__)
+
+#: A CONFLICT item's status as a plain int: numpy compares an array with it directly (an
+#: enum member costs a failed attribute lookup on its class per comparison).
+_CONFLICT = int(Status.CONFLICT)
 
 #: A chunk written longer than this after the store's HAS asks again what it may replace:
 #: well inside the daemons' ``replace_after_s`` (10 s by default), so a long store never
@@ -92,7 +96,7 @@ def store_keys(
     keys = list(keys)
     if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
         raise ArgumentError(f"payload_len must be a positive int, got {payload_len!r}")
-    if any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+    if not are_block_keys(keys):
         raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
     try:
         rows = as_payload_rows(payloads, payload_len)
@@ -148,7 +152,8 @@ def _store(
     view = core.view()
     up = core.up_mask(view)
     placement_rows, redirected, order = view.targets(keys, up)
-    read_rows = view.read_rows(keys, placement_rows)
+    # Where a HAS asks: only a store that asks first needs it.
+    read_rows = view.read_rows(keys, placement_rows) if ask else placement_rows
     if ask:
         held = held_shards(
             core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
@@ -376,14 +381,15 @@ def _start_put(
     )
     core.count("shards_redirected", int(redirected[group].sum()))
     pump = Pump(core.transport, core.health, core.clock)
-    puts = []
-    for send in round_.start(core.clock()):
-        items, data = batch.node_sections(
-            send.blocks, send.indices, expect[group[send.blocks], send.indices]
+    sends = round_.start(core.clock())
+    puts = [
+        PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
+        for send, (items, data) in zip(
+            sends,
+            batch.sections([(s.blocks, s.indices) for s in sends], expect[group]),
+            strict=True,
         )
-        puts.append(
-            PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
-        )
+    ]
     if burst:
         # The burst returns once at most the holders a block may lack for a while are out
         # (n - k: the round hedges a silent holder by sending its shards on).
@@ -408,29 +414,29 @@ def _drive_put(
     (this round sends their shards on at once)."""
 
     def send_on(sends: list[Send]) -> None:
-        for send in sends:
-            items, data = batch.node_sections(
-                send.blocks, send.indices, group_expect[send.blocks, send.indices]
-            )
+        sections = batch.sections([(s.blocks, s.indices) for s in sends], group_expect)
+        for send, (items, data) in zip(sends, sections, strict=True):
             pump.submit(
                 PumpedExchange(pump, send.ticket, send.node, Op.PUT, items, data, retain=retain)
             )
 
     send_on(round_.begin(core.clock(), silent))
     while not round_.done:
+        stored: list[tuple[int, npt.NDArray[np.bool_]]] = []
         for event in pump.wait(round_.next_wakeup()):
-            now = core.clock()
             if event.reply is None:
-                send_on(round_.on_failure(event.ticket, now))
+                send_on(round_.on_failure(event.ticket, core.clock()))
                 continue
             statuses = event.reply.items["status"]
-            conflicts = statuses == Status.CONFLICT
+            conflicts = statuses == _CONFLICT
             if conflicts.any():
                 core.count("write_conflicts", int(np.count_nonzero(conflicts)))
                 sent = round_.sends.get(event.ticket)
                 if sent is not None and len(sent.blocks) == len(statuses):
                     round_.conflicts[sent.blocks[conflicts]] = True
-            round_.on_reply(event.ticket, statuses == 0, now)
+            stored.append((event.ticket, statuses == 0))
+        if stored:
+            round_.on_replies(stored, core.clock())
         send_on(round_.tick(core.clock()))
     # Counted from the round's start: a round that ran to its deadline marks the nodes that
     # never answered down, so the next store sends their shards elsewhere at once.

@@ -56,7 +56,6 @@ __all__ = [
     "get_keys",
     "get_quiet",
     "landing_segments",
-    "put_segments",
     "recv_hashed",
     "recv_scatter",
     "send_gather",
@@ -70,7 +69,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 14
+_ABI_VERSION = 15
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -101,8 +100,6 @@ def _load() -> Any:
     lib.kv_landing_segments.argtypes = [ptr, ptr, ptr, ptr, ptr, size, ptr, ptr, ptr]
     lib.kv_landing_segments.restype = size
     u64 = ctypes.c_uint64
-    lib.kv_put_segments.argtypes = [ptr, ptr, size, u64, u64, u64, ptr, u64, ptr, ptr]
-    lib.kv_put_segments.restype = size
     lib.kv_accept_items.argtypes = [ptr, ptr, ptr, ptr, size, *[ptr] * 9]
     lib.kv_accept_items.restype = size
     lib.kv_accept_get_reply.argtypes = [ptr, size, *[ptr] * 11]
@@ -722,47 +719,6 @@ def landing_segments(
     )
     seg = Segments(table, cap, int(used), keepalive)
     return seg
-
-
-def put_segments(
-    blocks: npt.NDArray[np.int64],
-    indices: npt.NDArray[np.int64],
-    *,
-    n: int,
-    header_bytes: int,
-    headers_at: int,
-    bodies: U64Array,
-    body_len: int,
-    keepalive: Any,
-) -> Segments:
-    """A PUT's data section: per shard (blocks[j], indices[j]) its header in the
-    (blocks, n) table at ``headers_at``, then its body at ``bodies[b, i]``."""
-    count = len(blocks)
-    table, cap = Segments.empty(2 * count)
-    if _LIB is None:
-        at = np.asarray(blocks, np.uint64) * np.uint64(n) + np.asarray(indices, np.uint64)
-        table[0 : 2 * count : 2] = headers_at + at * np.uint64(header_bytes)
-        table[1 : 2 * count : 2] = bodies.reshape(-1)[at.astype(np.int64)]
-        table[cap : cap + 2 * count : 2] = header_bytes
-        table[cap + 1 : cap + 2 * count : 2] = body_len
-        return Segments(table, cap, 2 * count, keepalive)
-    b = np.ascontiguousarray(blocks, np.int64)
-    i = np.ascontiguousarray(indices, np.int64)
-    flat = np.ascontiguousarray(bodies, np.uint64)
-    base = _address_of_writable(table)
-    used = _LIB.kv_put_segments(
-        addresses_of(b),
-        addresses_of(i),
-        count,
-        n,
-        header_bytes,
-        headers_at,
-        addresses_of(flat),
-        body_len,
-        base,
-        base + 8 * cap,
-    )
-    return Segments(table, cap, int(used), (keepalive, b, i, flat))
 
 
 #: Bytes of a storage key (tenant 8, block key 16, shard index u16 big-endian) and of a

@@ -25,7 +25,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 14; }
+int kv_abi_version(void) { return 15; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -260,23 +260,6 @@ size_t kv_landing_segments(const int64_t *blocks, const int64_t *indices,
         }
     }
     return c;
-}
-
-/* A PUT's data section (kvcache.client.encoding.EncodedBatch.node_sections): per shard
- * (blocks[j], indices[j]) its header in the (blocks, n) headers table, then its body at
- * bodies[b * n + i]. Returns the segment count (2 per shard). */
-size_t kv_put_segments(const int64_t *blocks, const int64_t *indices, size_t count,
-                       uint64_t n, uint64_t header_bytes, uint64_t headers_at,
-                       const uint64_t *bodies, uint64_t body_len, uint64_t *addrs,
-                       uint64_t *lens) {
-    for (size_t j = 0; j < count; j++) {
-        uint64_t at = (uint64_t)blocks[j] * n + (uint64_t)indices[j];
-        addrs[2 * j] = headers_at + at * header_bytes;
-        lens[2 * j] = header_bytes;
-        addrs[2 * j + 1] = bodies[at];
-        lens[2 * j + 1] = body_len;
-    }
-    return 2 * count;
 }
 
 /* Are a[0..len) and b[0..len) equal outside [s1, s1 + n1) and [s2, s2 + n2)? */
