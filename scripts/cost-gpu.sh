@@ -11,6 +11,8 @@
 #   daemon  bench/server.py --quick --no-tls --baseline scratch/base (the daemon alone,
 #           before/after) and bench/profile_daemon.py --op put (where a PUT's CPU goes, by phase)
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
+#   pool    bench/pool_cost.py for DeepSeek V4.1's 112 KiB blocks and Llama's 2 MiB ones, with
+#           0, 4, 8 and 12 I/O processes: what the client's I/O pool costs per block
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
 #   engine-ab  the same headline for scratch/base (its tree and scratch/whl-base's wheels and
 #           libraries) and then for this tree, one run each on one host: the engine's
@@ -66,6 +68,10 @@ for part in ${PARTS:-ab peers engine}; do
       ) || status=1
       ;;
     peers) RUNS=1 bash scripts/peers-gpu.sh lmcache 2>&1 | tail -n 25 || status=1 ;;
+    pool)
+      bash scripts/bench-gpu.sh "bench/pool_cost.py --shape dsv41 --processes 0,4,8,12" \
+        "bench/pool_cost.py --shape llama --processes 0,4,8,12" || status=1
+      ;;
     engine)
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
         | tail -n 40 || status=1
