@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvcache.client.health import LatencyTracker, NodeHealth
 
 
@@ -62,3 +65,30 @@ def test_hedge_deadline_follows_recent_latency() -> None:
     for _ in range(256):
         tracker.record(0.0001)
     assert tracker.hedge_after() == 0.002
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["down", "up", "wait"]), st.sampled_from("abcd"),
+                  st.floats(0.0, 4.0)),
+        max_size=20,
+    )
+)  # fmt: skip
+def test_skipped_and_down_since_say_what_each_node_says(
+    steps: list[tuple[str, str, float]],
+) -> None:
+    """The whole-cluster answers a call's masks use (one clock reading) agree with the
+    per-node ones, through any sequence of marks and waits."""
+    clock = Clock()
+    health = NodeHealth(retry_s=2.5, clock=clock)
+    for what, node, secs in steps:
+        if what == "down":
+            health.mark_down(node, "test")
+        elif what == "up":
+            health.mark_up(node)
+        else:
+            clock.now += secs
+        assert health.skipped() == {n for n in "abcd" if not health.is_up(n)}
+        since = health.down_since()
+        assert since == {n: t for n in "abcd" if (t := health.down_for(n)) is not None}

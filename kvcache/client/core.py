@@ -171,17 +171,22 @@ class ClientCore:
 
     def up_mask(self, view: ClusterView) -> npt.NDArray[np.bool_]:
         """Per node of ``view``: live by the membership source and not marked down here."""
-        up = np.array([self.health.is_up(node.id) for node in view.nodes], bool)
-        return up & view.live[: len(up)]
+        up = view.live[: len(view.nodes)].copy()
+        skipped = self.health.skipped()
+        if skipped:  # only then a step per node: a healthy cluster's mask costs a copy
+            up &= np.array([node.id not in skipped for node in view.nodes], bool)
+        return up
 
     def gone_mask(self, view: ClusterView) -> npt.NDArray[np.bool_]:
         """Per node of ``view``: down long enough that read repair may rebuild its shards on
         stand-ins: dead by the membership source (its lease ran out), or marked down here
         ``repair_down_after_s`` ago or more without answering since."""
         after = self.config.repair_down_after_s
-        down_for = [self.health.down_for(node.id) for node in view.nodes]
-        gone = np.array([t is not None and t >= after for t in down_for], bool)
-        return gone | ~view.live[: len(gone)]
+        gone = ~view.live[: len(view.nodes)]
+        long_down = {n for n, secs in self.health.down_since().items() if secs >= after}
+        if long_down:
+            gone |= np.array([node.id in long_down for node in view.nodes], bool)
+        return gone
 
     def node_up_mask(
         self,

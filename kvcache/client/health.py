@@ -66,6 +66,22 @@ class NodeHealth:
         """Nodes currently skipped."""
         return sorted(n for n in self._down_until if not self.is_up(n))
 
+    def skipped(self) -> set[str]:
+        """:meth:`down_nodes` as a set, from one clock reading: what a call's masks need,
+        in steps per node marked down (usually none), not per node of the cluster."""
+        if not self._down_until:
+            return set()
+        now = self._clock()
+        return {n for n, until in self._down_until.items() if now < until}
+
+    def down_since(self) -> dict[str, float]:
+        """Seconds each node marked down (and not heard from since) has been down, from one
+        clock reading; empty while every node answers."""
+        if not self._down_since:
+            return {}
+        now = self._clock()
+        return {n: now - since for n, since in self._down_since.items()}
+
 
 class LatencyTracker:
     """Recent completion times of one kind of request, for hedging deadlines."""
