@@ -122,9 +122,9 @@ class EncodedBatch:
         table_at = np.zeros(len(parts), np.int64)
         np.cumsum(words[:-1], out=table_at[1:])
         tables = np.zeros(int(words.sum()), np.uint64)
+        starts = np.cumsum(counts) - counts  # each node's first shard in ``blocks``
         first = np.repeat(np.arange(len(parts)), counts)
-        shard_at = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-        addr_at = table_at[first] + 2 * shard_at
+        addr_at = table_at[first] + 2 * (np.arange(total) - starts[first])
         len_at = addr_at + 2 * counts[first]
         cell = blocks.astype(np.uint64) * np.uint64(self.headers.shape[1]) + indices.astype(
             np.uint64
@@ -138,12 +138,11 @@ class EncodedBatch:
         base = native.addresses_of(tables)
         size = HEADER_BYTES + self.shard_len
         out = []
-        ends = np.cumsum(counts).tolist()
-        for c, at, end in zip(counts.tolist(), table_at.tolist(), ends, strict=True):
+        for c, at, start in zip(counts.tolist(), table_at.tolist(), starts.tolist(), strict=True):
             table = tables[at : at + 4 * c + 3]
             out.append(
                 (
-                    items[end - c : end],
+                    items[start : start + c],
                     native.Segments(
                         table, 2 * c, 2 * c, (self, tables), at=base + 8 * at, nbytes=c * size
                     ),
