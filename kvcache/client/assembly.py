@@ -33,6 +33,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvcache import native
+from kvcache.client.scratch import ScratchCache
 from kvcache.erasure import Codec
 from kvcache.errors import ErasureError
 from kvcache.shard import (
@@ -100,6 +101,7 @@ class LoadAssembly:
         n: int,
         payload_len: int,
         codec: Codec,
+        scratch: ScratchCache | None = None,
     ) -> None:
         blocks = len(key_words)
         self.k, self.n, self.m = k, n, n - k
@@ -115,7 +117,15 @@ class LoadAssembly:
         self.out = out
         self.codec = codec
         self.pad = np.zeros((blocks, max(self.pad_len, 1)), np.uint8)
-        self.parity = np.empty((blocks, max(self.m, 1), length), np.uint8)
+        # Parity rows in scratch pages an earlier load faulted in, where the cache has some.
+        self._scratch = scratch
+        parity_bytes = blocks * max(self.m, 1) * length
+        self._parity_buffer, self.scratch_reused = (
+            scratch.take(parity_bytes)
+            if scratch is not None
+            else (np.empty(parity_bytes, np.uint8), False)
+        )
+        self.parity = self._parity_buffer[:parity_bytes].reshape(blocks, max(self.m, 1), length)
         self.headers = np.zeros((blocks, n), HEADER_DTYPE)
         self.got = np.zeros((blocks, n), bool)
         #: Shards a holder answered NOT_FOUND for (candidates for read repair).
@@ -379,6 +389,15 @@ class LoadAssembly:
         abort()
         with self._cond:
             self._cond.wait_for(lambda: not self._writers)
+
+    def release(self) -> None:
+        """Give the parity scratch back to its cache: the load is over (closed: nothing
+        lands any more) and nothing reads its parity rows again."""
+        if self._live:
+            raise RuntimeError("release() of a load assembly that is not closed")
+        if self._scratch is not None:
+            scratch, self._scratch = self._scratch, None
+            scratch.give(self._parity_buffer)
 
     # -------------------------------------------------------------- checks (driver thread)
 

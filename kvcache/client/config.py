@@ -79,6 +79,9 @@ class ClientConfig:
     ask_before_store: bool = False
     #: Let glibc reuse large freed buffers instead of mmap/munmap per batch (see kvcache.memtune).
     tune_malloc: bool = True
+    #: Bytes of parity scratch a process keeps from one load to the next, so a load's
+    #: parity shards land in pages already faulted in (see kvcache.client.scratch); 0: none.
+    scratch_cache_bytes: int = 256 << 20
     #: Hold Python's cyclic garbage collector off while a load, store or match runs; it is
     #: switched back on when the last call ends (see kvcache.gc_pause).
     pause_gc: bool = True
@@ -106,6 +109,8 @@ class ClientConfig:
             raise ConfigError("chunk_bytes must be >= 1 and window in 1..64")
         if not 0 <= self.io_processes <= 64:
             raise ConfigError("io_processes must lie in 0..64")
+        if self.scratch_cache_bytes < 0:
+            raise ConfigError(f"scratch_cache_bytes must be >= 0, got {self.scratch_cache_bytes!r}")
         if not 1 <= self.connections_per_node <= 16:
             raise ConfigError("connections_per_node must lie in 1..16")
         check_tenant_name(self.tenant)

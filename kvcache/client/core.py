@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from kvcache.client.config import ClientConfig
 from kvcache.client.health import LatencyTracker, NodeHealth
+from kvcache.client.scratch import ScratchCache
 from kvcache.client.transport import Credentials, TcpTransport, Transport
 from kvcache.client.view import ClusterView, Topology
 from kvcache.cluster import ClusterMap
@@ -62,6 +63,7 @@ COUNTERS = (
     "escalations",
     "shards_redirected",
     "map_changes",
+    "scratch_reused",
 )
 
 
@@ -96,6 +98,8 @@ class ClientCore:
             raise
         self.params = ErasureParams(k=config.k, m=config.m)
         self.codec = get_codec(self.params)
+        #: Parity scratch kept from one load to the next (kvcache.client.scratch).
+        self.scratch = ScratchCache(config.scratch_cache_bytes)
         self.clock = clock
         self.health = NodeHealth(retry_s=config.down_retry_s, clock=clock)
         self.read_latency = LatencyTracker()

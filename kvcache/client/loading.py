@@ -110,6 +110,7 @@ def load_keys(
         n=config.n,
         payload_len=payload_len,
         codec=core.codec,
+        scratch=core.scratch,
     )
     view = core.view()
     up = core.up_mask(view)
@@ -238,32 +239,36 @@ def load_keys(
         assembly.close(gather_abort(core.transport, [*pump.abandon(core.config.timeout_s), *sent]))
         for exchange in sent:
             exchange.detach()
-    if refreshed[:good].any():
-        _refresh_unasked(
-            core,
-            key_words,
-            np.where(unlikely, -1, holders),
-            round_.sent,
-            refreshed[:good],
-            core.node_up_mask(view=view),
-            cls,
-            retain,
+    try:
+        if refreshed[:good].any():
+            _refresh_unasked(
+                core,
+                key_words,
+                np.where(unlikely, -1, holders),
+                round_.sent,
+                refreshed[:good],
+                core.node_up_mask(view=view),
+                cls,
+                retain,
+            )
+        core.count("node_errors", pump.node_errors)
+        core.count("hedges", round_.hedges)
+        core.count("blocks_loaded", good)
+        core.count("blocks_rebuilt", int(np.count_nonzero(rebuilt[:good])))
+        core.count("scratch_reused", int(assembly.scratch_reused))
+        # Rejected shards never count as received, so they are never among a verdict's bad ones.
+        core.count(
+            "bad_shards_found",
+            int(assembly.rejected[:good].sum()) + sum(len(v) for b, v in bad.items() if b < good),
         )
-    core.count("node_errors", pump.node_errors)
-    core.count("hedges", round_.hedges)
-    core.count("blocks_loaded", good)
-    core.count("blocks_rebuilt", int(np.count_nonzero(rebuilt[:good])))
-    # Rejected shards never count as received, so they are never among a verdict's bad ones.
-    core.count(
-        "bad_shards_found",
-        int(assembly.rejected[:good].sum()) + sum(len(v) for b, v in bad.items() if b < good),
-    )
-    if core.config.read_repair:
-        if end < total and examined[end]:
-            rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
-            _drop_broken(core, assembly, match, rows, end)
-        gone = core.gone_mask(view)
-        _repair(core, assembly, match, placement_rows, order, gone, rebuilt, bad, good)
+        if core.config.read_repair:
+            if end < total and examined[end]:
+                rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
+                _drop_broken(core, assembly, match, rows, end)
+            gone = core.gone_mask(view)
+            _repair(core, assembly, match, placement_rows, order, gone, rebuilt, bad, good)
+    finally:
+        assembly.release()
     return LoadResult(
         blocks=good,
         tokens=good * match.tokens_per_block,
