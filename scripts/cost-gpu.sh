@@ -13,6 +13,8 @@
 #   peers   scripts/peers-gpu.sh lmcache, RUNS=1 (kvcache beside LMCache, a full run)
 #   pool    bench/pool_cost.py for DeepSeek V4.1's 112 KiB blocks and Llama's 2 MiB ones, with
 #           0, 4, 8 and 12 I/O processes: what the client's I/O pool costs per block
+#   pool-ab  the same for scratch/base-client and then this tree, for each shape, in turn in
+#           one call: the pool's cost per block before/after ($OUT/pool_cost_{base,new}_*)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
 #   engine-ab  the same headline for scratch/base (its tree and scratch/whl-base's wheels and
 #           libraries) and then for this tree, one run each on one host: the engine's
@@ -71,6 +73,21 @@ for part in ${PARTS:-ab peers engine}; do
     pool)
       bash scripts/bench-gpu.sh "bench/pool_cost.py --shape dsv41 --processes 0,4,8,12" \
         "bench/pool_cost.py --shape llama --processes 0,4,8,12" || status=1
+      ;;
+    pool-ab)
+      (
+        source scripts/_gpu-site.sh
+        for shape in llama dsv41; do
+          for side in base new; do
+            pp="$PYTHONPATH"
+            [ "$side" = base ] && pp="$(pwd)/scratch/base-client:$PYTHONPATH"
+            PYTHONPATH="$pp" python3 bench/pool_cost.py --shape "$shape" --processes 0,4,12 \
+              --json "$OUT/pool_cost_${side}_$shape.json" >"$OUT/pool_cost_${side}_$shape.txt" 2>&1 \
+              || echo "FAILED: pool_cost $side $shape"
+            echo "--- $side $shape"; tail -n 4 "$OUT/pool_cost_${side}_$shape.txt"
+          done
+        done
+      ) || status=1
       ;;
     engine)
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
