@@ -50,6 +50,13 @@ def test_pooled_store_and_load_through_shared_buffers(shared_cluster: LocalClust
         # The verified prefix is reported in order, without gaps, up to the end.
         assert ready[0][0] == 0 and ready[-1][1] == 40
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ready))
+        # Each worker's next load lands its parity shards in the scratch its last one used
+        # (kvcache.client.scratch), and the bytes are still right.
+        before = client.counters["scratch_reused"]
+        out.fill(0)
+        assert client.load(ns, client.match_prefix(ns, tokens), out=out).blocks == 40
+        assert np.array_equal(out, src)
+        assert client.counters["scratch_reused"] >= before + 2
 
 
 def test_pooled_load_stops_at_a_broken_block_and_never_reports_past_it(
