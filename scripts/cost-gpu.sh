@@ -77,14 +77,17 @@ for part in ${PARTS:-ab peers engine}; do
     pool-ab)
       (
         source scripts/_gpu-site.sh
+        root="$(pwd)"; out="$(cd "$OUT" && pwd)"
         for shape in llama dsv41; do
           for side in base new; do
-            pp="$PYTHONPATH"
-            [ "$side" = base ] && pp="$(pwd)/scratch/base-client:$PYTHONPATH"
-            PYTHONPATH="$pp" python3 bench/pool_cost.py --shape "$shape" --processes 0,4,12 \
-              --json "$OUT/pool_cost_${side}_$shape.json" >"$OUT/pool_cost_${side}_$shape.txt" 2>&1 \
-              || echo "FAILED: pool_cost $side $shape"
-            echo "--- $side $shape"; tail -n 4 "$OUT/pool_cost_${side}_$shape.txt"
+            # The base runs in its own directory: `python -m` (the I/O workers, the daemons)
+            # puts the working directory first on sys.path.
+            dir="$root"; pp="$PYTHONPATH"
+            [ "$side" = base ] && dir="$root/scratch/base-client" && pp="$dir:$PYTHONPATH"
+            (cd "$dir" && PYTHONPATH="$pp" python3 "$root/bench/pool_cost.py" --shape "$shape" \
+              --processes 0,4,12 --json "$out/pool_cost_${side}_$shape.json") \
+              >"$out/pool_cost_${side}_$shape.txt" 2>&1 || echo "FAILED: pool_cost $side $shape"
+            echo "--- $side $shape"; tail -n 4 "$out/pool_cost_${side}_$shape.txt"
           done
         done
       ) || status=1
