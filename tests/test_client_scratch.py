@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvcache.client import Client, ClientConfig
 from kvcache.client.scratch import GRAIN, ScratchCache
-from kvcache.errors import ConfigError
+from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.testing.localcluster import LocalCluster
@@ -65,7 +65,7 @@ def test_a_buffer_given_back_serves_the_next_take_that_fits() -> None:
     cache.give(small)
     again, reused = cache.take(GRAIN)
     assert reused and again is small
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ArgumentError, match="twice"):
         cache.give(again)
         cache.give(again)
     big, reused = cache.take(5 * GRAIN)  # past the limit: allocated, never kept

@@ -35,7 +35,7 @@ import xxhash
 from kvcache import native
 from kvcache.client.scratch import ScratchCache
 from kvcache.erasure import Codec
-from kvcache.errors import ErasureError
+from kvcache.errors import ErasureError, KVCacheError
 from kvcache.shard import (
     HEADER_BYTES,
     HEADER_DTYPE,
@@ -394,7 +394,7 @@ class LoadAssembly:
         """Give the parity scratch back to its cache: the load is over (closed: nothing
         lands any more) and nothing reads its parity rows again."""
         if self._live:
-            raise RuntimeError("release() of a load assembly that is not closed")
+            raise KVCacheError("release() of a load assembly before close(): replies may still land")
         if self._scratch is not None:
             scratch, self._scratch = self._scratch, None
             scratch.give(self._parity_buffer)

@@ -22,6 +22,8 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
+from kvcache.errors import ArgumentError
+
 __all__ = ["ScratchCache"]
 
 #: Sizes are rounded up to this (a transparent huge page), so a slightly larger call can
@@ -34,7 +36,7 @@ class ScratchCache:
 
     def __init__(self, limit_bytes: int) -> None:
         if limit_bytes < 0:
-            raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
+            raise ArgumentError(f"limit_bytes must be >= 0, got {limit_bytes}")
         self.limit_bytes = limit_bytes
         self._free: list[npt.NDArray[np.uint8]] = []  # by size, smallest first
         self._lock = threading.Lock()
@@ -52,7 +54,7 @@ class ScratchCache:
         """A 1-D uint8 buffer of at least ``nbytes`` bytes that no one else holds (its
         contents are whatever it held last), and whether it came from the cache."""
         if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+            raise ArgumentError(f"nbytes must be >= 0, got {nbytes}")
         with self._lock:
             for i, buf in enumerate(self._free):
                 if buf.nbytes >= nbytes:
@@ -68,7 +70,7 @@ class ScratchCache:
             return
         with self._lock:
             if any(b is buf for b in self._free):
-                raise ValueError("buffer given back twice")
+                raise ArgumentError("buffer given back twice")
             self._free.append(buf)
             self._free.sort(key=lambda b: b.nbytes)
             total = sum(b.nbytes for b in self._free)
