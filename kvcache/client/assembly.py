@@ -394,7 +394,9 @@ class LoadAssembly:
         """Give the parity scratch back to its cache: the load is over (closed: nothing
         lands any more) and nothing reads its parity rows again."""
         if self._live:
-            raise KVCacheError("release() of a load assembly before close(): replies may still land")
+            raise KVCacheError(
+                "release() of a load assembly before close(): replies may still land"
+            )
         if self._scratch is not None:
             scratch, self._scratch = self._scratch, None
             scratch.give(self._parity_buffer)
