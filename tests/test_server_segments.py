@@ -18,7 +18,7 @@ from kvcache.errors import StorageError
 from kvcache.net_loop import FileRange, SendQueue, frame_nbytes, frame_view
 from kvcache.retention import DAY_S, RetentionPolicy
 from kvcache.server.probe import fake_shard
-from kvcache.server.segments import SegmentFd, SegmentFiles
+from kvcache.server.segments import SPARE_KEEP_S, SegmentFd, SegmentFiles
 from kvcache.server.store import ShardStore
 from kvcache.wire import Op, Status
 
@@ -288,6 +288,110 @@ def test_a_full_node_does_not_compact_what_eviction_takes_next(
         assert status == [Status.OK] * len(newest)
         assert data == b"".join(r for n in newest for _, _, r in node_share(n))
         assert store.recount() == store.usage()
+
+
+def files_on_disk(path: Path) -> dict[str, int]:
+    """Bytes of the segment files and of the files kept for reuse, as the disk holds them."""
+    directory = path / "segments"
+    return {
+        kind: sum(f.stat().st_size for f in directory.glob(f"*.{kind}"))
+        for kind in ("seg", "spare")
+    }
+
+
+def test_a_full_node_writes_new_segments_into_the_files_of_dropped_ones(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """On a full node every dropped segment's file is kept and the next segment rewrites it
+    (its pages cached, its blocks allocated), so after its first drops the node makes few
+    new files; the kept files never take the disk past the bound the segments alone keep;
+    the live records read back whole from rewritten files; a node that stops writing gives
+    the kept files back after SPARE_KEEP_S, and a restart removes any left."""
+    capacity = 1 << 20
+    path = tmp_path / "full"
+    with ShardStore(path, capacity_bytes=capacity, clock=clock, monotonic=clock,
+                    segment_bytes=SEG, segment_budget_bytes=capacity * 8 // 10) as store:  # fmt: skip
+        per_second = 15
+        most = 0
+        new_files_after_first_drop = 0
+        for s in range(10):
+            for b in range(per_second):
+                before = (store.segments.active, store.counters["segments_reused"])
+                dropped = store.counters["segments_dropped"]
+                base = 1000 * s + 16 * b
+                batch = [shard for n in range(base, base + 16) for shard in node_share(n)]
+                assert put(store, batch) == [Status.OK] * 16
+                rolled = store.segments.active - before[0]
+                reused = store.counters["segments_reused"] - before[1]
+                if dropped:
+                    new_files_after_first_drop += rolled - reused
+                store.drain_after_crossing()
+                while store.maintain():
+                    pass
+                disk = files_on_disk(path)
+                most = max(most, disk["seg"] + disk["spare"])
+                # A drop moves a file to the spares, a new segment takes one back: every
+                # dropped file is either reused or still kept.
+                spares = len(list((path / "segments").glob("*.spare")))
+                assert (
+                    store.counters["segments_reused"] + spares == store.counters["segments_dropped"]
+                )
+            clock.step(1)
+        assert store.counters["segments_dropped"] > 20
+        assert store.counters["segments_reused"] > 20
+        assert new_files_after_first_drop <= 4
+        second = 16 * per_second * (2048 + 104 + 64)
+        assert most <= store.segment_budget + 2 * second + 2 * SEG
+        newest = range(9000, 9000 + 16 * per_second)
+        status, data, _ = read(store, [(key(n), n % 12) for n in newest])
+        assert status == [Status.OK] * len(newest)
+        assert data == b"".join(r for n in newest for _, _, r in node_share(n))
+        assert files_on_disk(path)["spare"] > 0
+        clock.step(SPARE_KEEP_S + 10)  # the node idles: what it kept is given back
+        store.maintain()
+        assert files_on_disk(path)["spare"] == 0
+        # Spares again (a minute's churn), then a restart: they are removed, the rest reads.
+        fill_full_node(store, clock, seconds=2, per_second=per_second, first=20_000)
+        assert files_on_disk(path)["spare"] > 0
+    with ShardStore(path, capacity_bytes=capacity, clock=clock, monotonic=clock,
+                    segment_bytes=SEG, segment_budget_bytes=capacity * 8 // 10) as store:  # fmt: skip
+        assert files_on_disk(path)["spare"] == 0
+        newest = range(21_000, 21_000 + 16 * per_second)
+        status, data, _ = read(store, [(key(n), n % 12) for n in newest])
+        assert status == [Status.OK] * len(newest)
+        assert data == b"".join(r for n in newest for _, _, r in node_share(n))
+
+
+def test_kept_files_are_reused_newest_first_and_given_back_after_a_while(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A dropped segment's file is kept; a new segment takes the newest kept (its pages the
+    likeliest still cached) and rewrites it from the start; one kept longer than
+    ``keep_s`` is removed by release_spares, a younger one stays."""
+    files = SegmentFiles(tmp_path, segment_bytes=SEG, sync_each_write=False, monotonic=clock)
+    files.load({})
+    record = bytes(range(250)) * 120  # 30,000 bytes: two batches fill a segment
+    for _ in range(6):  # segments 0, 1, 2
+        files.append([T + key(1)], [record])
+    assert files.active == 2
+    files.drop(0)
+    clock.step(10)
+    files.drop(1)
+    assert sorted(p.name for p in (tmp_path / "segments").glob("*.spare")) == [
+        "00000000.spare",
+        "00000001.spare",
+    ]
+    seg, first, _ = files.append([T + key(3)], [record[::-1]])  # rolls onto segment 1's file
+    assert (seg, files.reused) == (3, 1)
+    assert not (tmp_path / "segments" / "00000001.spare").exists()
+    assert bytes(files.view(3)[first : first + len(record)]) == record[::-1]
+    clock.step(SPARE_KEEP_S - 5)  # segment 0's file: kept 35 s
+    files.drop(2)  # kept from now
+    clock.step(4)
+    assert files.release_spares() == 1
+    assert [p.name for p in (tmp_path / "segments").glob("*.spare")] == ["00000002.spare"]
+    assert files.spare_bytes == os.stat(tmp_path / "segments" / "00000002.spare").st_size > 0
+    files.close()
 
 
 def test_a_restarted_full_node_still_leaves_its_head_segments_to_eviction(

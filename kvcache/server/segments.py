@@ -52,6 +52,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,8 @@ LOCATION = np.dtype([("seg", ">u4"), ("off", ">u4"), ("len", ">u4"), ("check", "
 _LOC = struct.Struct(">IIII")
 #: Offsets are u32: a segment never grows past this.
 _MAX_SEGMENT = (1 << 32) - 1
-_SPARES = 2
+#: A file kept for reuse (see SegmentFiles.drop) and not reused this long is removed.
+SPARE_KEEP_S = 30.0
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
@@ -209,11 +211,13 @@ class SegmentFiles:
         segment_bytes: int,
         sync_each_write: bool,
         sendfile_min_bytes: int = 0,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 64 << 10 <= segment_bytes <= _MAX_SEGMENT:
             raise ValueError(f"segment_bytes must be 64 KiB .. 4 GiB, not {segment_bytes}")
         if sendfile_min_bytes < 0:
             raise ValueError(f"sendfile_min_bytes must be >= 0, not {sendfile_min_bytes}")
+        self._monotonic = monotonic
         #: Runs of records at least this long are handed out as FileRanges (0: never).
         self.sendfile_min_bytes = sendfile_min_bytes
         self.directory = directory / SEGMENT_DIR
@@ -229,8 +233,11 @@ class SegmentFiles:
         #: points at it, and by the periodic sync's last step (see ShardStore), so that a
         #: synced index never points at bytes not yet synced.
         self.writing = threading.Lock()
-        #: Files of dropped segments kept for reuse (see _roll), at most _SPARES.
-        self._spares: list[Path] = []
+        #: Files of dropped segments kept for reuse (see drop): path, size and when it was
+        #: dropped (monotonic s), the newest last.
+        self._spares: list[tuple[Path, int, float]] = []
+        #: Segments started on a spare file rather than a new one (a counter).
+        self.reused = 0
         #: Told of every dropped segment; True while a reader other than this object's maps
         #: (the daemon's native data plane) still sends from it, so its file is not reused.
         self.still_sending: Callable[[int], bool] | None = None
@@ -341,11 +348,12 @@ class SegmentFiles:
 
     def _roll(self, need: int) -> None:
         seg = self.active + 1
-        spare = self._spares.pop() if self._spares else None
-        if spare is not None:
-            # A dropped segment's file, its blocks allocated and its pages cached: rewriting
-            # them costs half of extending a new file (measured), and nothing reads it.
+        if self._spares:
+            # A dropped segment's file, the newest first: its blocks allocated and its pages
+            # likely still cached, and nothing reads it (see drop).
+            spare, _size, _when = self._spares.pop()
             os.replace(spare, self.path_of(seg))
+            self.reused += 1
         self._segment(seg, create=True)
         self.state[seg] = SegmentState()
         self.active = seg
@@ -452,15 +460,24 @@ class SegmentFiles:
     # ------------------------------------------------------------------ space and sync
 
     def drop(self, seg: int) -> None:
-        """Forget and unlink segment ``seg`` (nothing in the index points into it)."""
+        """Forget segment ``seg`` (nothing in the index points into it): its file is kept
+        for reuse by a later segment, or unlinked if a reader may still see it.
+
+        Kept, a file's pages stay in the page cache and its blocks allocated, and the
+        next segment rewrites them in place: 0.3 against 3.0 ms for a 1.5 MB append into
+        new pages on the 2-core VM (its hypervisor backs a page the guest frees or has
+        not touched only at its next first touch), 4.7 against 0.5 GB/s. Keeping every
+        dropped file never raises the files' peak on disk, since a drop moves bytes from
+        the segments to the spares and a new segment moves them back; what a node that
+        stopped writing keeps is given back by :meth:`release_spares`.
+        """
         held = self.still_sending is not None and self.still_sending(seg)
         with self._lock:
             found = self._open.pop(seg, None)
             if found is None and self.path_of(seg).exists():
                 found = _Segment(self.path_of(seg), create=False)
-            reusable = (
-                found is not None and not held and len(self._spares) < _SPARES and found.unmapped()
-            )
+            size = os.fstat(found.fd).st_size if found is not None else 0
+            reusable = found is not None and not held and found.unmapped()
             if found is not None:
                 found.close()
             self._dirty.discard(seg)
@@ -468,7 +485,7 @@ class SegmentFiles:
         if reusable:
             spare = self.directory / f"{seg:08x}.spare"
             os.replace(self.path_of(seg), spare)
-            self._spares.append(spare)
+            self._spares.append((spare, size, self._monotonic()))
         else:
             self.path_of(seg).unlink(missing_ok=True)
 
@@ -492,6 +509,22 @@ class SegmentFiles:
     def file_bytes(self) -> int:
         """Bytes written to all segments (live and dead): what they take on disk."""
         return sum(s.end for s in self.state.values())
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes written to the files kept for reuse (what they take on disk, at least)."""
+        return sum(size for _path, size, _when in self._spares)
+
+    def release_spares(self, keep_s: float = SPARE_KEEP_S) -> int:
+        """Remove the files kept for reuse that were dropped over ``keep_s`` ago (a node
+        that stopped writing gives their disk back); returns how many."""
+        cutoff = self._monotonic() - keep_s
+        old = [spare for spare in self._spares if spare[2] <= cutoff]
+        if old:
+            self._spares = [spare for spare in self._spares if spare[2] > cutoff]
+            for path, _size, _when in old:
+                path.unlink(missing_ok=True)
+        return len(old)
 
     @property
     def live_bytes(self) -> int:

@@ -141,6 +141,7 @@ COUNTERS = (
     "hints_clamped",
     "pins_refused",
     "segments_dropped",
+    "segments_reused",
     "segments_compacted",
     "compacted_shards",
     "put_conflicts",
@@ -302,6 +303,7 @@ class ShardStore:
                 segment_bytes=segment_bytes or default_segment_bytes(capacity_bytes),
                 sync_each_write=sync is SyncMode.COMMIT,
                 sendfile_min_bytes=sendfile_min_bytes,
+                monotonic=monotonic,
             )
         except (OSError, ValueError) as exc:
             self._lmdb.close()
@@ -631,6 +633,7 @@ class ShardStore:
                         cols.keep_last()
                     seg, first, prior_state = self.segments.append(cols.keys, cols.records)
                     appended = (seg, prior_state)
+                    self.counters["segments_reused"] = self.segments.reused
                     self._note_expiry(txn, seg, max(cols.expiry))
                     lengths = np.fromiter(map(len, cols.records), np.int64, len(cols.records))
                     rows = fresh_rows(
@@ -1189,7 +1192,8 @@ class ShardStore:
         return self.counters["evicted_shards"] - before
 
     def maintain(self) -> bool:
-        """Do what is due: write hits, sweep one bounded batch, evict.
+        """Do what is due: write hits, sweep one bounded batch, evict, reclaim segments, and
+        give back the files kept for reuse that a while of writing did not need.
 
         Returns True when more work is waiting (call again soon); each call
         holds the writer for at most one bounded transaction per task, so reads
@@ -1216,6 +1220,7 @@ class ShardStore:
             self._draining = self.book.used > self._low
             more |= self._draining
         more |= self.reclaim()
+        self.segments.release_spares()
         return more
 
     @_watch_damage
@@ -1892,6 +1897,7 @@ class ShardStore:
                 if keys:
                     new, first, before = self.segments.append(keys, records)
                     appended = (new, before)
+                    self.counters["segments_reused"] = self.segments.reused
                     offset = first
                     for skey, raw, record in zip(keys, olds, records, strict=True):
                         moved = replace(Row.unpack(raw, self.classes), seg=new, off=offset)
