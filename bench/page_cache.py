@@ -14,6 +14,12 @@ this process (``getrusage``: the kernel's copies are system time):
   cheaply);
 - ``write, pages an unlink just freed``: a new file, right after the files above were
   unlinked (their page-cache pages are reused);
+- ``write, a kept file after an idle`` / ``write, pages an unlink freed before an idle``:
+  a file renamed aside and rewritten in place after ``--idle-s`` seconds (a daemon's
+  spare segment file), against a new file written after another was unlinked and the same
+  idle (what a daemon that unlinks dropped segments pays). A VM whose balloon reports
+  free pages hands what the guest freed back to the host within seconds, so the second
+  pays the first touch again;
 - ``sendfile, cold`` / ``warm``: the O_DIRECT file sent over a loopback TCP connection with
   ``sendfile`` in 680 KB pieces (a 59-shard GET reply), first while it is not in the page
   cache (dropped with ``POSIX_FADV_DONTNEED``, after the unlinks: into reused pages) and
@@ -25,7 +31,7 @@ daemon's PUT pays for every byte it appends (docs/benchmarks.md, eighth pass of 
 Writes into the directory of ``--dir`` (default: the current one; not a tmpfs, where
 O_DIRECT fails). Kept out of CI.
 
-Usage: python bench/page_cache.py [--mib N] [--dir DIR] [--json PATH]
+Usage: python bench/page_cache.py [--mib N] [--dir DIR] [--idle-s S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--dir", type=Path, default=Path.cwd())
+    p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     total = args.mib << 20
@@ -109,7 +116,18 @@ def main() -> None:
     anon.unlink()
     reuse = work / "reuse.bin"
     results["write, pages an unlink just freed"] = _timed(lambda: write(reuse, 0), total)
-    reuse.unlink()
+    kept = work / "kept.spare"
+    os.replace(reuse, kept)  # kept aside, as a daemon keeps a dropped segment's file
+    write(work / "gone.bin", 0)
+    (work / "gone.bin").unlink()  # freed, as a daemon that unlinks drops it
+    time.sleep(args.idle_s)
+    results["write, a kept file after an idle"] = _timed(lambda: write(kept, 0), total)
+    after_idle = work / "after-idle.bin"
+    results["write, pages an unlink freed before an idle"] = _timed(
+        lambda: write(after_idle, 0), total
+    )
+    kept.unlink()
+    after_idle.unlink()
     fd = os.open(direct, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the sends below start cold
     os.close(fd)
@@ -150,7 +168,7 @@ def main() -> None:
         ["case", "GB/s", "CPU-s/GB", "÷ write, cached pages"],
         [[k, f"{g:.2f}", f"{c:.3f}", f"{c / base:.2f}x"] for k, (g, c) in results.items()],
     )
-    figures = {"commit": commit(), "machine": machine(), "mib": args.mib}
+    figures = {"commit": commit(), "machine": machine(), "mib": args.mib, "idle_s": args.idle_s}
     for k, (g, c) in results.items():
         key = k.replace(", ", "_").replace(" ", "_").replace("O_DIRECT", "odirect").lower()
         figures[f"{key}_gbps"], figures[f"{key}_cpu_s_per_gb"] = g, c
