@@ -519,12 +519,13 @@ class SegmentFiles:
         """Remove the files kept for reuse that were dropped over ``keep_s`` ago (a node
         that stopped writing gives their disk back); returns how many."""
         cutoff = self._monotonic() - keep_s
-        old = [spare for spare in self._spares if spare[2] <= cutoff]
-        if old:
-            self._spares = [spare for spare in self._spares if spare[2] > cutoff]
-            for path, _size, _when in old:
-                path.unlink(missing_ok=True)
-        return len(old)
+        # Kept in the order dropped (a reuse takes the newest): the old ones lead.
+        count = next((i for i, spare in enumerate(self._spares) if spare[2] > cutoff),
+                     len(self._spares))  # fmt: skip
+        old, self._spares = self._spares[:count], self._spares[count:]
+        for path, _size, _when in old:
+            path.unlink(missing_ok=True)
+        return count
 
     @property
     def live_bytes(self) -> int:

@@ -1,0 +1,178 @@
+"""Where a full node's PUT spends its CPU, in process: a ShardStore at steady state, by phase.
+
+A ``ShardStore`` of ``--capacity-mib`` (64) is filled and then takes ``--puts`` more PUTs
+of 128 new shards each (11,624-byte records: one shard of each of 128 blocks of 112 KiB,
+as one node of twelve gets them), running its maintenance after each PUT as the daemon
+does, so every PUT evicts about as much as it writes. The store's clock is a fake one that
+steps a second every 20 PUTs (a node holding well under a second of PUTs, as
+``bench/server.py``'s does). Thread CPU (``time.thread_time_ns``) is summed per store
+method over the steady PUTs only; nested phases overlap (``put_many`` contains ``_write``,
+which contains ``append``). ``--writemap`` opens LMDB with ``writemap`` on (patched in
+this process only: the daemon never does; docs/benchmarks.md, fifteenth pass, says why).
+No sockets and no daemon: what it shows is the store's own cost, the part of
+``put_vs_raw_zmq`` that is not the wire. Kept out of CI.
+
+Usage: python bench/steady_put.py [--puts N] [--capacity-mib M] [--writemap] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+from _common import commit, machine, parser, print_table, write_json
+
+from kvcache.credentials import tenant_id
+from kvcache.server import segments, store
+from kvcache.server.probe import fake_shard
+from kvcache.wire import Op, make_items
+
+BODY = 11_520
+SHARDS = 128
+TENANT = tenant_id("default")
+PHASES = [
+    (store.ShardStore, "put_many"),
+    (store.ShardStore, "_write"),
+    (segments.SegmentFiles, "append"),
+    (store.ShardStore, "_rows_of"),
+    (store.ShardStore, "_write_usage"),
+    (store.ShardStore, "_delete_head"),
+    (store.ShardStore, "_count_removed"),
+    (store.ShardStore, "drain_after_crossing"),
+    (store.ShardStore, "maintain"),
+    (store.ShardStore, "reclaim"),
+]
+
+
+class Clock:
+    """A settable wall clock (seconds), for the store's clock and its monotonic one."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def batch(i: int, body: bytes) -> tuple[np.ndarray, memoryview]:
+    """PUT items and data: shard ``b % 12`` of blocks ``i * 128 + b``."""
+    keys = [(i * SHARDS + b).to_bytes(16, "big") for b in range(SHARDS)]
+    items = make_items(Op.PUT, SHARDS, reply=False)
+    items["key"] = keys
+    items["index"] = [b % 12 for b in range(SHARDS)]
+    records = [
+        fake_shard(k, b % 12, body, traffic_class="chat", stripe_id=7) for b, k in enumerate(keys)
+    ]
+    items["length"] = [len(r) for r in records]
+    return items, memoryview(b"".join(records))
+
+
+def timed(spent: collections.Counter[str], calls: collections.Counter[str]) -> Callable[..., Any]:
+    def wrap(owner: type, name: str) -> None:
+        inner = getattr(owner, name)
+
+        @functools.wraps(inner)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time_ns()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[name] += time.thread_time_ns() - start
+                calls[name] += 1
+
+        setattr(owner, name, run)
+
+    return wrap
+
+
+def main() -> None:
+    p = parser(__doc__ or "")
+    p.add_argument("--puts", type=int, default=1400, help="PUTs in all (the fill included)")
+    p.add_argument("--capacity-mib", type=int, default=64)
+    p.add_argument("--writemap", action="store_true", help="LMDB with writemap on")
+    args = p.parse_args()
+    if args.writemap:  # every lmdb.open in this process, the store's included
+        opened = lmdb.open
+
+        def open_writemap(*a: Any, **kw: Any) -> Any:
+            return opened(*a, **{**kw, "writemap": True})
+
+        lmdb.open = open_writemap  # type: ignore[assignment]
+    capacity = args.capacity_mib << 20
+    body = os.urandom(BODY)
+    fill = capacity // (SHARDS * (BODY + 104)) + 20
+    if args.puts <= fill:
+        p.error(f"--puts must exceed the {fill} PUTs that fill the node")
+    batches = [batch(i, body) for i in range(args.puts)]
+    clock = Clock()
+    spent: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVCACHE_BENCH_DIR")) as tmp:
+        node = store.ShardStore(
+            Path(tmp) / "db", capacity_bytes=capacity, clock=clock, monotonic=clock
+        )
+
+        def put(i: int) -> None:
+            items, data = batches[i]
+            assert not node.put(TENANT, items, data)["status"].any()
+            node.drain_after_crossing()
+            while node.maintain():
+                pass
+            if i % 20 == 0:
+                clock.now += 1
+
+        writemap = bool(node._lmdb.env.flags()["writemap"])
+        for i in range(fill):
+            put(i)
+        wrap = timed(spent, calls)
+        for owner, name in PHASES:
+            wrap(owner, name)
+        start = time.thread_time()
+        for i in range(fill, args.puts):
+            put(i)
+        cpu = time.thread_time() - start
+        steady = args.puts - fill
+        counters = dict(node.counters)
+        node.close()
+    per_put_us = cpu / steady * 1e6
+    gbps = steady * SHARDS * (BODY + 104) / cpu / 1e9
+    print(
+        f"steady-state PUT in process — commit {commit()}, {machine()}, "
+        f"writemap {'on' if writemap else 'off'}: {steady} PUTs of {SHARDS} shards, "
+        f"{per_put_us:.0f} µs of CPU a PUT ({gbps:.2f} GB/s a core); evicted "
+        f"{counters['evicted_shards']}, segments reused {counters['segments_reused']}"
+    )
+    print_table(
+        "thread CPU by phase, per steady PUT (nested phases overlap)",
+        ["phase", "calls", "µs a PUT", "µs a call"],
+        [
+            [name, str(calls[name]), f"{spent[name] / 1e3 / steady:.0f}",
+             f"{spent[name] / 1e3 / calls[name]:.0f}"]
+            for name, _ in sorted(spent.items(), key=lambda kv: -kv[1])
+        ],
+    )  # fmt: skip
+    figures: dict[str, Any] = {
+        "commit": commit(),
+        "machine": machine(),
+        "writemap": writemap,
+        "steady_puts": steady,
+        "put_cpu_us": per_put_us,
+        "gbps_per_core": gbps,
+        "evicted_shards": counters["evicted_shards"],
+        "segments_reused": counters["segments_reused"],
+    }
+    for name in spent:
+        figures[f"{name.strip('_')}_us_per_put"] = spent[name] / 1e3 / steady
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
