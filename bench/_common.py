@@ -110,11 +110,12 @@ def warm_host(gib: float) -> str:
     daemon's fresh PUTs do, would measure that instead of the store. Returns what it cost,
     for the run's output.
 
-    It does not help on a VM whose balloon reports free pages to its host, as the 2-core
-    VM's does now: memory the guest frees goes back within seconds (2 GB touched, freed
-    and touched again at once ran at 3.9 GB/s, after 2 s idle at 0.15 GB/s, as on the
-    first touch), so the warmth is gone before a benchmark's daemons start. What a daemon
-    keeps (its spare segment files, docs/server.md) stays warm; what it frees does not."""
+    It helps little on a VM whose balloon reports free pages to its host, as the 2-core
+    VM's does now: memory the guest frees goes back seconds later (``bench/page_cache.py``:
+    a new file written 2 s after an unlink cost 1.12x a write into cached pages, 10 s
+    after it 21x, as a first touch), so what a benchmark does not use within seconds is
+    cold again. What a daemon keeps (its spare segment files, docs/server.md) stays warm;
+    what it frees does not."""
     if gib <= 0:
         return "host memory not warmed"
     import multiprocessing
