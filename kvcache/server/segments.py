@@ -464,9 +464,9 @@ class SegmentFiles:
         for reuse by a later segment, or unlinked if a reader may still see it.
 
         Kept, a file's pages stay in the page cache and its blocks allocated, and the
-        next segment rewrites them in place: 0.3 against 3.0 ms for a 1.5 MB append into
-        new pages on the 2-core VM (its hypervisor backs a page the guest frees or has
-        not touched only at its next first touch), 4.7 against 0.5 GB/s. Keeping every
+        next segment rewrites them in place: on the 2-core VM, whose hypervisor takes back
+        what the guest frees within seconds, 0.19 against 3.45 CPU-s/GB for a new file
+        written after an idle (``bench/page_cache.py``). Keeping every
         dropped file never raises the files' peak on disk, since a drop moves bytes from
         the segments to the spares and a new segment moves them back; what a node that
         stopped writing keeps is given back by :meth:`release_spares`.
