@@ -5,8 +5,10 @@
 # bench/_pyspy_table.py sums the samples by role (main, io, daemon) into self and inclusive
 # tables. Carry .whl as for scripts/engine-gpu.sh (it holds the py-spy wheel too).
 # Writes $OUT/profile_gpu.txt (the tables and the benchmark's output) and the raw samples
-# as $OUT/profile_gpu_raw.txt. Extra arguments go to bench/engine_gpu.py.
-# Usage: [RATE=100] bash scripts/profile-gpu.sh [bench/engine_gpu.py flags]
+# as $OUT/profile_gpu_raw.txt. Extra arguments go to bench/engine_gpu.py. BENCH, if set, is
+# another benchmark's command line to profile instead (e.g. "bench/pool_cost.py
+# --processes 8"); PROFILE_NAME (default profile_gpu) names the files.
+# Usage: [RATE=100] [BENCH="bench/x.py flags"] bash scripts/profile-gpu.sh [engine_gpu flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_gpu-site.sh
@@ -14,8 +16,13 @@ out="${OUT:-bench/results}"
 mkdir -p "$out"
 spy="$site/bin/py-spy"
 [ -x "$spy" ] || { echo "no py-spy in .whl: pip download py-spy (see docs/benchmarks.md)" >&2; exit 1; }
+name="${PROFILE_NAME:-profile_gpu}"
+if [ -n "${BENCH:-}" ]; then
+  read -r -a cmd <<<"$BENCH"
+else
+  cmd=(bench/engine_gpu.py --quick --no-recompute "$@")
+fi
 "$spy" record --subprocesses --nonblocking --format raw --rate "${RATE:-100}" \
-  -o "$out/profile_gpu_raw.txt" -- \
-  python3 bench/engine_gpu.py --quick --no-recompute --json "$out/profile_gpu.json" "$@" \
-  2>&1 | tee "$out/profile_gpu.txt"
-python3 bench/_pyspy_table.py "$out/profile_gpu_raw.txt" --top 40 | tee -a "$out/profile_gpu.txt"
+  -o "$out/${name}_raw.txt" -- python3 "${cmd[@]}" --json "$out/$name.json" \
+  2>&1 | tee "$out/$name.txt"
+python3 bench/_pyspy_table.py "$out/${name}_raw.txt" --top 40 | tee -a "$out/$name.txt"

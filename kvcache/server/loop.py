@@ -771,7 +771,9 @@ class DataServer:
         return more
 
     def _run_calls(self) -> None:
-        while True:
+        # Asked on every turn of the loop, almost always with nothing queued: an empty check
+        # is cheaper than the exception get_nowait raises then.
+        while not self._calls.empty():
             try:
                 fn, future = self._calls.get_nowait()
             except queue.Empty:

@@ -1165,10 +1165,10 @@ class ShardStore:
 
     # ------------------------------------------------------------------ retention work
 
-    @_watch_damage
     def seconds_to_sweep(self) -> float:
         """Seconds until the earliest expiry is due to be swept (0 or less: due now), so
-        the loop's idle wait ends when it is due rather than at its next poll."""
+        the loop's idle wait ends when it is due rather than at its next poll. (No LMDB
+        here, so no damage watch: the loop asks on every turn.)"""
         return (self._next_sweep_ms - self.now_ms()) / 1000
 
     def drain_after_crossing(self) -> int:
