@@ -2,7 +2,8 @@
 
 A ``ShardStore`` of ``--capacity-mib`` (64) is filled and then takes ``--puts`` more PUTs
 of 128 new shards each (11,624-byte records: one shard of each of 128 blocks of 112 KiB,
-as one node of twelve gets them), running its maintenance after each PUT as the daemon
+as one node of twelve gets them; block keys are hashes, so a batch's index rows land on
+random pages), running its maintenance after each PUT as the daemon
 does, so every PUT evicts about as much as it writes. The store's clock is a fake one that
 steps a second every 20 PUTs (a node holding well under a second of PUTs, as
 ``bench/server.py``'s does). Thread CPU (``time.thread_time_ns``) is summed per store
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import os
 import tempfile
 import time
@@ -63,8 +65,12 @@ class Clock:
 
 
 def batch(i: int, body: bytes) -> tuple[np.ndarray, memoryview]:
-    """PUT items and data: shard ``b % 12`` of blocks ``i * 128 + b``."""
-    keys = [(i * SHARDS + b).to_bytes(16, "big") for b in range(SHARDS)]
+    """PUT items and data: shard ``b % 12`` of blocks ``i * 128 + b``, whose keys are hashes
+    (as block keys are: a batch's rows land on random index pages, not on neighbours)."""
+    keys = [
+        hashlib.blake2b((i * SHARDS + b).to_bytes(8, "big"), digest_size=16).digest()
+        for b in range(SHARDS)
+    ]
     items = make_items(Op.PUT, SHARDS, reply=False)
     items["key"] = keys
     items["index"] = [b % 12 for b in range(SHARDS)]

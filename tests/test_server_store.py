@@ -102,6 +102,41 @@ def test_put_get_round_trip_returns_exact_records(store: ShardStore) -> None:
     assert store.recount() == usage
 
 
+def test_new_blocks_go_in_without_a_lookup_and_a_block_with_rows_is_written_again(
+    store: ShardStore,
+) -> None:
+    """A PUT of one shard of each of several new blocks (what one node of twelve gets) is
+    written without looking for earlier rows first; one that meets a row already stored
+    (another shard of a block, the same write again, another writer's stripe) is undone and
+    written again with the lookup, with the same outcome as the careful path alone."""
+    one_each = [block_records(key(n), indices=[n % 12])[0] for n in range(16)]
+    assert put(store, one_each) == [Status.OK] * 16
+    assert store.counters["put_lookup_retries"] == 0
+    # Another shard of block 3, beside a new block: the block key is there already.
+    more = [block_records(key(3), indices=[7])[0], block_records(key(40), indices=[1])[0]]
+    assert put(store, more) == [Status.OK, Status.OK]
+    assert store.counters["put_lookup_retries"] == 1
+    assert held(store, key(3)) == {3, 7}
+    # The same write again is a repeat; another stripe of a live shard is a conflict.
+    assert put(store, [one_each[5]]) == [Status.OK]
+    other = block_records(key(6), indices=[6], seed=9)
+    assert put(store, other) == [Status.CONFLICT]
+    assert store.counters["put_lookup_retries"] == 3
+    assert store.counters["put_conflicts"] == 1
+    # Two shards of one block in one PUT take the careful path at once: no retry.
+    assert put(store, block_records(key(50), indices=[0, 1])) == [Status.OK, Status.OK]
+    assert store.counters["put_lookup_retries"] == 3
+    wanted = [(k, i) for k, i, _ in one_each + more]
+    status, records = get(store, wanted)
+    assert status == [Status.OK] * len(wanted)
+    assert records == [r for _, _, r in one_each + more]
+    # What an undone transaction appended is not counted anywhere: a rescan agrees.
+    usage = store.usage()
+    assert usage["shards"] == 16 + 2 + 2
+    assert store.recount() == usage
+    assert sum(st.live_bytes for st in store.segments.state.values()) == usage["used_bytes"]
+
+
 def test_bad_items_fail_alone(store: ShardStore) -> None:
     good = block_records(key(1), indices=[0, 1])
     corrupt = bytearray(good[1][2])

@@ -428,6 +428,7 @@ def render_prometheus(
         ("hints_clamped", "Retention hints not granted as asked (TTL clamped, pin dropped)."),
         ("pins_refused", "Pins dropped because the tenant's pin quota was full."),
         ("put_conflicts", "PUT items refused because another stripe of the block is stored."),
+        ("put_lookup_retries", "PUT transactions written again after meeting an earlier row."),
         ("segments_dropped", "Segment files removed (or kept as spares) with nothing live."),
         ("segments_reused", "Segments started on a dropped segment's file instead of a new one."),
         ("segments_compacted", "Segments whose live records were copied forward and dropped."),
