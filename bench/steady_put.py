@@ -8,12 +8,13 @@ does, so every PUT evicts about as much as it writes. The store's clock is a fak
 steps a second every 20 PUTs (a node holding well under a second of PUTs, as
 ``bench/server.py``'s does). Thread CPU (``time.thread_time_ns``) is summed per store
 method over the steady PUTs only; nested phases overlap (``put_many`` contains ``_write``,
-which contains ``append``). ``--writemap`` opens LMDB with ``writemap`` on (patched in
-this process only: the daemon never does; docs/benchmarks.md, fifteenth pass, says why).
+which contains ``append``). ``--no-writemap`` opens LMDB without ``writemap``, as the
+daemon did before it was on by default (``lmdb_writemap``; docs/benchmarks.md, sixteenth
+pass of issue 17).
 No sockets and no daemon: what it shows is the store's own cost, the part of
 ``put_vs_raw_zmq`` that is not the wire. Kept out of CI.
 
-Usage: python bench/steady_put.py [--puts N] [--capacity-mib M] [--writemap] [--json PATH]
+Usage: python bench/steady_put.py [--puts N] [--capacity-mib M] [--no-writemap] [--json PATH]
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import numpy as np
 from _common import commit, machine, parser, print_table, write_json
 
@@ -103,15 +103,8 @@ def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--puts", type=int, default=1400, help="PUTs in all (the fill included)")
     p.add_argument("--capacity-mib", type=int, default=64)
-    p.add_argument("--writemap", action="store_true", help="LMDB with writemap on")
+    p.add_argument("--no-writemap", action="store_true", help="LMDB without writemap")
     args = p.parse_args()
-    if args.writemap:  # every lmdb.open in this process, the store's included
-        opened = lmdb.open
-
-        def open_writemap(*a: Any, **kw: Any) -> Any:
-            return opened(*a, **{**kw, "writemap": True})
-
-        lmdb.open = open_writemap  # type: ignore[assignment]
     capacity = args.capacity_mib << 20
     body = os.urandom(BODY)
     fill = capacity // (SHARDS * (BODY + 104)) + 20
@@ -123,7 +116,11 @@ def main() -> None:
     calls: collections.Counter[str] = collections.Counter()
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVCACHE_BENCH_DIR")) as tmp:
         node = store.ShardStore(
-            Path(tmp) / "db", capacity_bytes=capacity, clock=clock, monotonic=clock
+            Path(tmp) / "db",
+            capacity_bytes=capacity,
+            clock=clock,
+            monotonic=clock,
+            writemap=not args.no_writemap,
         )
 
         def put(i: int) -> None:
@@ -135,7 +132,7 @@ def main() -> None:
             if i % 20 == 0:
                 clock.now += 1
 
-        writemap = bool(node._lmdb.env.flags()["writemap"])
+        writemap = node.writemap
         for i in range(fill):
             put(i)
         wrap = timed(spent, calls)

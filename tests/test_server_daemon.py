@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import resource
@@ -9,7 +11,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -354,10 +356,90 @@ def test_disk_full_refuses_the_batch_and_keeps_serving(tmp_path: Path) -> None:
         assert probe.has([key(2)])[key(2)] == {}
         # LMDB reports a short write as EIO, else ENOSPC: either refuses the batch.
         assert error_count(daemon, "disk_full") + error_count(daemon, "disk_io") == 1
+        # A file may not grow to the map's size here: LMDB opened without writemap.
+        assert daemon.stats()["lmdb_writemap"] is False
+        assert "opens without writemap" in daemon.log()
         status, records = probe.get([(k, i) for k, i, _ in small])
         assert status.tolist() == [Status.OK] * 12 and records == [r for _, _, r in small]
         good_client_served(daemon)
         assert daemon.stop() == 0
+
+
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
+_MS_REC, _MS_PRIVATE = 0x4000, 1 << 18
+
+
+def _on_a_small_tmpfs(path: Path, size: int) -> Callable[[], None]:
+    """A daemon's preexec: a mount namespace of its own (and a user namespace when not root),
+    in which ``path`` is a tmpfs of ``size`` bytes: a real file system that fills up."""
+    uid, gid = os.getuid(), os.getgid()
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        root = os.geteuid() == 0
+        if libc.unshare(_CLONE_NEWNS | (0 if root else _CLONE_NEWUSER)) != 0:
+            raise OSError(ctypes.get_errno(), "unshare")
+        if not root:
+            Path("/proc/self/setgroups").write_text("deny")
+            Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
+            Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+        if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+            raise OSError(ctypes.get_errno(), "making / private")
+        options = f"size={size}".encode()
+        if libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", 0, options) != 0:
+            raise OSError(ctypes.get_errno(), f"mounting a tmpfs on {path}")
+
+    return preexec
+
+
+def test_a_full_file_system_refuses_writes_and_never_kills_the_daemon(tmp_path: Path) -> None:
+    """On a real file system that fills (a 24 MiB tmpfs), with LMDB writing through its map:
+    PUTs are refused NO_SPACE once nothing more fits, the daemon keeps running and serving
+    what it holds, and stops cleanly. (A store through the map into a hole a full disk
+    cannot fill would be a SIGBUS: the file is allocated before every write transaction.)"""
+    (tmp_path / "data").mkdir()
+    server = {"capacity_bytes": 1 << 30, "max_items": 8192, "max_data_bytes": 8 << 20}
+    daemon = DaemonProcess(
+        tmp_path, server=server, preexec=_on_a_small_tmpfs(tmp_path / "data", 24 << 20)
+    )
+    with daemon.start(), daemon.probe(timeout_s=10) as probe:
+        stored: list[tuple[bytes, int, bytes]] = []
+        refused = 0
+        for n in range(400):
+            # Small records, many to a PUT: the index grows about as fast as the segments.
+            batch = [
+                s
+                for b in range(256)
+                for s in block_records(key(n * 256 + b), body_len=64, indices=range(4))
+            ]
+            status = probe.put(batch).tolist()
+            if status == [Status.OK] * len(batch):
+                stored += batch
+                continue
+            assert set(status) == {Status.NO_SPACE}, set(status)
+            refused += 1
+            if refused == 5:
+                break
+        assert refused == 5, "the 24 MiB file system never filled"
+        assert daemon.alive()
+        assert error_count(daemon, "disk_full") + error_count(daemon, "disk_io") >= 5
+        # Deletes on the full file system: LMDB copies every page it changes to a new one
+        # (none freed in a transaction is reused by it), so these need pages past the end.
+        keys = list(dict.fromkeys(k for k, _, _ in stored))
+        gone, kept = keys[: len(keys) // 2], keys[len(keys) // 2 :]
+        for at in range(0, len(gone), 4096):
+            # Refused for want of room is fine, as long as the daemon lives.
+            with contextlib.suppress(NodeRefusedError):
+                probe.delete([(k, 0, NO_INDEX) for k in gone[at : at + 4096]])
+            assert daemon.alive()
+        still = set(kept)
+        stored = [s for s in stored if s[0] in still]
+        sample = stored[:: max(1, len(stored) // 400)]
+        status_got, records = probe.get([(k, i) for k, i, _ in sample])
+        assert status_got.tolist() == [Status.OK] * len(sample)
+        assert records == [r for _, _, r in sample]
+        assert daemon.stats()["lmdb_writemap"] is True
+    assert daemon.stop() == 0
 
 
 def test_kill_9_under_write_load_keeps_every_acknowledged_shard(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -646,12 +648,14 @@ def test_put_many_failure_fails_only_the_batch_that_does_not_fit(
 
 
 def test_data_file_is_allocated_ahead_up_to_the_map_size(tmp_path: Path, clock: FakeClock) -> None:
+    """Without writemap LMDB grows its file as it writes; it is kept allocated a chunk ahead."""
     data_file = tmp_path / "db" / "data.mdb"
-    with open_store(tmp_path / "db", clock, map_size_bytes=8 << 20) as store:
+    with open_store(tmp_path / "db", clock, map_size_bytes=8 << 20, writemap=False) as store:
+        assert not store._lmdb.writemap
         put(store, block_records(key(1), body_len=1024))
         # A chunk ahead, but a small map gets a small chunk (1/32 of it).
         assert 256 << 10 <= data_file.stat().st_size <= 1 << 20
-    with open_store(tmp_path / "db", clock, map_size_bytes=4 << 30) as store:
+    with open_store(tmp_path / "db", clock, map_size_bytes=4 << 30, writemap=False) as store:
         assert get(store, [(key(1), 0)])[0] == [Status.OK]
         put(store, block_records(key(2), body_len=1 << 20))  # 12 MiB of records
         # LMDB holds the index only (format v4): its file stays small.
@@ -660,6 +664,63 @@ def test_data_file_is_allocated_ahead_up_to_the_map_size(tmp_path: Path, clock: 
         # The records themselves went to a segment file, not into LMDB's pages.
         segments = list((tmp_path / "db" / "segments").glob("*.seg"))
         assert sum(p.stat().st_size for p in segments) >= 12 << 20
+
+
+def test_with_writemap_every_page_a_write_may_add_is_allocated_before_it(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """With writemap LMDB sizes its file to the whole map, sparse, and a store through the map
+    into a hole that a full disk cannot fill is a SIGBUS. So before every write transaction
+    the file is allocated past LMDB's last page by all that transaction may add; the rest of
+    the map stays a hole."""
+    data_file = tmp_path / "db" / "data.mdb"
+    with open_store(tmp_path / "db", clock, map_size_bytes=256 << 20) as store:
+        env = store._lmdb
+        assert env.writemap
+        assert data_file.stat().st_size == 256 << 20  # the whole map, as LMDB sized it
+        page = env.env.stat()["psize"]
+        for n in range(60):
+            # One shard each of 64 blocks, as one node of twelve gets them; every fifth
+            # round also expires what is due, so deletes and frees take their turns.
+            shards = [block_records(key(n * 64 + b), indices=[b % 12])[0] for b in range(64)]
+            assert put(store, shards) == [Status.OK] * 64
+            if n % 5 == 4:
+                clock.step(8 * DAY_S)
+                store.sweep()
+            used = (env.env.info()["last_pgno"] + 1) * page
+            allocated = data_file.stat().st_blocks * 512
+            # Room for the next PUT like this one (its 64 rows), at least.
+            assert allocated >= min(256 << 20, used + (1024 + 64 * 8) * page)
+        assert allocated <= 64 << 20  # what the index needs and a chunk ahead, not the map
+    # Reopened, the allocation is found again before the first write.
+    with open_store(tmp_path / "db", clock, map_size_bytes=256 << 20) as store:
+        assert put(store, [block_records(key(10**6), indices=[0])[0]]) == [Status.OK]
+        assert data_file.stat().st_blocks * 512 >= (
+            (store._lmdb.env.info()["last_pgno"] + 1) * page
+        )
+
+
+def test_a_file_that_may_not_grow_to_the_map_opens_without_writemap(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """With writemap LMDB makes its file as large as the map at open; where that is refused
+    (here a file size limit, as a file system's largest file would), the store opens
+    without writemap and works as before."""
+    script = f"""
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 20, 32 << 20))
+from kvcache.server.store import ShardStore
+with ShardStore({str(tmp_path / "db")!r}, capacity_bytes=64 << 20) as store:
+    print("writemap", store._lmdb.writemap, flush=True)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "writemap False" in done.stdout
+    assert "opens without writemap" in done.stderr
+    with open_store(tmp_path / "db", clock) as store:  # and with writemap once it may
+        assert store._lmdb.writemap
 
 
 # ---------------------------------------------------------------------- tenants

@@ -113,6 +113,11 @@ class ServerConfig:
     damaged_file: DamagedFile = DamagedFile.QUARANTINE
     #: Seconds between syncs in ``periodic`` mode.
     sync_interval_s: float = 5.0
+    #: LMDB writes through its map (``writemap``), the data file allocated ahead of every
+    #: write transaction so a full disk is a refused write, not a SIGBUS (see
+    #: kvcache.server.lmdb_env). Off, or where the file system cannot have it: LMDB's pages
+    #: are written back with ``pwrite`` at each commit.
+    lmdb_writemap: bool = True
     #: Tenants' secrets, quotas and the admin token (see kvcache.credentials). Empty: the
     #: file ``credentials.toml`` in ``data_dir``, generated there on first start.
     credentials_file: Path | None = None

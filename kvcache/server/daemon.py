@@ -139,6 +139,7 @@ def run_daemon(
         sendfile_min_bytes=config.sendfile_min_bytes,
         max_readers=max(126, min(4096, 2 * config.max_connections)),
         damaged_file=config.damaged_file,
+        writemap=config.lmdb_writemap,
     )
     registered: list[Registrar] = []
 

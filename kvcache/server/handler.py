@@ -308,6 +308,7 @@ class RequestHandler:
             usage["tenants"] = {n: u for n, u in usage.get("tenants", {}).items() if n == name}
         return {
             "node_id": self.node_id,
+            "lmdb_writemap": self.store.writemap,
             "usage": usage,
             "gc": {k: v for k, v in counters.items() if not k.startswith("error_")},
             "policy": self.store.policy.to_dict(),

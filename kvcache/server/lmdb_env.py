@@ -5,6 +5,20 @@ the named databases, the periodic sync thread, preallocating the data file,
 and turning LMDB's and the OS's exceptions into :class:`StorageError` kinds
 (by exception type and errno, never by message text), so code above this
 module never imports ``lmdb`` for error handling.
+
+**Writemap.** LMDB's ``writemap`` has a write transaction change its pages in
+the shared map, where without it every dirty page is a heap copy that the commit
+writes back with ``pwrite``. The index's rows are small and land on random leaf
+pages (block keys are hashes), so a PUT dirties about a page per shard: with
+writemap, a full node's 128-shard PUT cost 0.75x the CPU in process
+(``docs/benchmarks.md``, sixteenth pass of issue 17). Its price: LMDB sizes the
+data file to the whole map (sparse) at open, and a store through the map into a
+hole the file system cannot fill (a full disk) is a ``SIGBUS``, not an error.
+So a write transaction begins only once the file is ``fallocate``d far enough
+past LMDB's last page for every page it may add (:meth:`LmdbEnvironment.begin_write`);
+if that allocation fails the write is refused as ``disk_full``. Where writemap
+cannot be had (the file may not grow to the map size, or the file system has no
+``fallocate``), the environment opens without it and logs why.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -33,6 +48,14 @@ log = logging.getLogger(__name__)
 #: most a 32nd of the map: a small store (a test's) must not take 64 MiB of disk up front.
 _PREALLOCATE_BYTES = 64 << 20
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+#: Pages a write transaction may add to the file, at most, per row it changes (a row of the
+#: index and one of the expiry index: a leaf, its parent and a split in each), plus a base
+#: for any transaction (the free list's own pages, branch pages); generous, because the
+#: price of an underestimate on a full disk is a SIGBUS. LMDB itself refuses a transaction
+#: that dirties more than 2^17 - 1 pages (MDB_TXN_FULL): none can need more than that.
+_PAGES_PER_ROW = 8
+_BASE_PAGES = 1024
+_MAX_TXN_PAGES = (1 << 17) - 1
 _STRERROR = {code: os.strerror(code) for code in (*_DISK_FULL_ERRNOS, errno.EIO)}
 #: LMDB's errors that mean the file itself is damaged (not full, not busy). BadTxnError
 #: is among them: the store never uses a transaction after an error, and py-lmdb reports a
@@ -93,6 +116,7 @@ class LmdbEnvironment:
         sync_interval_s: float,
         max_readers: int = 256,
         damaged_file: DamagedFile = DamagedFile.QUARANTINE,
+        writemap: bool = True,
     ) -> None:
         self.path = Path(path)
         #: Why the data file found at start was quarantined (None: it was whole).
@@ -114,17 +138,18 @@ class LmdbEnvironment:
         except BaseException:
             os.close(self._lockfile)
             raise
+        #: Whether LMDB writes through the map (see the module docstring).
+        self.writemap = writemap
+        opening: dict[str, Any] = {
+            "map_size": map_size,
+            "max_dbs": 4,
+            "sync": sync is SyncMode.COMMIT,
+            "metasync": sync is SyncMode.COMMIT,
+            "readahead": False,
+            "max_readers": max_readers,
+        }
         try:
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size,
-                max_dbs=4,
-                writemap=False,
-                sync=sync is SyncMode.COMMIT,
-                metasync=sync is SyncMode.COMMIT,
-                readahead=False,
-                max_readers=max_readers,
-            )
+            self.env = self._open(opening)
         except lmdb.Error as exc:
             os.close(self._lockfile)
             raise StorageError(
@@ -139,10 +164,6 @@ class LmdbEnvironment:
         # database's stored flags) and is refused by the store's format check.
         self.expiry = self.env.open_db(b"expiry", dupsort=True, dupfixed=True)
         self.meta = self.env.open_db(b"meta")
-        self.map_size = int(self.env.info()["map_size"])
-        self._page_size = int(self.env.stat()["psize"])
-        self._datafd = os.open(self.path / "data.mdb", os.O_RDWR)
-        self._allocated = os.fstat(self._datafd).st_size
         self._sync_interval = sync_interval_s
         self.last_sync = time.monotonic()
         #: Called by the periodic sync thread instead of a plain sync (the store syncs its
@@ -157,6 +178,44 @@ class LmdbEnvironment:
                 target=self._sync_periodically, name="kvcache-lmdb-sync", daemon=True
             )
             self._syncer.start()
+
+    def _open(self, opening: dict[str, Any]) -> lmdb.Environment:
+        """Open the environment, with writemap if asked and it can be had safely; sets
+        :attr:`map_size`, the data file's descriptor and what of it is allocated."""
+        env: lmdb.Environment | None = None
+        if self.writemap:
+            try:
+                env = lmdb.open(str(self.path), writemap=True, **opening)
+            except lmdb.Error as exc:
+                # LMDB sizes the file to the map at open: one that may not grow that far
+                # (EFBIG: a file size limit, a file system's largest file) opens without it.
+                log.warning("LMDB in %s opens without writemap: %s", self.path, exc)
+                self.writemap = False
+        if env is None:
+            env = lmdb.open(str(self.path), writemap=False, **opening)
+        self.map_size = int(env.info()["map_size"])
+        self._page_size = int(env.stat()["psize"])
+        self._last_page: Callable[[], int] = lambda: int(env.info()["last_pgno"])
+        self._datafd = os.open(self.path / "data.mdb", os.O_RDWR)
+        # With writemap the file's size is the map's: how much of it is allocated is known
+        # once this process has allocated it (fallocate of what already is costs nothing).
+        self._allocated = 0 if self.writemap else os.fstat(self._datafd).st_size
+        if not self.writemap:
+            return env
+        try:
+            self._make_room(0)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP):
+                # A full disk at start: reads are served, writes refused until there is room.
+                log.warning("LMDB file in %s: no room to allocate ahead (%s)", self.path, exc)
+                return env
+            # No fallocate: nothing would keep a write out of a hole on a full disk.
+            log.warning("LMDB in %s opens without writemap: no fallocate (%s)", self.path, exc)
+            env.close()
+            os.close(self._datafd)
+            self.writemap = False
+            return self._open(opening)
+        return env
 
     def _check_file(self, damaged_file: DamagedFile) -> None:
         """Refuse or quarantine a data file LMDB may not map (see kvcache.server.lmdb_check);
@@ -218,6 +277,8 @@ class LmdbEnvironment:
         reuses its freed pages and this does nothing. Best effort: a failure
         (disk full, no fallocate) is left to LMDB's own write to report.
         """
+        if self.writemap:  # begin_write allocates, strictly
+            return
         used = (int(self.env.info()["last_pgno"]) + 1) * self._page_size
         if used + 2 * incoming <= self._allocated or self._allocated >= self.map_size:
             return
@@ -228,6 +289,34 @@ class LmdbEnvironment:
         except OSError as exc:
             log.debug("preallocating %s to %d bytes failed: %s", self.path, target, exc)
             return
+        self._allocated = target
+
+    def begin_write(self, rows: int | None = None) -> lmdb.Transaction[bytes]:
+        """A write transaction that changes at most ``rows`` rows (None: any number).
+
+        With writemap, the file is first allocated far enough past LMDB's last page for
+        every page such a transaction may add (raises OSError, ENOSPC and the like, if
+        the disk cannot take them: the write is then refused, not a SIGBUS)."""
+        if self.writemap:
+            self._make_room(rows)
+        return self.env.begin(write=True)
+
+    def _make_room(self, rows: int | None) -> None:
+        pages = _MAX_TXN_PAGES if rows is None else _BASE_PAGES + rows * _PAGES_PER_ROW
+        used = (self._last_page() + 1) * self._page_size
+        need = min(self.map_size, used + min(pages, _MAX_TXN_PAGES) * self._page_size)
+        if need <= self._allocated:
+            return
+        ahead = min(_PREALLOCATE_BYTES, self.map_size // 32)
+        target = min(self.map_size, need + ahead)
+        try:
+            os.posix_fallocate(self._datafd, self._allocated, target - self._allocated)
+        except OSError:
+            # What the disk can still take, if it covers this transaction: the next one
+            # tries again from there.
+            if need > self._allocated:
+                os.posix_fallocate(self._datafd, self._allocated, need - self._allocated)
+            target = need
         self._allocated = target
 
     def close(self) -> None:

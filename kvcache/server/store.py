@@ -100,7 +100,7 @@ from kvcache.server.records import (
 )
 from kvcache.server.removals import RemovalBook
 from kvcache.server.segments import LOCATION, SegmentFiles, SegmentState, default_segment_bytes
-from kvcache.shard import HEADER_DTYPE
+from kvcache.shard import HEADER_BYTES, HEADER_DTYPE
 from kvcache.wire import GET_REFRESHED, NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 __all__ = ["COUNTERS", "Clock", "GetResult", "PutBatch", "ReplyTooLargeError", "ShardStore"]
@@ -126,6 +126,9 @@ _CHECK_AT: int = HEADER_DTYPE.fields["header_check"][1]  # type: ignore[index]
 _COMPACT_BELOW = 0.9
 #: Bytes of records one compaction step copies at most.
 _COMPACT_STEP = 8 << 20
+#: Rows one DELETE item may change, for the room a write transaction needs (a whole-key
+#: delete takes every shard of the key; a key's rows are packed 128 to a page).
+_ROWS_A_DELETE = 16
 #: Pending hits are written once this many have piled up, whatever their age.
 _MAX_PENDING_TOUCHES = 8192
 
@@ -258,6 +261,7 @@ class ShardStore:
         segment_bytes: int | None = None,
         segment_budget_bytes: int | None = None,
         sendfile_min_bytes: int = 0,
+        writemap: bool = True,
     ) -> None:
         if not 0 < low_watermark < high_watermark <= 1:
             raise ConfigError(f"bad watermarks low={low_watermark} high={high_watermark}")
@@ -288,6 +292,7 @@ class ShardStore:
             sync_interval_s=sync_interval_s,
             max_readers=max_readers,
             damaged_file=damaged_file,
+            writemap=writemap,
         )
         self.path = self._lmdb.path
         #: Why the data file found at start was moved aside (None: it was whole).
@@ -406,6 +411,11 @@ class ShardStore:
         return self._max_reply
 
     @property
+    def writemap(self) -> bool:
+        """Whether LMDB writes through its map (see kvcache.server.lmdb_env)."""
+        return self._lmdb.writemap
+
+    @property
     def map_size(self) -> int:
         """The LMDB map size (a second, read-only handle on the file must map as much)."""
         return self._lmdb.map_size
@@ -441,13 +451,13 @@ class ShardStore:
 
         Stored expiries are kept: a new TTL applies from each shard's next write or hit.
         """
-        with self._env.begin(write=True) as txn:
+        with self._lmdb.begin_write(64) as txn:
             txn.put(b"policy", policy.to_json(), db=self._meta)
         self.policy = policy
 
     def clear_policy(self, fallback: RetentionPolicy) -> None:
         """Forget a persisted policy and use ``fallback`` (the config file's) again."""
-        with self._env.begin(write=True) as txn:
+        with self._lmdb.begin_write(64) as txn:
             txn.delete(b"policy", db=self._meta)
         self.policy = fallback
 
@@ -548,7 +558,8 @@ class ShardStore:
         self._make_room(
             total, writer=TenantId(next(iter(incoming))) if len(incoming) == 1 else None
         )
-        self._lmdb.preallocate(sum(len(c.keys) for c in passed) * 128)  # index rows only
+        shards = sum(len(c.keys) for c in passed)
+        self._lmdb.preallocate(shards * 128)  # index rows only (without writemap)
         now = self.now_ms()
         resolved: dict[tuple[str, Retain], tuple[str, int]] = {}
         pins = self._pin_rooms(passed)
@@ -564,7 +575,7 @@ class ShardStore:
             appended: tuple[int, SegmentState] | None = None
             cols = _Columns()
             try:
-                with self.segments.writing, self._env.begin(write=True) as txn:
+                with self.segments.writing, self._lmdb.begin_write(shards) as txn:
                     # Shards written earlier in this transaction: (expiry, size, stripe, class).
                     staged: dict[bytes, tuple[int, int, int, str]] = {}
                     expiry_rows: list[tuple[bytes, bytes]] = []
@@ -1091,7 +1102,7 @@ class ShardStore:
         ``record`` (a scrub found it bad; a shard rewritten since stays). Returns how many."""
         deltas = Deltas()
         try:
-            with self._env.begin(write=True) as txn:
+            with self._lmdb.begin_write(len(found)) as txn:
                 rows = self._rows_of(txn, [skey for skey, _ in found])
                 for skey, record in found:
                     raw = rows.pop(skey, None)
@@ -1150,7 +1161,7 @@ class ShardStore:
         deltas = Deltas()
         deleted: dict[bytes, list[tuple[int, int, int, bytes]]] = {}
         try:
-            with self._env.begin(write=True) as txn:
+            with self._lmdb.begin_write(len(items) * _ROWS_A_DELETE) as txn:
                 prefixes = _prefixes(tenant, items)
                 groups = self._groups(txn, prefixes)
                 gone_keys: set[bytes] = set()
@@ -1250,7 +1261,7 @@ class ShardStore:
         moved = Deltas()
         updated = 0
         try:
-            with self._env.begin(write=True) as txn:
+            with self._lmdb.begin_write(3 * len(pending)) as txn:
                 rows = self._rows_of(txn, list(pending))
                 classes = self.classes
                 for skey, (candidate, cls) in pending.items():
@@ -1644,7 +1655,7 @@ class ShardStore:
         class_id = b"" if known is None else known.to_bytes(2, "big")
         size_of = _SIZE.unpack_from
         try:
-            with self._env.begin(write=True) as txn:
+            with self._lmdb.begin_write(limit) as txn:
                 cursor = txn.cursor(db=self._expiry)
                 rows_at = txn.cursor(db=self._index)
                 find, value, drop = rows_at.set_range_dup, rows_at.value, rows_at.delete
@@ -1797,7 +1808,7 @@ class ShardStore:
         state = seg_files.state
         empty = [s for s in looked if s != active and s in state and not state[s].live]
         if empty:
-            with self._env.begin(write=True) as txn:
+            with self._lmdb.begin_write(2 * len(empty)) as txn:
                 for seg in empty:
                     txn.delete(SEGMENT_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
                     txn.delete(SEGMENT_EXPIRY_PREFIX + seg.to_bytes(4, "big"), db=self._meta)
@@ -1880,6 +1891,13 @@ class ShardStore:
         latest = self._latest_expiry.get(seg)
         return latest is not None and head_ms <= latest <= head_ms + 2 * EXPIRY_UNIT_MS
 
+    def _compact_rows(self, seg: int) -> int:
+        """Rows one compaction step of ``seg`` may change: its live records, at most what one
+        step can copy."""
+        state = self.segments.state.get(seg)
+        live = state.live if state is not None else 0
+        return 2 * min(live, _COMPACT_STEP // HEADER_BYTES) + 8
+
     def _compact_step(self, seg: int, start: int) -> int | None:
         """Copy the live records of ``seg``'s batches from offset ``start`` forward, about
         _COMPACT_STEP bytes, in one transaction; the next batch offset, or None at the end."""
@@ -1891,7 +1909,10 @@ class ShardStore:
         deltas = Deltas()
         appended: tuple[int, SegmentState] | None = None
         try:
-            with self.segments.writing, self._env.begin(write=True) as txn:
+            with (
+                self.segments.writing,
+                self._lmdb.begin_write(self._compact_rows(seg)) as txn,
+            ):
                 for batch_at, skey, at, length in self.segments.walk(seg, start):
                     if batch_at != start and copied >= _COMPACT_STEP:
                         nxt = batch_at
@@ -1968,7 +1989,18 @@ class ShardStore:
                     self._shrunk.add(seg)
 
     def _load_meta(self) -> None:
-        with self._env.begin(write=True) as txn:
+        # The rows this start may change: a few meta rows, and those of segments found lost.
+        lost: set[int] = set()
+        rows = 64
+        with self._env.begin() as txn:
+            if txn.get(b"format", db=self._meta) == FORMAT:
+                found = {
+                    int.from_bytes(rest, "big"): SegmentState.unpack(value)
+                    for rest, value in _meta_rows(txn.cursor(db=self._meta), SEGMENT_PREFIX)
+                }
+                lost = self._lost_segments(found)
+                rows += 2 * len(found) + sum(found[seg].live for seg in lost)
+        with self._lmdb.begin_write(rows) as txn:
             fmt = txn.get(b"format", db=self._meta)
             if fmt is None:
                 if txn.stat(self._index)["entries"]:
@@ -2017,7 +2049,6 @@ class ShardStore:
                 int.from_bytes(rest, "big"): _U64.unpack(value)[0]
                 for rest, value in _meta_rows(cursor, SEGMENT_EXPIRY_PREFIX)
             }
-            lost = self._lost_segments(segments)
             forgotten = Deltas()
             if lost:
                 forgotten = self._forget_segments(txn, lost)
