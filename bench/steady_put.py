@@ -120,7 +120,8 @@ def main() -> None:
             capacity_bytes=capacity,
             clock=clock,
             monotonic=clock,
-            writemap=not args.no_writemap,
+            # Passed only when asked, so that an older tree (PYTHONPATH) runs as it is.
+            **({"writemap": False} if args.no_writemap else {}),
         )
 
         def put(i: int) -> None:
@@ -132,7 +133,7 @@ def main() -> None:
             if i % 20 == 0:
                 clock.now += 1
 
-        writemap = node.writemap
+        writemap = bool(node._lmdb.env.flags()["writemap"])
         for i in range(fill):
             put(i)
         wrap = timed(spent, calls)
