@@ -10,7 +10,7 @@ module never imports ``lmdb`` for error handling.
 the shared map, where without it every dirty page is a heap copy that the commit
 writes back with ``pwrite``. The index's rows are small and land on random leaf
 pages (block keys are hashes), so a PUT dirties about a page per shard: with
-writemap, a full node's 128-shard PUT cost 0.75x the CPU in process
+writemap, a full 512 MiB node's 128-shard PUT cost 0.65x the CPU in process
 (``docs/benchmarks.md``, sixteenth pass of issue 17). Its price: LMDB sizes the
 data file to the whole map (sparse) at open, and a store through the map into a
 hole the file system cannot fill (a full disk) is a ``SIGBUS``, not an error.
