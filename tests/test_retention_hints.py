@@ -138,3 +138,34 @@ def test_removals_are_counted_by_cause_with_their_ages(tmp_path: Path) -> None:
         oldest = store.oldest_live()
         assert set(oldest) == {(T, "chat")}
         assert 0 < oldest[T, "chat"] <= 120_000
+
+
+def test_one_eviction_pass_counts_expired_and_live_shards_of_a_class_apart(
+    tmp_path: Path,
+) -> None:
+    """Pressure that takes a class's expired shards and live ones in one pass counts each
+    under its own cause, with its own bytes and ages."""
+    clock = FakeClock()
+    record = len(block_records(key(0), indices=[0])[0][2])
+    with open_store(
+        tmp_path / "db", clock, capacity_bytes=record * 10, low_watermark=0.2, sweep_batch=16
+    ) as store:
+        for n in range(3):  # a short TTL: expired below, not swept
+            put(store, n, "chat", Retain(ttl_s=3600))
+        clock.step(2 * 3600)
+        for n in range(3, 9):
+            put(store, n, "chat")
+        assert store.counters["evicted_shards"] == 0
+        put(store, 9, "chat")  # past the high watermark: the write takes one expired shard ...
+        assert store.counters["evicted_shards"] == 1
+        # ... and the drain after it, in one pass, the other two and live ones.
+        assert store.drain_after_crossing() > 2
+        rows = {(r["class"], r["cause"]): r for r in store.removals.snapshot()}
+        assert rows["chat", "expired"]["shards"] == 3
+        assert rows["chat", "expired"]["bytes"] == 3 * record
+        assert 2 * 3600 <= rows["chat", "expired"]["age_sum_s"] / 3 <= 2 * 3600 + 60
+        live = rows["chat", "evicted"]
+        assert live["shards"] == store.counters["evicted_shards"] - 3 > 0
+        assert live["bytes"] == live["shards"] * record
+        assert live["age_sum_s"] < 60 * live["shards"]
+        assert store.recount() == store.usage()

@@ -125,16 +125,22 @@ def test_new_blocks_go_in_without_a_lookup_and_a_block_with_rows_is_written_agai
     assert put(store, other) == [Status.CONFLICT]
     assert store.counters["put_lookup_retries"] == 3
     assert store.counters["put_conflicts"] == 1
-    # Two shards of one block in one PUT take the careful path at once: no retry.
-    assert put(store, block_records(key(50), indices=[0, 1])) == [Status.OK, Status.OK]
+    # Several shards of one new block in one PUT (a node of a small cluster) need no lookup
+    # either; several of a block stored before are written again with it.
+    fifty = block_records(key(50), indices=[0, 1, 2])
+    assert put(store, fifty) == [Status.OK] * 3
     assert store.counters["put_lookup_retries"] == 3
-    wanted = [(k, i) for k, i, _ in one_each + more]
+    two_more = [*block_records(key(50), indices=[5, 4]), block_records(key(51), indices=[1])[0]]
+    assert put(store, two_more) == [Status.OK] * 3
+    assert store.counters["put_lookup_retries"] == 4
+    assert held(store, key(50)) == {0, 1, 2, 4, 5}
+    wanted = [(k, i) for k, i, _ in one_each + more + fifty + two_more]
     status, records = get(store, wanted)
     assert status == [Status.OK] * len(wanted)
-    assert records == [r for _, _, r in one_each + more]
+    assert records == [r for _, _, r in one_each + more + fifty + two_more]
     # What an undone transaction appended is not counted anywhere: a rescan agrees.
     usage = store.usage()
-    assert usage["shards"] == 16 + 2 + 2
+    assert usage["shards"] == 16 + 2 + 3 + 3
     assert store.recount() == usage
     assert sum(st.live_bytes for st in store.segments.state.values()) == usage["used_bytes"]
 

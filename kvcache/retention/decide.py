@@ -32,6 +32,9 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from kvcache.errors import ArgumentError, ConfigError, ShardFormatError
 from kvcache.retention.policy import RetentionPolicy, parse_duration
 from kvcache.shard import check_class_name
@@ -46,6 +49,7 @@ __all__ = [
     "clamp",
     "evictable",
     "is_live",
+    "live_mask",
     "merge",
     "merged_expiry",
     "quiet_above",
@@ -210,6 +214,11 @@ def write_expiry(now_ms: int, ttl_s: int) -> int:
 def is_live(expiry_ms: int, now_ms: int) -> bool:
     """A shard is live while ``now < expiry``; an expired one is absent to every request."""
     return now_ms < expiry_ms
+
+
+def live_mask(expiry_ms: npt.NDArray[np.int64], now_ms: int) -> npt.NDArray[np.bool_]:
+    """:func:`is_live` of each of an array of expiries."""
+    return np.asarray(expiry_ms) > now_ms
 
 
 def merged_expiry(current_ms: int | None, candidate_ms: int) -> int:

@@ -65,26 +65,27 @@ class RemovalBook:
         traffic_class: str,
         cause: str,
         *,
-        sizes: Iterable[int],
-        ages_ms: Iterable[int],
+        sizes: Iterable[int] | npt.NDArray[np.int64],
+        ages_ms: Iterable[int] | npt.NDArray[np.int64],
         keys: Sequence[bytes] = (),
     ) -> None:
         """Count removed shards of one (tenant, class) for ``cause``, their sizes and ages
         (``keys``: their storage keys, for :attr:`listener`)."""
         if cause not in CAUSES:
             raise ValueError(f"unknown removal cause {cause!r}; known: {CAUSES}")
-        size_list = list(sizes)
-        if not size_list:
+        size_arr = np.asarray(sizes if isinstance(sizes, np.ndarray) else list(sizes), np.int64)
+        if not len(size_arr):
             return
         if self.listener is not None and keys:
             self.listener(tenant, traffic_class, cause, keys)
-        ages: npt.NDArray[np.int64] = np.maximum(np.fromiter(ages_ms, np.int64), 0)
+        age_arr = np.asarray(ages_ms if isinstance(ages_ms, np.ndarray) else list(ages_ms))
+        ages: npt.NDArray[np.int64] = np.maximum(age_arr.astype(np.int64), 0)
         hist = np.bincount(np.searchsorted(_EDGES_MS, ages, side="left"),
                            minlength=len(AGE_BUCKETS_S) + 1)  # fmt: skip
         with self._lock:
             cell = self._cells.setdefault((bytes(tenant), traffic_class, cause), _Cell())
-            cell.shards += len(size_list)
-            cell.nbytes += sum(size_list)
+            cell.shards += len(size_arr)
+            cell.nbytes += int(size_arr.sum())
             cell.age_sum_ms += int(ages.sum())
             cell.buckets = [a + int(b) for a, b in zip(cell.buckets, hist, strict=True)]
 

@@ -566,10 +566,10 @@ class ShardStore:
         replace_after_ms = self._replace_after_ms
         classes = self.classes
         # The usual PUT stores blocks this node holds no row of. Then the lookup for earlier
-        # rows is skipped: the rows go in with no-overwrite, and if a block had a row after
-        # all (a racing writer, a repair, a retry), that transaction is undone and the batch
-        # is written again the careful way, lookup first.
-        for optimistic in (True, False) if _distinct_blocks(passed) else (False,):
+        # rows is skipped: each block's first row goes in with no-overwrite, and if a block
+        # had a row after all (a racing writer, a repair, a retry), that transaction is
+        # undone and the batch is written again the careful way, lookup first.
+        for optimistic in (True, False):
             deltas = Deltas()
             status_updates: list[tuple[CheckedPut, list[int]]] = []
             appended: tuple[int, SegmentState] | None = None
@@ -666,11 +666,10 @@ class ShardStore:
                             offsets=first + np.cumsum(lengths) - lengths,
                         )
                         blocks = [k[:BLOCK_LEN] for k in cols.keys]
-                        _, added = txn.cursor(db=self._index).putmulti(
-                            zip(blocks, rows, strict=True), overwrite=not optimistic
-                        )
-                        if optimistic and added != len(rows):
-                            raise _HadRows
+                        if optimistic:
+                            _put_new_rows(txn.cursor(db=self._index), blocks, rows)
+                        else:
+                            txn.cursor(db=self._index).putmulti(zip(blocks, rows, strict=True))
                         txn.cursor(db=self._expiry).putmulti(expiry_rows)
                         self._write_usage(txn, deltas, appended=seg)
             except (lmdb.Error, OSError) as exc:
@@ -1187,7 +1186,7 @@ class ShardStore:
         for skey in deltas.removed:
             self._pending.pop(skey, None)
         for part, removed in deleted.items():
-            self._count_removed(part, "deleted", removed)
+            self._count_removed(part, "deleted", _Removed.of_rows(removed))
         reply = make_items(Op.DELETE, len(items), reply=True)
         reply["status"] = status
         return reply
@@ -1647,7 +1646,7 @@ class ShardStore:
         to_free = 2**63 if until_bytes is None else until_bytes
         removed = deltas.removed
         nbytes = 0
-        gone: list[tuple[int, int, int, bytes]] = []  # (expiry, size, written, key) of each
+        gone: list[_Removed] = []  # what each expiry key gave up
         tenant = part[:TENANT_LEN]
         # A row in this partition names its class; an entry whose row names another (moved
         # there since, under the same expiry second) is stale here.
@@ -1716,9 +1715,8 @@ class ShardStore:
                                          strict=True):  # fmt: skip
                         deltas.add_segment(seg, -int(b), -c)
                     removed.extend(taken)
-                    written = (rows["written"].astype(np.int64) * 1000).tolist()
-                    gone.extend(zip([expiry] * take, sizes.tolist(), written, taken,
-                                    strict=True))  # fmt: skip
+                    written = rows["written"].astype(np.int64) * 1000
+                    gone.append(_Removed(np.full(take, expiry, np.int64), sizes, written, taken))
                 self._write_usage(txn, deltas)
         except lmdb.Error as exc:
             raise self.failed(exc, "deleting expired or evicted shards") from exc
@@ -1726,27 +1724,26 @@ class ShardStore:
         if self._pending:
             for skey in removed:
                 self._pending.pop(skey, None)
-        self._count_removed(part, cause, gone)
+        if gone:
+            self._count_removed(part, cause, _Removed.joined(gone))
         return deltas
 
-    def _count_removed(
-        self, part: bytes, cause: str, gone: list[tuple[int, int, int, bytes]]
-    ) -> None:
+    def _count_removed(self, part: bytes, cause: str, gone: _Removed) -> None:
         """Count removals of partition ``part``: an already expired shard that pressure
         reached counts as ``expired``, a live one under its ``cause``."""
-        if not gone:
+        if not gone.keys:
             return
         now = self.now_ms()
         tenant, name = part[:TENANT_LEN], decide.split_stored(_partition_class(part))[0]
         if cause != "expired":
-            dead = [g for g in gone if not decide.is_live(g[0], now)]
-            if dead:
-                gone = [g for g in gone if decide.is_live(g[0], now)]
-                self.removals.record(tenant, name, "expired", sizes=[g[1] for g in dead],
-                                     ages_ms=[now - g[2] for g in dead],
-                                     keys=[g[3] for g in dead])  # fmt: skip
-        self.removals.record(tenant, name, cause, sizes=[g[1] for g in gone],
-                             ages_ms=[now - g[2] for g in gone], keys=[g[3] for g in gone])  # fmt: skip
+            live = decide.live_mask(gone.expiry_ms, now)
+            if not live.all():
+                dead, gone = gone.where(~live), gone.where(live)
+                self.removals.record(tenant, name, "expired", sizes=dead.sizes,
+                                     ages_ms=now - dead.written_ms, keys=dead.keys)  # fmt: skip
+        if gone.keys:
+            self.removals.record(tenant, name, cause, sizes=gone.sizes,
+                                 ages_ms=now - gone.written_ms, keys=gone.keys)  # fmt: skip
 
     def _lost_segments(self, segments: Mapping[int, SegmentState]) -> set[int]:
         """Segments the index points into whose file is gone or shorter than what was
@@ -2131,15 +2128,67 @@ class _Columns:
             setattr(self, name, [column[i] for i in keep])
 
 
+@dataclass(frozen=True, slots=True)
+class _Removed:
+    """Shards a transaction removed from one partition, as columns: the expiry, size and
+    written time (ms) of each, and its storage key (how removals are counted)."""
+
+    expiry_ms: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]
+    written_ms: npt.NDArray[np.int64]
+    keys: list[bytes]
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[tuple[int, int, int, bytes]]) -> _Removed:
+        """From (expiry, size, written, key) of each shard."""
+        expiry, sizes, written, keys = zip(*rows, strict=True) if rows else ((), (), (), ())
+        return cls(
+            np.array(expiry, np.int64), np.array(sizes, np.int64), np.array(written, np.int64),
+            list(keys),
+        )  # fmt: skip
+
+    @classmethod
+    def joined(cls, parts: Sequence[_Removed]) -> _Removed:
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            np.concatenate([p.expiry_ms for p in parts]),
+            np.concatenate([p.sizes for p in parts]),
+            np.concatenate([p.written_ms for p in parts]),
+            [k for p in parts for k in p.keys],
+        )
+
+    def where(self, mask: npt.NDArray[np.bool_]) -> _Removed:
+        """The shards ``mask`` picks."""
+        keys = list(itertools.compress(self.keys, mask.tolist()))
+        return _Removed(self.expiry_ms[mask], self.sizes[mask], self.written_ms[mask], keys)
+
+
 class _HadRows(Exception):
     """A PUT written without the lookup for earlier rows met one: write it again with it."""
 
 
-def _distinct_blocks(passed: Sequence[CheckedPut]) -> bool:
-    """No two shards of ``passed`` share an index key (tenant + block key): each may be put
-    with no-overwrite, since a refused put then means a row stored before this write."""
-    blocks = [k[:BLOCK_LEN] for c in passed for k in c.keys]
-    return len(set(blocks)) == len(blocks)
+def _put_new_rows(index: lmdb.Cursor, blocks: list[bytes], rows: list[bytes]) -> None:
+    """Put the index rows of a PUT written without the lookup for earlier rows (storage
+    keys distinct): the first row of each block with no-overwrite, so that a block holding
+    a row from before this transaction refuses it, then its other shards' rows beside it.
+    Raises :class:`_HadRows` when a block had one (the transaction is then undone)."""
+    # Each block's first position: with a block repeated, the smallest index is kept last.
+    first = dict(zip(reversed(blocks), range(len(blocks) - 1, -1, -1), strict=True))
+    if len(first) == len(blocks):  # one shard of each block: what one node of twelve gets
+        _, added = index.putmulti(zip(blocks, rows, strict=True), overwrite=False)
+        if added != len(rows):
+            raise _HadRows
+        return
+    heads = np.zeros(len(blocks), bool)
+    heads[list(first.values())] = True
+    head_at, rest_at = np.flatnonzero(heads).tolist(), np.flatnonzero(~heads).tolist()
+    _, added = index.putmulti(((blocks[i], rows[i]) for i in head_at), overwrite=False)
+    if added != len(head_at):
+        raise _HadRows
+    _, added = index.putmulti((blocks[i], rows[i]) for i in rest_at)
+    if added != len(rest_at):  # never so (distinct keys, new rows), but undone if it were
+        raise _HadRows
 
 
 def _prefixes(tenant: bytes, items: npt.NDArray[np.void]) -> list[bytes]:
