@@ -563,134 +563,147 @@ class ShardStore:
         now = self.now_ms()
         resolved: dict[tuple[str, Retain], tuple[str, int]] = {}
         pins = self._pin_rooms(passed)
-        replace_after_ms = self._replace_after_ms
-        classes = self.classes
         # The usual PUT stores blocks this node holds no row of. Then the lookup for earlier
         # rows is skipped: each block's first row goes in with no-overwrite, and if a block
         # had a row after all (a racing writer, a repair, a retry), that transaction is
         # undone and the batch is written again the careful way, lookup first.
-        for optimistic in (True, False):
-            deltas = Deltas()
-            status_updates: list[tuple[CheckedPut, list[int]]] = []
-            appended: tuple[int, SegmentState] | None = None
-            cols = _Columns()
-            try:
-                with self.segments.writing, self._lmdb.begin_write(shards) as txn:
-                    # Shards written earlier in this transaction: (expiry, size, stripe, class).
-                    staged: dict[bytes, tuple[int, int, int, str]] = {}
-                    expiry_rows: list[tuple[bytes, bytes]] = []
-                    rewritten = False
-                    earliest = 2**63
-                    for c in passed:
-                        old = {} if optimistic else self._rows_of(txn, c.keys)
-                        if not old and self._fresh_batch(c, staged):
-                            # The common PUT: every shard new. Rows built as columns; what later
-                            # batches of this transaction must see is staged (none follow the last).
-                            stage = c is not passed[-1]
-                            earliest = min(
-                                earliest,
-                                self._write_fresh(c, now, resolved, pins, cols,
-                                                  staged if stage else None, expiry_rows, deltas),
-                            )  # fmt: skip
-                            continue
-                        conflicts: list[int] = []
-                        tenant = c.keys[0][:TENANT_LEN]
-                        for j, (skey, record, cls, stripe, expect) in enumerate(
-                            zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
-                        ):
-                            if (cls, c.retain) not in resolved:
-                                resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
-                            name, expiry = resolved[cls, c.retain]
-                            prior = staged.get(skey)
-                            raw = None if prior is not None else old.get(skey)
-                            if raw is not None:
-                                rec = Row.unpack(raw, classes)
-                                prior = (rec.expiry_ms, rec.size, rec.stripe, rec.traffic_class)
-                                written = rec.written_ms
-                            else:
-                                written = now
-                            if prior is not None:
-                                p_expiry, p_size, p_stripe, p_cls = prior
-                                current = self._current(skey, p_expiry, p_cls)
-                                action = decide.write_action(
-                                    stored_expiry_ms=current[0],
-                                    stored_stripe=p_stripe,
-                                    stored_written_ms=written,
-                                    stripe=stripe,
-                                    expect=expect,
-                                    now_ms=now,
-                                    replace_after_ms=replace_after_ms,
-                                )
-                                if action is WriteAction.CONFLICT:
-                                    conflicts.append(j)
-                                    continue
-                                deltas.add(partition(tenant, p_cls), -p_size, -1)
-                                if raw is None:  # written earlier in this transaction
-                                    expiry_rows.remove(expiry_entry(skey, p_cls, p_expiry))
-                                    rewritten = True
-                                else:
-                                    deltas.add_segment(rec.seg, -rec.size, -1)
-                                    txn.delete(skey[:BLOCK_LEN], raw, db=self._index)
-                                    txn.delete(
-                                        *expiry_entry(skey, p_cls, p_expiry), db=self._expiry
-                                    )
-                                    del old[skey]
-                                if action is WriteAction.REPEAT:
-                                    # A repeat of the same write keeps the later expiry and its class.
-                                    expiry, name = decide.merge(current, (expiry, name))
-                                self._pending.pop(skey, None)
-                            size = len(record)
-                            cols.add(skey, record, classes.id_of(name), expiry, stripe)
-                            staged[skey] = (expiry, size, stripe, name)
-                            expiry_rows.append(expiry_entry(skey, name, expiry))
-                            deltas.add(partition(tenant, name), size, 1)
-                            earliest = min(earliest, expiry)
-                        if conflicts:
-                            status_updates.append((c, conflicts))
-                    if cols.keys:
-                        if rewritten:  # a key twice in this transaction: only its last record
-                            cols.keep_last()
-                        seg, first, prior_state = self.segments.append(cols.keys, cols.records)
-                        appended = (seg, prior_state)
-                        self.counters["segments_reused"] = self.segments.reused
-                        self._note_expiry(txn, seg, max(cols.expiry))
-                        lengths = np.fromiter(map(len, cols.records), np.int64, len(cols.records))
-                        rows = fresh_rows(
-                            cols.keys,
-                            class_ids=np.array(cols.class_ids, np.uint16),
-                            sizes=lengths,
-                            expiry_ms=np.array(cols.expiry, np.uint64),
-                            stripes=np.array(cols.stripes, np.uint64),
-                            written_ms=now,
-                            seg=seg,
-                            offsets=first + np.cumsum(lengths) - lengths,
-                        )
-                        blocks = [k[:BLOCK_LEN] for k in cols.keys]
-                        if optimistic:
-                            _put_new_rows(txn.cursor(db=self._index), blocks, rows)
-                        else:
-                            txn.cursor(db=self._index).putmulti(zip(blocks, rows, strict=True))
-                        txn.cursor(db=self._expiry).putmulti(expiry_rows)
-                        self._write_usage(txn, deltas, appended=seg)
-            except (lmdb.Error, OSError) as exc:
-                if appended is not None:
-                    self.segments.rewind(*appended)
-                raise self.failed(exc, f"storing {len(passed)} PUT batch(es)") from exc
-            except _HadRows:
-                if appended is not None:
-                    self.segments.rewind(*appended)
-                self.counters["put_lookup_retries"] += 1
-                continue
-            except BaseException:
-                if appended is not None:
-                    self.segments.rewind(*appended)
-                raise
-            break
+        try:
+            written = self._write_attempt(passed, shards, now, resolved, pins, optimistic=True)
+        except _HadRows:
+            self.counters["put_lookup_retries"] += 1
+            written = self._write_attempt(passed, shards, now, resolved, pins, optimistic=False)
+        deltas, status_updates, earliest = written
         self._apply(deltas)
         self._next_sweep_ms = min(self._next_sweep_ms, earliest)
         for c, conflicts in status_updates:
             c.status[[c.positions[j] for j in conflicts]] = Status.CONFLICT
             self.counters["put_conflicts"] += len(conflicts)
+
+    def _write_attempt(
+        self,
+        passed: list[CheckedPut],
+        shards: int,
+        now: int,
+        resolved: dict[tuple[str, Retain], tuple[str, int]],
+        pins: dict[int, bool],
+        *,
+        optimistic: bool,
+    ) -> tuple[Deltas, list[tuple[CheckedPut, list[int]]], int]:
+        """One transaction storing ``passed`` (segment append and index rows); returns its
+        deltas, the shards refused as conflicts (per batch) and the earliest expiry written.
+        ``optimistic``: without the lookup for earlier rows (:func:`_put_new_rows`); raises
+        :class:`_HadRows`, with the transaction and the append undone, when a block had one."""
+        replace_after_ms = self._replace_after_ms
+        classes = self.classes
+        deltas = Deltas()
+        status_updates: list[tuple[CheckedPut, list[int]]] = []
+        appended: tuple[int, SegmentState] | None = None
+        cols = _Columns()
+        try:
+            with self.segments.writing, self._lmdb.begin_write(shards) as txn:
+                # Shards written earlier in this transaction: (expiry, size, stripe, class).
+                staged: dict[bytes, tuple[int, int, int, str]] = {}
+                expiry_rows: list[tuple[bytes, bytes]] = []
+                rewritten = False
+                earliest = 2**63
+                for c in passed:
+                    old = {} if optimistic else self._rows_of(txn, c.keys)
+                    if not old and self._fresh_batch(c, staged):
+                        # The common PUT: every shard new. Rows built as columns; what later
+                        # batches of this transaction must see is staged (none follow the last).
+                        stage = c is not passed[-1]
+                        earliest = min(
+                            earliest,
+                            self._write_fresh(c, now, resolved, pins, cols,
+                                              staged if stage else None, expiry_rows, deltas),
+                        )  # fmt: skip
+                        continue
+                    conflicts: list[int] = []
+                    tenant = c.keys[0][:TENANT_LEN]
+                    for j, (skey, record, cls, stripe, expect) in enumerate(
+                        zip(c.keys, c.records, c.classes, c.stripes, c.expects, strict=True)
+                    ):
+                        if (cls, c.retain) not in resolved:
+                            resolved[cls, c.retain] = self._write_retention(cls, now, c, pins)
+                        name, expiry = resolved[cls, c.retain]
+                        prior = staged.get(skey)
+                        raw = None if prior is not None else old.get(skey)
+                        if raw is not None:
+                            rec = Row.unpack(raw, classes)
+                            prior = (rec.expiry_ms, rec.size, rec.stripe, rec.traffic_class)
+                            written = rec.written_ms
+                        else:
+                            written = now
+                        if prior is not None:
+                            p_expiry, p_size, p_stripe, p_cls = prior
+                            current = self._current(skey, p_expiry, p_cls)
+                            action = decide.write_action(
+                                stored_expiry_ms=current[0],
+                                stored_stripe=p_stripe,
+                                stored_written_ms=written,
+                                stripe=stripe,
+                                expect=expect,
+                                now_ms=now,
+                                replace_after_ms=replace_after_ms,
+                            )
+                            if action is WriteAction.CONFLICT:
+                                conflicts.append(j)
+                                continue
+                            deltas.add(partition(tenant, p_cls), -p_size, -1)
+                            if raw is None:  # written earlier in this transaction
+                                expiry_rows.remove(expiry_entry(skey, p_cls, p_expiry))
+                                rewritten = True
+                            else:
+                                deltas.add_segment(rec.seg, -rec.size, -1)
+                                txn.delete(skey[:BLOCK_LEN], raw, db=self._index)
+                                txn.delete(*expiry_entry(skey, p_cls, p_expiry), db=self._expiry)
+                                del old[skey]
+                            if action is WriteAction.REPEAT:
+                                # A repeat of the same write keeps the later expiry and its class.
+                                expiry, name = decide.merge(current, (expiry, name))
+                            self._pending.pop(skey, None)
+                        size = len(record)
+                        cols.add(skey, record, classes.id_of(name), expiry, stripe)
+                        staged[skey] = (expiry, size, stripe, name)
+                        expiry_rows.append(expiry_entry(skey, name, expiry))
+                        deltas.add(partition(tenant, name), size, 1)
+                        earliest = min(earliest, expiry)
+                    if conflicts:
+                        status_updates.append((c, conflicts))
+                if cols.keys:
+                    if rewritten:  # a key twice in this transaction: only its last record
+                        cols.keep_last()
+                    seg, first, prior_state = self.segments.append(cols.keys, cols.records)
+                    appended = (seg, prior_state)
+                    self.counters["segments_reused"] = self.segments.reused
+                    self._note_expiry(txn, seg, max(cols.expiry))
+                    lengths = np.fromiter(map(len, cols.records), np.int64, len(cols.records))
+                    rows = fresh_rows(
+                        cols.keys,
+                        class_ids=np.array(cols.class_ids, np.uint16),
+                        sizes=lengths,
+                        expiry_ms=np.array(cols.expiry, np.uint64),
+                        stripes=np.array(cols.stripes, np.uint64),
+                        written_ms=now,
+                        seg=seg,
+                        offsets=first + np.cumsum(lengths) - lengths,
+                    )
+                    blocks = [k[:BLOCK_LEN] for k in cols.keys]
+                    if optimistic:
+                        _put_new_rows(txn.cursor(db=self._index), blocks, rows)
+                    else:
+                        txn.cursor(db=self._index).putmulti(zip(blocks, rows, strict=True))
+                    txn.cursor(db=self._expiry).putmulti(expiry_rows)
+                    self._write_usage(txn, deltas, appended=seg)
+        except (lmdb.Error, OSError) as exc:
+            if appended is not None:
+                self.segments.rewind(*appended)
+            raise self.failed(exc, f"storing {len(passed)} PUT batch(es)") from exc
+        except BaseException:  # _HadRows too: the retry appends again
+            if appended is not None:
+                self.segments.rewind(*appended)
+            raise
+        return deltas, status_updates, earliest
 
     @staticmethod
     def _fresh_batch(c: CheckedPut, staged: dict[bytes, tuple[int, int, int, str]]) -> bool:
