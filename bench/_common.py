@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
 import os
 import platform
@@ -11,6 +13,31 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def time_calls(
+    owner: Any,
+    name: str,
+    label: str,
+    spent: collections.Counter[str],
+    calls: collections.Counter[str] | None = None,
+) -> None:
+    """Wrap ``owner.name`` (a function of a class or module) so that each call adds the
+    thread CPU it took (ns) to ``spent[label]`` and one to ``calls[label]``: where a
+    phase's CPU goes (nested phases overlap; the wrapper costs about a microsecond)."""
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time_ns()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] += time.thread_time_ns() - start
+            if calls is not None:
+                calls[label] += 1
+
+    setattr(owner, name, timed)
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -27,24 +27,12 @@ from pathlib import Path
 import numpy as np
 
 SITE = """
-import atexit, collections, functools, os, sys, time
+import atexit, collections, os, sys
 if os.environ.get("KVCACHE_PROFILE_PHASES") and "server" in sys.argv:
     SPENT = collections.Counter(); CALLS = collections.Counter()
-
-    def wrap(owner, name, phase):
-        inner = getattr(owner, name)
-
-        @functools.wraps(inner)
-        def timed(*args, **kwargs):
-            start = time.thread_time_ns()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                SPENT[phase] += time.thread_time_ns() - start
-                CALLS[phase] += 1
-
-        setattr(owner, name, timed)
-
+    sys.path.insert(0, os.environ["KVCACHE_PROFILE_BENCH"])  # bench/, for _common alone
+    from _common import time_calls
+    sys.path.pop(0)
     from kvcache import net_loop
     from kvcache.server import handler, loop, segments, store
     for owner, name, phase in [
@@ -59,7 +47,7 @@ if os.environ.get("KVCACHE_PROFILE_PHASES") and "server" in sys.argv:
         (store.ShardStore, "_make_room", "make_room"), (store.ShardStore, "_write_usage", "write_usage"),
         (store.ShardStore, "_pin_rooms", "pin_rooms"), (store.ShardStore, "_make_room_for_quota", "quota"),
     ]:
-        wrap(owner, name, phase)
+        time_calls(owner, name, phase, SPENT, CALLS)
 
     def dump():
         out = os.environ["KVCACHE_PROFILE_PHASES"]
@@ -96,6 +84,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         [str(work / "site"), os.environ.get("PYTHONPATH", "")]
     )
     os.environ["KVCACHE_PROFILE_PHASES"] = str(work)
+    os.environ["KVCACHE_PROFILE_BENCH"] = str(Path(__file__).resolve().parent)
     if args.no_native_plane:
         os.environ["KVCACHE_SERVER_NATIVE_PLANE"] = "false"
     from kvcache.client import Client

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import processes_cpu_s
+from _common import processes_cpu_s, time_calls
 
 from kvcache.client import Client
 from kvcache.keys import BlockKey
@@ -53,20 +53,6 @@ BATCH = 64
 
 #: Thread CPU nanoseconds inside each timed stage (and the count of load_keys calls).
 STAGES: collections.Counter[str] = collections.Counter()
-
-
-def _timed(owner: Any, name: str, stage: str) -> None:
-    inner = getattr(owner, name)
-
-    @functools.wraps(inner)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time_ns()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            STAGES[stage] += time.thread_time_ns() - start
-
-    setattr(owner, name, timed)
 
 
 def install_stage_timers() -> None:
@@ -87,7 +73,7 @@ def install_stage_timers() -> None:
         (rounds, "plan_reads", "plan"),
         (loading, "LoadAssembly", "assembly_setup"),
     ):
-        _timed(owner, name, stage)
+        time_calls(owner, name, stage, STAGES)
     original = client.Client.load_keys
 
     @functools.wraps(original)

@@ -20,17 +20,15 @@ Usage: python bench/steady_put.py [--puts N] [--capacity-mib M] [--no-writemap] 
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import commit, machine, parser, print_table, write_json
+from _common import commit, machine, parser, print_table, time_calls, write_json
 
 from kvcache.credentials import tenant_id
 from kvcache.server import segments, store
@@ -81,24 +79,6 @@ def batch(i: int, body: bytes) -> tuple[np.ndarray, memoryview]:
     return items, memoryview(b"".join(records))
 
 
-def timed(spent: collections.Counter[str], calls: collections.Counter[str]) -> Callable[..., Any]:
-    def wrap(owner: type, name: str) -> None:
-        inner = getattr(owner, name)
-
-        @functools.wraps(inner)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.thread_time_ns()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[name] += time.thread_time_ns() - start
-                calls[name] += 1
-
-        setattr(owner, name, run)
-
-    return wrap
-
-
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--puts", type=int, default=1400, help="PUTs in all (the fill included)")
@@ -136,9 +116,8 @@ def main() -> None:
         writemap = bool(node._lmdb.env.flags()["writemap"])
         for i in range(fill):
             put(i)
-        wrap = timed(spent, calls)
         for owner, name in PHASES:
-            wrap(owner, name)
+            time_calls(owner, name, name, spent, calls)
         start = time.thread_time()
         for i in range(fill, args.puts):
             put(i)
