@@ -4,7 +4,9 @@ Each function takes a running 12-daemon LocalCluster whose credentials hold the
 tenants ``default`` and ``alice``, and returns its figures:
 
 - ``stalled_put_victim_p99_ratio``: alice's load p99 while tenant ``default`` holds
-  5 half-sent 256 MiB PUTs on every daemon, over her p99 without them;
+  5 half-sent 256 MiB PUTs on every daemon, over her p99 without them. The loads with
+  and without alternate in chunks (the stalled PUTs opened before each such chunk and
+  closed after it), so that a hiccup of the host lands in either as likely;
 - ``preauth_flood_new_conn_success``: the fraction of new authenticated connections
   that succeed while 1,100 connections that never authenticate are held (and reopened
   as the daemon closes them) on the same daemon;
@@ -57,44 +59,65 @@ def _load_ok(client: Client, keys: list[bytes], src: np.ndarray, out: np.ndarray
     return got.blocks == len(keys) and bool(np.array_equal(out, src))
 
 
-def _p99(client: Client, keys: list[bytes], out: np.ndarray, loads: int) -> float:
+def _load_times(client: Client, keys: list[bytes], out: np.ndarray, loads: int) -> list[float]:
     times = []
     for _ in range(loads):
         t = time.perf_counter()
         client.load_keys(client.match_keys(keys), payload_len=P, out=out)
         times.append(time.perf_counter() - t)
-    return float(np.percentile(times, 99))
+    return times
 
 
-def stalled_puts(cluster: LocalCluster, loads: int = 100) -> dict[str, Any]:
+def _stall_every_daemon(cluster: LocalCluster, secret: bytes, per_daemon: int = 5) -> list[Probe]:
+    """``per_daemon`` PUTs of 256 MiB on every daemon, each sent up to 1,000 bytes of its
+    data and left there (their connections stay open until closed)."""
+    probes: list[Probe] = []
+    try:
+        for node in cluster.nodes:
+            for _ in range(per_daemon):
+                probe = Probe(node.data, tenant="default", secret=secret)
+                probes.append(probe)
+                items = make_items(Op.PUT, 1, reply=False)
+                items["length"] = 256 * MiB
+                header = Header(op=Op.PUT, request_id=1, count=1, data_len=256 * MiB)
+                probe.send_raw(header.pack() + items.tobytes() + b"\0" * 1000)
+    except BaseException:
+        for probe in probes:
+            probe.close()
+        raise
+    return probes
+
+
+def stalled_puts(cluster: LocalCluster, loads: int = 200, chunks: int = 5) -> dict[str, Any]:
+    """Alice's ``loads`` loads with stalled PUTs held and ``loads`` without, in ``chunks``
+    alternating chunks of each."""
     creds = cluster.credentials()
     attacker = creds.tenant("default")
     assert attacker is not None
+    calm_s: list[float] = []
+    stalled_s: list[float] = []
+    ok = True
+    per_chunk = max(1, loads // chunks)
     with Client(cluster.client_config(tenant="alice")) as victim:
         keys, src = _stored(victim, 16, 11)
         out = np.empty_like(src)
-        _p99(victim, keys, out, 10)  # warm up
-        calm = _p99(victim, keys, out, loads)
-        probes: list[Probe] = []
-        try:
-            for node in cluster.nodes:
-                for _ in range(5):
-                    probe = Probe(node.data, tenant="default", secret=attacker.secret)
-                    items = make_items(Op.PUT, 1, reply=False)
-                    items["length"] = 256 * MiB
-                    header = Header(op=Op.PUT, request_id=1, count=1, data_len=256 * MiB)
-                    probe.send_raw(header.pack() + items.tobytes() + b"\0" * 1000)
-                    probes.append(probe)
-            stalled = _p99(victim, keys, out, loads)
-            ok = _load_ok(victim, keys, src, out)
-        finally:
-            for probe in probes:
-                probe.close()
+        _load_times(victim, keys, out, 10)  # warm up
+        for _ in range(chunks):
+            calm_s += _load_times(victim, keys, out, per_chunk)
+            probes = _stall_every_daemon(cluster, attacker.secret)
+            try:
+                stalled_s += _load_times(victim, keys, out, per_chunk)
+                ok = _load_ok(victim, keys, src, out) and ok
+            finally:
+                for probe in probes:
+                    probe.close()
+    calm, stalled = (float(np.percentile(t, 99)) for t in (calm_s, stalled_s))
     return {
         "stalled_put_victim_p99_ms": stalled * 1000,
         "calm_victim_p99_ms": calm * 1000,
         "stalled_put_victim_p99_ratio": stalled / calm,
         "stalled_put_victim_load_whole": int(ok),
+        "stalled_put_victim_loads": len(stalled_s),
     }
 
 

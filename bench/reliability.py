@@ -434,7 +434,7 @@ def main() -> None:
             # Issue 18: header flips, truncated files, reopen after kill -9, quota isolation.
             figures.update(availability.run_all(cluster, quick=quick))
             wrong += figures["header_flip_wrong_bytes"]
-            figures.update(stalls.stalled_puts(cluster, loads=50 if quick else 200))
+            figures.update(stalls.stalled_puts(cluster, loads=200 if quick else 500))
             figures.update(stalls.preauth_flood(cluster, attempts=100 if quick else 500))
             figures.update(stalls.restarts(cluster, loads_per_node=45))
             figures.update(stalls.stopped_holders(cluster))
