@@ -394,35 +394,6 @@ def test_kept_files_are_reused_newest_first_and_given_back_after_a_while(
     files.close()
 
 
-def test_a_new_segment_file_is_allocated_ahead_and_read_only_to_its_recorded_end(
-    tmp_path: Path,
-) -> None:
-    """A new segment's file gets its blocks for the whole segment before the first append
-    (so appends write into allocated blocks); what lies past the recorded end is zeros no
-    walk, view or reopen takes for records."""
-    files = SegmentFiles(tmp_path, segment_bytes=SEG, sync_each_write=False)
-    files.load({})
-    record = bytes(range(250)) * 40  # 10,000 bytes
-    seg, first, _ = files.append([T + key(1)], [record])
-    path = files.path_of(seg)
-    st = os.stat(path)
-    assert st.st_blocks * 512 >= SEG  # allocated ahead, not sparse
-    end = files.state[seg].end
-    assert end < SEG <= st.st_size
-    assert [(pos, n) for _at, _k, pos, n in files.walk(seg)] == [(first, len(record))]
-    assert bytes(files.view(seg)[first : first + len(record)]) == record
-    state = dict(files.state)
-    files.close()
-    again = SegmentFiles(tmp_path, segment_bytes=SEG, sync_each_write=False)
-    again.load(state)  # a reopen: the longer file is neither lost nor cut short
-    assert again.state[seg].end == end
-    assert [(pos, n) for _at, _k, pos, n in again.walk(seg)] == [(first, len(record))]
-    seg2, first2, _ = again.append([T + key(2)], [record[::-1]])
-    assert (seg2, first2 - end) == (seg, first)  # appended at the recorded end
-    assert bytes(again.view(seg)[first2 : first2 + len(record)]) == record[::-1]
-    again.close()
-
-
 def test_a_restarted_full_node_still_leaves_its_head_segments_to_eviction(
     tmp_path: Path, clock: FakeClock
 ) -> None:

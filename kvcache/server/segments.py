@@ -142,24 +142,10 @@ class SegmentFd:
             os.close(self.fd)
 
 
-def _allocate_ahead(fd: int, size: int, path: Path) -> None:
-    """Allocate a new segment file's first ``size`` bytes before anything is written: the
-    appends then write into blocks the file has, and ext4 allocates none inside each one.
-    On the 2-core VM a 734 KB append into an allocated 64 MiB file took 84-91 µs of CPU
-    against 139-151 µs for one extending the file; the allocation, 0.7 µs an append's
-    worth. Best effort: on a full disk, or where the file system cannot allocate, the
-    appends extend the file as before (and a full disk refuses them, ``disk_full``)."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        log.debug("allocating segment %s ahead failed: %s", path, exc)
-
-
 class _Segment:
-    """One open segment file and its read-only map (remapped as the file grows). A new file
-    is allocated ahead (:func:`_allocate_ahead`), so it may be longer than what its index
-    records (the rest zeros, never read); it is never made sparse, as writes into holes
-    cost 5x those that extend a file, measured on ext4."""
+    """One open segment file and its read-only map (remapped as the file grows: the file
+    is never made sparse, as writes into holes cost 5x those that extend a file, measured
+    on ext4)."""
 
     __slots__ = ("fd", "file", "map", "old", "path")
 
@@ -368,10 +354,7 @@ class SegmentFiles:
             spare, _size, _when = self._spares.pop()
             os.replace(spare, self.path_of(seg))
             self.reused += 1
-            self._segment(seg, create=True)
-        else:
-            found = self._segment(seg, create=True)
-            _allocate_ahead(found.fd, max(self.segment_bytes, need), self.path_of(seg))
+        self._segment(seg, create=True)
         self.state[seg] = SegmentState()
         self.active = seg
 
