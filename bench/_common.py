@@ -145,13 +145,18 @@ def warm_host(gib: float) -> str:
     what it frees does not."""
     if gib <= 0:
         return "host memory not warmed"
+    spent, per_gib = warm_host_cost(gib)
+    return (
+        f"host memory warmed: {gib:g} GiB touched in {spent:.1f} s ({per_gib:.2f} s/GiB a process)"
+    )
+
+
+def warm_host_cost(gib: float) -> tuple[float, float]:
+    """:func:`warm_host`'s touch; (seconds it took, the slowest process's seconds a GiB)."""
     import multiprocessing
 
     workers = max(1, os.cpu_count() or 1)
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         costs = pool.map(_touch, [gib / workers] * workers)
-    return (
-        f"host memory warmed: {gib:g} GiB touched in {time.perf_counter() - start:.1f} s "
-        f"({max(costs):.2f} s/GiB a process)"
-    )
+    return time.perf_counter() - start, max(costs)

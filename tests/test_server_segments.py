@@ -17,6 +17,7 @@ from kvcache.credentials import tenant_id
 from kvcache.errors import StorageError
 from kvcache.net_loop import FileRange, SendQueue, frame_nbytes, frame_view
 from kvcache.retention import DAY_S, RetentionPolicy
+from kvcache.server import store as store_module
 from kvcache.server.probe import fake_shard
 from kvcache.server.segments import SPARE_KEEP_S, SegmentFd, SegmentFiles
 from kvcache.server.store import ShardStore
@@ -164,6 +165,44 @@ def test_compaction_moves_live_records_and_keeps_their_bytes(
         assert store.recount() == store.usage()
         # Scrub's reader sees the moved records whole.
         assert len(store.records_after(b"", max_bytes=1 << 30)) == 12 * (8 - len(gone))
+
+
+def test_a_compaction_step_of_small_records_is_bounded_by_records(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A segment of many small records is compacted in steps of at most
+    ``_COMPACT_STEP_RECORDS`` records looked at (the step holds the daemon's loop), each
+    going on inside the batch where the last one stopped: every live record is moved once,
+    the segment goes, and every block reads back whole."""
+    step = store_module._COMPACT_STEP_RECORDS
+    with ShardStore(
+        tmp_path / "db", capacity_bytes=64 << 20, clock=clock, segment_bytes=2 << 20,
+        segment_budget_bytes=1 << 20,
+    ) as store:  # fmt: skip
+        blocks = {n: block_records(key(n), body_len=64) for n in range(500)}
+        # 6,000 records of 168 bytes in ONE batch: a step can only stop inside it.
+        assert put(store, [s for shards in blocks.values() for s in shards]) == [Status.OK] * 6000
+        gone = [n for n in blocks if n % 3]
+        items = get_items([(key(n), i) for n in gone for i in range(12)])
+        assert (store.delete(T, items)["status"] == Status.OK).all()
+        big = block_records(key(10_000), body_len=120_000)  # does not fit: seals the first
+        assert put(store, big) == [Status.OK] * 12
+        blocks[10_000] = big
+        first = min(store.segments.state)
+        moves = []
+        for _ in range(50):
+            before = store.counters["compacted_shards"]
+            more = store.reclaim()
+            moves.append(store.counters["compacted_shards"] - before)
+            if not more:
+                break
+        kept = 12 * (len(blocks) - 1 - len(gone))
+        assert sum(moves) == kept  # each live record moved exactly once
+        # 6,000 records looked at, a third of them live: three steps at least, not one.
+        assert max(moves) <= step and sum(1 for m in moves if m) >= -(-6000 // step) >= 3
+        assert store.counters["segments_compacted"] == 1 and first not in store.segments.state
+        assert_blocks(store, blocks, gone)
+        assert store.recount() == store.usage()
 
 
 def test_a_v3_directory_is_refused_with_a_clear_message(tmp_path: Path, clock: FakeClock) -> None:

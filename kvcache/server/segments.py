@@ -403,10 +403,14 @@ class SegmentFiles:
                 out.append(whole[a:b])
         return out
 
-    def walk(self, seg: int, start: int = 0) -> Iterator[tuple[int, bytes, int, int]]:
+    def walk(
+        self, seg: int, start: int = 0, resume: int = 0
+    ) -> Iterator[tuple[int, bytes, int, int]]:
         """(batch offset, storage key, record offset, record length) of every record of
-        segment ``seg`` from the batch at ``start`` on, up to its recorded end. Stops (and
-        logs) at a batch head that is not one (a damaged file): the rest is left to scrub."""
+        segment ``seg`` from the batch at ``start`` on, up to its recorded end, leaving out
+        the records that begin before offset ``resume`` (a walk stopped inside a batch goes
+        on from its next record). Stops (and logs) at a batch head that is not one (a
+        damaged file): the rest is left to scrub."""
         state = self.state.get(seg)
         if state is None:
             return
@@ -448,6 +452,9 @@ class SegmentFiles:
                     log.warning("segment %s: a bad entry in the batch at offset %d; not walked "
                                 "further", self.path_of(seg), at)  # fmt: skip
                     return
+                if pos < resume:
+                    pos += length
+                    continue
                 key = (
                     tenants[slot]
                     + bytes(view[pos + _KEY_AT : pos + _KEY_AT + 16])
