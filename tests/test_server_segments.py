@@ -205,6 +205,46 @@ def test_a_compaction_step_of_small_records_is_bounded_by_records(
         assert store.recount() == store.usage()
 
 
+def test_a_drain_goes_first_and_compaction_after_it(tmp_path: Path, clock: FakeClock) -> None:
+    """While a drain to the low watermark is under way, no compaction step runs between its
+    batches (the drain empties segments itself); once it is done, the sparse segments the
+    deletes left are compacted, exactly."""
+    blocks = {n: block_records(key(n), body_len=2048) for n in range(40)}
+    with open_store(tmp_path / "db", clock) as store:
+        for n, shards in blocks.items():
+            if n == 20:
+                clock.step(10)  # the later blocks expire later: eviction takes the first ones
+            assert put(store, shards) == [Status.OK] * 12
+        gone = [n for n in range(20, 40) if n % 3]  # later segments thinned by deletes
+        store.delete(T, get_items([(key(n), i) for n in gone for i in range(12)]))
+        used = store.book.used
+    # Reopened with its capacity at what it holds, and a budget its files exceed: over the
+    # high watermark, so a drain is due, and compaction too.
+    with ShardStore(
+        tmp_path / "db", capacity_bytes=used, clock=clock, segment_bytes=SEG,
+        segment_budget_bytes=used // 2, sweep_batch=12,
+    ) as store:  # fmt: skip
+        turns_draining = 0
+        for _ in range(1000):
+            before = store.counters["compacted_shards"]
+            more = store.maintain()
+            if store.book.used > store._low:  # still draining after this turn
+                turns_draining += 1
+                assert store.counters["compacted_shards"] == before
+            if not more:
+                break
+        assert turns_draining >= 2 and store.book.used <= store._low
+        assert store.counters["evicted_shards"] > 0 and store.counters["compacted_shards"] > 0
+        kept = 0
+        for n, shards in blocks.items():  # eviction takes shards, not blocks: one at a time
+            for k, i, record in shards:
+                status, data, _ = read(store, [(k, i)])
+                assert status == [Status.NOT_FOUND] if n in gone else data in (b"", record)
+                kept += data == record
+        assert kept == store.usage()["shards"] > 0
+        assert store.recount() == store.usage()
+
+
 def test_a_v3_directory_is_refused_with_a_clear_message(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "db"
     path.mkdir()

@@ -1843,6 +1843,11 @@ class ShardStore:
                 and st.live_bytes < _COMPACT_BELOW * st.end
             ):
                 self._sparse.add(seg)
+        if self._draining:
+            # A drain to the low watermark is under way: it empties segments itself, and a
+            # compaction step between its batches copies records it may take next (at 10^7
+            # shards the drain ran at half its rate with them; bench/scale.py).
+            return False
         if self._compacting is None:
             self._sparse = {s for s in self._sparse if s in state and state[s].live}
             if not self._sparse or self.segments.file_bytes <= self.segment_budget:
