@@ -437,24 +437,31 @@ class SegmentFiles:
             ]
             lengths: Iterable[int]
             slots: Iterable[int]
+            pos = body
             if uniform:
-                lengths, slots = itertools.repeat(uniform, count), itertools.repeat(0, count)
+                # Records that begin before ``resume`` are passed over by arithmetic.
+                skip = min(count, -(-(resume - pos) // uniform)) if resume > pos else 0
+                pos += skip * uniform
+                lengths = itertools.repeat(uniform, count - skip)
+                slots = itertools.repeat(0, count - skip)
             else:
                 entries = np.frombuffer(view[table + _TENANT_LEN * ntenants : body], _ENTRY_DTYPE)
                 if int(entries["len"].sum(dtype=np.uint64)) != total:
                     log.warning("segment %s: the entries of the batch at offset %d do not add up "
                                 "to its records; not walked further", self.path_of(seg), at)  # fmt: skip
                     return
-                lengths, slots = entries["len"].tolist(), entries["tenant"].tolist()
-            pos = body
+                skip = 0
+                if resume > pos:
+                    ends = np.cumsum(entries["len"], dtype=np.int64)
+                    skip = int(np.searchsorted(pos + ends - entries["len"], resume))
+                    pos += int(ends[skip - 1]) if skip else 0
+                lengths = entries["len"][skip:].tolist()
+                slots = entries["tenant"][skip:].tolist()
             for length, slot in zip(lengths, slots):  # noqa: B905 - counted above
                 if length < HEADER_BYTES or slot >= ntenants:
                     log.warning("segment %s: a bad entry in the batch at offset %d; not walked "
                                 "further", self.path_of(seg), at)  # fmt: skip
                     return
-                if pos < resume:
-                    pos += length
-                    continue
                 key = (
                     tenants[slot]
                     + bytes(view[pos + _KEY_AT : pos + _KEY_AT + 16])

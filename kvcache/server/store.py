@@ -131,6 +131,9 @@ _COMPACT_STEP = 8 << 20
 #: a step of small records run long: 8 MiB of 168-byte records was 0.75 s a step at 10^6
 #: shards (``bench/scale.py``), in which the node answered nothing.
 _COMPACT_STEP_RECORDS = 2048
+#: While a drain is under way, compaction waits as long as the segment files stay within
+#: this multiple of their budget.
+_DRAIN_FIRST_SLACK = 1.25
 #: Rows one DELETE item may change, for the room a write transaction needs (a whole-key
 #: delete takes every shard of the key; a key's rows are packed 128 to a page).
 _ROWS_A_DELETE = 16
@@ -1843,10 +1846,13 @@ class ShardStore:
                 and st.live_bytes < _COMPACT_BELOW * st.end
             ):
                 self._sparse.add(seg)
-        if self._draining:
+        if self._draining and self.segments.file_bytes <= _DRAIN_FIRST_SLACK * self.segment_budget:
             # A drain to the low watermark is under way: it empties segments itself, and a
             # compaction step between its batches copies records it may take next (at 10^7
-            # shards the drain ran at half its rate with them; bench/scale.py).
+            # shards the drain ran at half its rate with them; bench/scale.py). Past the
+            # slack the steps run again: a drain that cannot finish (pins above the low
+            # watermark) would otherwise stop compaction for good, the files growing a
+            # segment per long-lived record.
             return False
         if self._compacting is None:
             self._sparse = {s for s in self._sparse if s in state and state[s].live}
