@@ -94,6 +94,30 @@ def test_pins_hold_against_eviction_within_the_pin_quota_and_survive_a_restart(
         assert store.expiry_of(T, key(1), 0) is None
 
 
+def test_a_drain_held_up_by_pins_does_not_ask_to_run_again_at_once(tmp_path: Path) -> None:
+    """Pins above the low watermark: the drain takes every unpinned shard it can, and then
+    maintenance says nothing more is waiting (the daemon's loop would otherwise call it
+    again at once, forever); the pins stay."""
+    clock = FakeClock()
+    record = len(block_records(key(0), indices=[0])[0][2])
+    cap = record * 10
+    with ShardStore(tmp_path / "db", clock=clock, policy=POLICY, capacity_bytes=cap,
+                    quotas={T: Quota(pins=cap)}, sweep_batch=1) as store:  # type: ignore[arg-type]  # fmt: skip
+        for n in range(9):  # 90 % pinned: above the low watermark (80 %) for good
+            clock.step(1)
+            assert put(store, n, "chat", Retain(pin=True)) == [Status.OK]
+        clock.step(1)
+        assert put(store, 100, "chat") == [Status.OK]  # crosses the high watermark
+        turns = 0
+        while store.maintain():
+            turns += 1
+            assert turns < 10
+        assert store.expiry_of(T, key(100), 0) is None  # the unpinned shard went
+        assert store.book.used > store._low and store._draining  # the pins hold it above
+        assert not store.maintain()  # and it does not ask again at once
+        assert all(store.expiry_of(T, key(n), 0) is not None for n in range(9))
+
+
 def test_a_touch_pins_stored_blocks_and_a_tenant_without_pin_quota_gets_none(
     tmp_path: Path,
 ) -> None:

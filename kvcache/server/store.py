@@ -1266,9 +1266,12 @@ class ShardStore:
         if self.book.used > self._high:
             self._draining = True
         if self._draining:
-            self.evict(self._low, limit=self._sweep_batch)
+            freed = self.evict(self._low, limit=self._sweep_batch)
             self._draining = self.book.used > self._low
-            more |= self._draining
+            # A drain that freed nothing (what is left above the low watermark is pinned)
+            # is tried again at the loop's next turn, not at once: asking again at once had
+            # the daemon's loop spin, a pass over every partition each time.
+            more |= self._draining and freed > 0
         more |= self.reclaim()
         self.segments.release_spares()
         return more
