@@ -402,7 +402,7 @@ def test_a_full_file_system_refuses_writes_and_never_kills_the_daemon(tmp_path: 
     daemon = DaemonProcess(
         tmp_path, server=server, preexec=_on_a_small_tmpfs(tmp_path / "data", 24 << 20)
     )
-    with daemon.start(), daemon.probe(timeout_s=10) as probe:
+    with daemon, daemon.probe(timeout_s=10) as probe:  # entering it starts it
         stored: list[tuple[bytes, int, bytes]] = []
         refused = 0
         for n in range(400):
