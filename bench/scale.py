@@ -220,6 +220,13 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def major_faults(pid: int) -> int:
+    """Page faults of process ``pid`` so far that had to read from the disk (majflt): an
+    index page the kernel had dropped from the page cache, read back on the request."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[9])
+
+
 def start_daemon(root: Path, capacity: int) -> tuple[DaemonProcess, Probe, float]:
     """Start a daemon on ``root/data``; (daemon, probe, seconds to its first answer)."""
     daemon = DaemonProcess(
@@ -284,15 +291,24 @@ class FilledNode:
     lat: dict[str, list[float]] = dataclasses.field(
         default_factory=lambda: {"put": [], "get": [], "has": []}
     )
+    #: The daemon's major page faults during each kind of timed request.
+    majflt: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"put": 0, "get": 0, "has": 0}
+    )
 
     @property
     def tag(self) -> str:
-        return f"{self.shards:.0e}".replace("+0", "").replace("+", "")
+        return fill_tag(self.shards)
+
+
+def fill_tag(shards: int) -> str:
+    """A fill's suffix in the figures' names: 1e5, 1e6, 1e7."""
+    return f"{shards:.0e}".replace("+0", "").replace("+", "")
 
 
 def fill_node(root: Path, shards: int, batches: int) -> FilledNode:
     """Fill ``root/data`` to ``shards`` and start its daemon (restart time, index bytes)."""
-    tag = f"{shards:.0e}".replace("+0", "").replace("+", "")
+    tag = fill_tag(shards)
     out: dict[str, Any] = {}
     data = root / "data"
     fill_s, sample = fill(data, shards, seed=shards)
@@ -315,36 +331,34 @@ def timed_requests(nodes: list[FilledNode], batches: int, chunks: int) -> None:
     per = -(-batches // chunks)
     for node in nodes:
         node.lat = {"put": [], "get": [], "has": []}
-    put_at = [0] * len(nodes)
+        node.majflt = {"put": 0, "get": 0, "has": 0}
     order = np.random.default_rng(2).permutation(batches).tolist()
-    get_at = [0] * len(nodes)
-    has_at = [0] * len(nodes)
     for op, total in (("put", batches), ("get", batches), ("has", 4 * batches)):
         for _ in range(chunks):
-            for i, node in enumerate(nodes):
+            for node in nodes:
                 probe = node.probe
+                assert node.daemon.proc is not None
+                faults = major_faults(node.daemon.proc.pid)
                 for _ in range(min(per * (4 if op == "has" else 1), total - len(node.lat[op]))):
+                    j = len(node.lat[op])  # this node's requests of this kind so far
                     t0 = time.perf_counter()
                     if op == "put":
-                        items, payload = node.puts[put_at[i]]
-                        put_at[i] += 1
+                        items, payload = node.puts[j]
                         reply = probe.request(Op.PUT, items, payload)
                         if reply.header.status != Status.OK or reply.items["status"].any():
                             raise RuntimeError(f"PUT refused: {reply.error_text()}")
                     elif op == "get":
-                        items = node.puts[order[get_at[i]]][0]
-                        get_at[i] += 1
+                        items = node.puts[order[j]][0]
                         reply = probe.request(Op.GET, get_items(items))
                         if reply.header.status != Status.OK or reply.items["status"].any():
                             raise RuntimeError("GET missed")
                     else:
-                        j = has_at[i]
-                        has_at[i] += 1
                         wanted = node.sample[(np.arange(64) * 7919 + j * 64) % len(node.sample)]
                         found = probe.has([bytes(k) for k in wanted])
                         if sum(map(len, found.values())) != 64:
                             raise RuntimeError(f"HAS found {len(found)} of 64 keys")
                     node.lat[op].append(time.perf_counter() - t0)
+                node.majflt[op] += major_faults(node.daemon.proc.pid) - faults
 
 
 def node_figures(node: FilledNode) -> None:
@@ -359,6 +373,8 @@ def node_figures(node: FilledNode) -> None:
     out[f"has64_median_ms_{tag}"] = float(np.median(lat["has"]) * 1000)
     out[f"get_median_ms_{tag}"] = float(np.median(lat["get"]) * 1000)
     out[f"put_median_ms_{tag}"] = float(np.median(lat["put"]) * 1000)
+    for op in ("put", "get", "has"):
+        out[f"{op}_majflt_per_request_{tag}"] = node.majflt[op] / max(1, len(lat[op]))
     assert daemon.proc is not None
     out[f"rss_mib_{tag}"] = rss_mib(daemon.proc.pid)
     try:
@@ -664,13 +680,15 @@ def main() -> int:
 
 
 def report(figures: dict[str, Any], fills: list[int]) -> bool:
-    tags = [f"{n:.0e}".replace("+0", "").replace("+", "") for n in fills]
+    tags = [fill_tag(n) for n in fills]
     rows = []
     names = [
         ("put_shards_per_s", "{:,.0f}"), ("put_p99_ms", "{:.2f}"),
         ("get_shards_per_s", "{:,.0f}"), ("get_p99_ms", "{:.2f}"),
         ("put_median_ms", "{:.2f}"), ("get_median_ms", "{:.2f}"),
-        ("has64_median_ms", "{:.2f}"), ("has64_p99_ms", "{:.2f}"), ("sweep_shards_per_s", "{:,.0f}"),
+        ("has64_median_ms", "{:.2f}"), ("has64_p99_ms", "{:.2f}"),
+        ("put_majflt_per_request", "{:.2f}"), ("get_majflt_per_request", "{:.2f}"),
+        ("has_majflt_per_request", "{:.2f}"), ("sweep_shards_per_s", "{:,.0f}"),
         ("evict_shards_per_s", "{:,.0f}"), ("restart_s", "{:.2f}"),
         ("restart_full_s", "{:.2f}"), ("rss_mib", "{:.0f}"),
         ("index_bytes_per_shard", "{:.1f}"), ("index_db_per_shard", "{:.1f}"),

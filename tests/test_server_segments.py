@@ -207,6 +207,55 @@ def test_a_compaction_step_of_small_records_is_bounded_by_records(
         assert store.recount() == store.usage()
 
 
+def test_a_segment_compaction_cannot_empty_is_left_alone_not_compacted_again(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A sparse segment with a damaged batch head: compaction's walk stops there, so a pass
+    cannot move the records behind it. The pass is counted once as uncompactable and the
+    segment is never picked again (each pass would move nothing, back to back: a daemon
+    spinning on it). Its records stay readable through their rows, and the segment goes
+    once they do."""
+    with open_store(tmp_path / "db", clock, segment_budget_bytes=100 << 10) as store:
+        blocks = {n: block_records(key(n), body_len=2048) for n in range(8)}
+        for shards in blocks.values():
+            assert put(store, shards) == [Status.OK] * 12
+        first = min(store.segments.state)
+        walked = list(store.segments.walk(first))
+        batches = sorted({at for at, _skey, _rec, _len in walked})
+        assert len(batches) >= 2  # two blocks' batches at least in the first segment
+        in_first = sorted({int.from_bytes(skey[8:24], "big") for _a, skey, _r, _l in walked})
+        gone = in_first[0]  # the first batch's block; the second batch is damaged below
+        store.delete(T, get_items([(key(gone), i) for i in range(12)]))
+        with open(store.segments.path_of(first), "r+b") as f:  # the second batch's magic
+            f.seek(batches[1])
+            f.write(b"\x00\x00\x00\x00")
+        calls = 0
+        while store.reclaim():
+            calls += 1
+            assert calls < 100, "reclaim() keeps asking to run again"
+        assert store.counters["segments_uncompactable"] == 1
+        assert first in store.segments.state  # its live records could not be moved
+        # Another segment shrinks (reclaim looks again): the damaged one is not walked again.
+        compacted = store.counters["segments_compacted"]
+        active = store.segments.active
+        last = {int.from_bytes(skey[8:24], "big") for _a, skey, _r, _l in
+                store.segments.walk(active)}  # fmt: skip
+        store.delete(T, get_items([(key(n), i) for n in last for i in range(12)]))
+        assert store.segments.state[active].live == 0
+        while store.reclaim():
+            calls += 1
+            assert calls < 100, "reclaim() keeps asking to run again"
+        assert store.counters["segments_uncompactable"] == 1
+        assert store.counters["segments_compacted"] == compacted
+        blocks = {n: shards for n, shards in blocks.items() if n not in last}
+        assert_blocks(store, blocks, [gone])  # the records behind the damage read back
+        # Once they go, the segment goes.
+        store.delete(T, get_items([(key(n), i) for n in in_first if n != gone for i in range(12)]))
+        while store.reclaim():
+            pass
+        assert first not in store.segments.state
+
+
 @pytest.mark.parametrize("files_over_budget", [1.2, 2.0])
 def test_a_drain_goes_first_and_compaction_after_it(
     tmp_path: Path, clock: FakeClock, files_over_budget: float

@@ -433,6 +433,10 @@ def render_prometheus(
         ("segments_reused", "Segments started on a dropped segment's file instead of a new one."),
         ("segments_compacted", "Segments whose live records were copied forward and dropped."),
         ("compacted_shards", "Records copied forward by segment compaction."),
+        (
+            "segments_uncompactable",
+            "Segments a compaction pass could not empty (a damaged batch head): left alone.",
+        ),
     ):
         lines += _family(f"{name}_total", "counter", help_text, [("", store_counters[name])])
     if swa_directory is not None:

@@ -154,6 +154,7 @@ COUNTERS = (
     "segments_dropped",
     "segments_reused",
     "segments_compacted",
+    "segments_uncompactable",
     "compacted_shards",
     "put_conflicts",
     "put_lookup_retries",
@@ -333,7 +334,6 @@ class ShardStore:
         self._pending: dict[bytes, tuple[int, str]] = {}
         self._pending_since = 0.0
         self._next_sweep_ms = 0
-        #: (segment, batch offset) of a compaction under way.
         #: The segment being compacted: (segment, batch offset, record offset) to go on at.
         self._compacting: tuple[int, int, int] | None = None
         #: Segments whose live bytes fell since reclaim() last looked (it looks at no other).
@@ -341,6 +341,11 @@ class ShardStore:
         self._sealed_upto = -1
         #: Sealed segments under 90 % live: candidates for compaction.
         self._sparse: set[int] = set()
+        #: Segments a whole compaction pass left live records in: their walk stopped at a
+        #: damaged batch head, or a record's length disagreed with its row. Never picked
+        #: again (each pass would move nothing more, and the loop would run them back to
+        #: back); their records stay readable by their rows, and go as the rows do.
+        self._uncompactable: set[int] = set()
         #: The latest expiry (ms) appended to each segment, as its meta row keeps it (a
         #: segment written before they were kept is not in it): see :meth:`_goes_first`.
         self._latest_expiry: dict[int, int] = {}
@@ -1837,6 +1842,7 @@ class ShardStore:
             for seg in empty:
                 seg_files.drop(seg)
                 self._latest_expiry.pop(seg, None)
+                self._uncompactable.discard(seg)
                 if self._compacting is not None and self._compacting[0] == seg:
                     self._compacting = None
             self.counters["segments_dropped"] += len(empty)
@@ -1847,6 +1853,7 @@ class ShardStore:
                 and st is not None
                 and st.live
                 and st.live_bytes < _COMPACT_BELOW * st.end
+                and seg not in self._uncompactable
             ):
                 self._sparse.add(seg)
         if self._draining and self.segments.file_bytes <= _DRAIN_FIRST_SLACK * self.segment_budget:
@@ -1880,7 +1887,18 @@ class ShardStore:
         nxt = self._compact_step(seg, start, resume)
         self._compacting = None if nxt is None else (seg, *nxt)
         if nxt is None:
-            self.counters["segments_compacted"] += 1
+            left = state.get(seg)
+            if left is None or not left.live:
+                self.counters["segments_compacted"] += 1
+            else:
+                self._uncompactable.add(seg)
+                self._sparse.discard(seg)
+                self.counters["segments_uncompactable"] += 1
+                log.warning(
+                    "segment %s: compaction left %d live records in it (a damaged batch head "
+                    "or record); it is not compacted again, its records go as their rows do",
+                    seg, left.live,
+                )  # fmt: skip
         return True
 
     def _note_expiry(self, txn: lmdb.Transaction, seg: int, expiry_ms: int) -> None:
