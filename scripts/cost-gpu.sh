@@ -16,6 +16,8 @@
 #   pool-ab  the same for scratch/base-client and then this tree, for each shape, in turn in
 #           one call: the pool's cost per block before/after ($OUT/pool_cost_{base,new}_*)
 #   engine  scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1, RUNS=1
+#   dsv41   bench/engine_gpu.py --quick --no-recompute with 12, 8 and 4 I/O processes: the
+#           DeepSeek-V4.1 load by pool size, and the match's share of it
 #   engine-ab  the same headline for scratch/base (its tree and scratch/whl-base's wheels and
 #           libraries) and then for this tree, one run each on one host: the engine's
 #           before/after ($OUT/base, $OUT/new). The daemons and the benchmark import the
@@ -96,6 +98,21 @@ for part in ${PARTS:-ab peers engine}; do
       RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 2>&1 \
         | tail -n 40 || status=1
       ;;
+    dsv41)
+      # The engine benchmark (--quick: 3 repeats, the headline's sizes) with 12, 8 and 4 I/O
+      # processes: the DeepSeek-V4.1 load's GB/s and client cores by pool size, and how much of
+      # it is the match (dsv41_match_*); the Llama figures come along.
+      (
+        source scripts/_gpu-site.sh
+        for procs in 12 8 4; do
+          python3 bench/engine_gpu.py --quick --no-recompute --io-processes "$procs" \
+            --connections-per-node 1 --json "$OUT/dsv41_io$procs.json" >"$OUT/dsv41_io$procs.txt" 2>&1 \
+            || echo "FAILED: $procs I/O processes"
+          echo "--- $procs I/O processes"
+          grep -E '^(DSV41|store 4|load 4)' "$OUT/dsv41_io$procs.txt"
+        done
+      ) || status=1
+      ;;
     engine-ab)
       headline() {
         mkdir -p "$1"
@@ -135,7 +152,7 @@ for part in ${PARTS:-ab peers engine}; do
         done
       ) || status=1
       ;;
-    *) echo "unknown part: $part (ab, client, store, daemon, peers, engine, engine-ab, degraded)" >&2; status=2 ;;
+    *) echo "unknown part: $part (ab, client, store, daemon, peers, pool, pool-ab, dsv41, engine, engine-ab, degraded)" >&2; status=2 ;;
   esac
 done
 exit "$status"
