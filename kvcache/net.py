@@ -74,7 +74,7 @@ def open_session(
             sock = tls.wrap_socket(sock, server_hostname=host)
         handshake = ClientHandshake(tenant=tenant, secret=secret)
         sock.sendall(handshake.auth(recv_exact(sock, HELLO_BYTES, node)))
-        handshake.check(recv_exact(sock, RESULT_BYTES, node))
+        handshake.check(recv_exact(sock, RESULT_BYTES, node), node)
         sock.settimeout(None)
         return sock
     except TimeoutError:

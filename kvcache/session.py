@@ -30,12 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache.credentials import TenantCredentials, check_tenant_name
-from kvcache.errors import AuthError, ConfigError, ProtocolError
+from kvcache.errors import AuthError, ConfigError, NodeError, ProtocolError
 
 __all__ = [
     "AUTH_BYTES",
     "HELLO_BYTES",
+    "RESULT_BUSY",
     "RESULT_BYTES",
+    "RESULT_REFUSED",
     "ClientHandshake",
     "ServerHandshake",
 ]
@@ -51,6 +53,9 @@ _RESULT = struct.Struct("<4sBBH32s")  # magic, version, code, reserved, server p
 HELLO_BYTES = _HELLO.size  # 40
 AUTH_BYTES = _AUTH.size  # 136
 RESULT_BYTES = _RESULT.size  # 40
+#: A KVNO RESULT's code: the credentials were refused, or a connection limit was reached.
+RESULT_REFUSED = 1
+RESULT_BUSY = 2
 _CLIENT_TAG = b"kvcache:session:v1:client\x00"
 _SERVER_TAG = b"kvcache:session:v1:server\x00"
 
@@ -79,9 +84,15 @@ class ServerHandshake:
         """The HELLO the daemon sends first."""
         return _HELLO.pack(b"KVHI", SESSION_VERSION, 0, 0, self.nonce)
 
+    @staticmethod
+    def busy() -> bytes:
+        """The RESULT refusing a client whose credentials were good, because the daemon is at
+        a connection limit (the tenant's or its own): ``KVNO`` with code 2, try later."""
+        return _RESULT.pack(b"KVNO", SESSION_VERSION, RESULT_BUSY, 0, bytes(NONCE_BYTES))
+
     def answer(self, raw: bytes) -> tuple[bytes, TenantCredentials | None]:
         """(RESULT to send, the authenticated tenant or None when refused)."""
-        refused = _RESULT.pack(b"KVNO", SESSION_VERSION, 1, 0, bytes(NONCE_BYTES))
+        refused = _RESULT.pack(b"KVNO", SESSION_VERSION, RESULT_REFUSED, 0, bytes(NONCE_BYTES))
         if len(raw) != AUTH_BYTES:
             return refused, None
         magic, version, name_len, reserved, client_nonce, proof, name_field = _AUTH.unpack(raw)
@@ -137,11 +148,18 @@ class ClientHandshake:
         proof = _proof(_CLIENT_TAG, self.secret, server_nonce, self.nonce, name)
         return _AUTH.pack(b"KVAU", SESSION_VERSION, len(name), 0, self.nonce, proof, name)
 
-    def check(self, result: bytes) -> None:
-        """Raise AuthError unless the daemon accepted us and proved it holds our secret."""
+    def check(self, result: bytes, node: str = "") -> None:
+        """Raise AuthError unless the daemon accepted us and proved it holds our secret
+        (NodeError when it refused the connection for a connection limit: try later)."""
         if len(result) != RESULT_BYTES:
             raise ProtocolError(f"session result is {len(result)} bytes, expected {RESULT_BYTES}")
         magic, _version, code, _reserved, server_proof = _RESULT.unpack(result)
+        if magic == b"KVNO" and code == RESULT_BUSY:
+            raise NodeError(
+                f"node {node or '?'} refused the connection: it is at its connection limit "
+                f"(tenant {self.tenant!r}'s or its own); try again later",
+                node=node,
+            )
         if magic == b"KVNO" or code:
             raise AuthError(
                 f"the daemon refused tenant {self.tenant!r}: wrong or missing secret "

@@ -104,12 +104,14 @@ for part in ${PARTS:-ab peers engine}; do
       # it is the match (dsv41_match_*); the Llama figures come along.
       (
         source scripts/_gpu-site.sh
-        for procs in 12 8 4; do
+        n=0
+        for procs in ${DSV41_PROCS:-12 8 4}; do  # in this order (DSV41_PROCS="4 12 4": order effects)
+          n=$((n + 1)); stem="$OUT/dsv41_run${n}_io$procs"
           python3 bench/engine_gpu.py --quick --no-recompute --io-processes "$procs" \
-            --connections-per-node 1 --json "$OUT/dsv41_io$procs.json" >"$OUT/dsv41_io$procs.txt" 2>&1 \
+            --connections-per-node 1 --json "$stem.json" >"$stem.txt" 2>&1 \
             || echo "FAILED: $procs I/O processes"
-          echo "--- $procs I/O processes"
-          grep -E '^(DSV41|store 4|load 4)' "$OUT/dsv41_io$procs.txt"
+          echo "--- run $n: $procs I/O processes"
+          grep -E '^(DSV41|store 4|load 4)' "$stem.txt"
         done
       ) || status=1
       ;;

@@ -69,15 +69,22 @@ def test_page_and_data_need_the_token_and_the_cookie_opens_only_them(
     daemon: DaemonProcess,
 ) -> None:
     base, token = daemon.admin + "/dashboard", daemon.admin_token
+
+    def refused() -> int:
+        return int(daemon.stats()["errors"].get("admin_unauthorized", 0))
+
+    before = refused()
     status, headers, _ = fetch(base)
     assert status == 302 and headers["Location"] == "/dashboard/"
     status, headers, body = fetch(base + "/")
     assert status == 401 and b'id="login"' in body and b"test-node" not in body
     assert "script-src 'self'" in headers["Content-Security-Policy"]
+    assert refused() == before  # the login page a first visit gets is not a refusal
     status, _, body = fetch(base + "/api/cluster")
     assert status == 401 and b"test-node" not in body
     assert fetch(base + "/?token=" + "0" * 64)[0] == 401
     assert fetch(base + "/login", method="POST", form={"token": "0" * 64})[0] == 401
+    assert refused() == before + 3  # the data without access and both wrong tokens
     assert fetch(base + "/", headers={"Authorization": f"Bearer {token}"})[0] == 200
 
     status, headers, _ = fetch(base + "/login", method="POST", form={"token": token})

@@ -25,7 +25,7 @@ from server_fixtures import (
     wait_until,
 )
 
-from kvcache.errors import AuthError
+from kvcache.errors import AuthError, NodeError
 from kvcache.retention import DAY_S
 from kvcache.server.probe import NodeRefusedError, Probe
 from kvcache.session import HELLO_BYTES
@@ -33,6 +33,7 @@ from kvcache.shard import split_shard
 from kvcache.wire import (
     NO_INDEX,
     Header,
+    Limits,
     Message,
     Op,
     Status,
@@ -197,11 +198,132 @@ def test_bad_message_gets_error_reply_and_counter(daemon: DaemonProcess, case: s
     good_client_served(daemon)
 
 
+def test_a_has_reply_of_many_shards_a_key_is_read_within_the_limits(
+    daemon: DaemonProcess,
+) -> None:
+    """A node holding all 12 shards of 100 keys answers a HAS of them with 1,200 items,
+    past a reader's 512-item limit on messages: a HAS reply carries an item per live shard,
+    so readers bound it by 255 items an asked key, and the reply is read whole."""
+    keys = [key(20_000 + n) for n in range(100)]
+    with daemon.probe(limits=Limits(max_items=512, max_data_bytes=1 << 20)) as probe:
+        for n in range(0, len(keys), 40):  # 480 shards a PUT: under the daemon's 512
+            shards = [s for k in keys[n : n + 40] for s in block_records(k, body_len=64)]
+            assert (probe.put(shards) == Status.OK).all()
+        held = probe.has(keys)
+    assert all(sorted(held[k]) == list(range(12)) for k in keys)
+
+
+def test_thousands_of_pipelined_bad_requests_are_each_answered(daemon: DaemonProcess) -> None:
+    """2,000 well-framed requests that carry a status (which a request must not), sent at
+    once: each gets its own BAD_REQUEST, in order, on a connection that stays open, and
+    the daemon serves on. (Each error reply used to parse the next request from inside its
+    own send, a stack frame a request: the daemon died of a RecursionError at 328.)"""
+    count = 2000
+    before = error_count(daemon, "bad_request")
+    raw = b"".join(
+        Header(op=Op.HAS, request_id=i + 1, count=0, status=Status.NOT_FOUND).pack()
+        for i in range(count)
+    )
+    with daemon.probe() as probe:
+        probe.send_raw(raw)
+        ids = []
+        for _ in range(count):
+            reply = probe.recv_message(10.0)
+            assert reply is not None, f"no reply after {len(ids)}"
+            assert reply.header.status is Status.BAD_REQUEST
+            ids.append(reply.header.request_id)
+        assert ids == list(range(1, count + 1))
+        # The connection is still open and serves a good request.
+        probe.send_raw(_valid_has())
+        reply = probe.recv_message(10.0)
+        assert reply is not None and reply.header.status is Status.OK
+    wait_until(lambda: error_count(daemon, "bad_request") == before + count, what="the counter")
+    good_client_served(daemon)
+
+
+def test_connections_closed_for_bad_requests_give_their_slots_back(tmp_path: Path) -> None:
+    """A tenant allowed 4 connections sends a malformed request on each of 6 in turn (each
+    answered BAD_REQUEST and closed): every closed one gives its slot back, so the tenant
+    still connects. At its limit, a fifth connection is refused with a RESULT that says
+    so (KVNO, busy: a NodeError the client retries, not an AuthError)."""
+    daemon = DaemonProcess(tmp_path, server={"tenant_connections": 4})
+    with daemon:
+        for _ in range(6):
+            with daemon.probe("alice") as probe:
+                probe.send_raw(b"XX" + bytes(46))  # bad magic: BAD_REQUEST, then closed
+                reply = probe.recv_message(5.0)
+                assert reply is not None and reply.header.status is Status.BAD_REQUEST
+                assert probe.recv_message(5.0) is None
+        wait_until(lambda: daemon.stats()["connections"] == 0, what="the closes")
+        good_client_served(daemon)
+        held = [daemon.probe("alice") for _ in range(4)]
+        try:
+            with pytest.raises(NodeError, match="connection limit"):
+                daemon.probe("alice")
+            assert error_count(daemon, "tenant_connection_limit") == 1
+        finally:
+            for probe in held:
+                probe.close()
+        wait_until(lambda: daemon.stats()["connections"] == 0, what="the closes")
+        with daemon.probe("alice") as probe:  # every slot came back
+            assert probe.has([key(1)]) == {key(1): {}}
+
+
+def test_a_request_admission_holds_back_is_not_cut_off_as_slow(tmp_path: Path) -> None:
+    """A tenant's large PUT is arriving and holds more than the tenant's in-flight share;
+    its small PUT on another connection, sent whole, waits unread (inflight_paused). Held
+    back past the slow-request grace, it is not cut off as slow (the wait is the daemon's
+    doing), and once the large PUT is in, it is answered."""
+    grace = 0.5
+    daemon = DaemonProcess(
+        tmp_path, server={"tenant_inflight_bytes": 4 << 20, "request_grace_s": grace}
+    )
+    big = 12 << 20
+    with daemon, daemon.probe("alice") as large, daemon.probe("alice") as small:
+        items = make_items(Op.PUT, 1, reply=False)
+        items["key"] = key(1)
+        items["length"] = big
+        head = Header(op=Op.PUT, request_id=1, count=1, data_len=big)
+        large.send_raw(head.pack() + items.tobytes())
+        large.send_raw(bytes(8 << 20))  # 8 of its 12 MiB: over alice's 4 MiB share
+        wait_until(lambda: daemon.stats()["inflight_bytes"] >= 4 << 20, what="the bytes")
+        shards = block_records(key(2), indices=[0])
+        put, data = put_items(shards)
+        small.send_raw(join(encode(Header(op=Op.PUT, request_id=2, count=1), put, data)))
+        wait_until(lambda: error_count(daemon, "inflight_paused") >= 1, what="the pause")
+        time.sleep(4 * grace)  # what is tested: time passing past the grace cuts nothing
+        assert error_count(daemon, "slow_request") == 0
+        large.send_raw(bytes(big - (8 << 20)))
+        reply = large.recv_message(10.0)
+        assert reply is not None and reply.items["status"].tolist() == [Status.BAD_ITEM]
+        reply = small.recv_message(10.0)
+        assert reply is not None and reply.items["status"].tolist() == [Status.OK]
+        assert error_count(daemon, "slow_request") == 0
+
+
 @pytest.mark.parametrize("cut", [10, 47, 48 + 8])
 def test_truncated_message_costs_only_its_connection(daemon: DaemonProcess, cut: int) -> None:
+    """A request cut short by its client's close costs that connection, and is counted."""
     before = daemon.stats()["disconnects"]
+    truncated = error_count(daemon, "truncated")
     assert _exchange(daemon, _valid_has()[:cut], timeout_s=2.0) is None
     wait_until(lambda: daemon.stats()["disconnects"] > before, what="the disconnect")
+    wait_until(lambda: error_count(daemon, "truncated") == truncated + 1, what="the count")
+    good_client_served(daemon)
+
+
+def test_a_put_cut_short_is_counted_and_stores_nothing(daemon: DaemonProcess) -> None:
+    """A PUT's header and part of its data, then the client closes: the daemon counts it
+    as truncated (whichever of its loops was reading it), and stores nothing of it."""
+    truncated = error_count(daemon, "truncated")
+    shards = block_records(key(30_000), indices=[0, 1])
+    items, data = put_items(shards)
+    raw = join(encode(Header(op=Op.PUT, request_id=5, count=2), items, data))
+    with daemon.probe() as probe:
+        probe.send_raw(raw[: len(raw) - 100])
+    wait_until(lambda: error_count(daemon, "truncated") == truncated + 1, what="the count")
+    with daemon.probe() as probe:
+        assert probe.has([key(30_000)]) == {key(30_000): {}}
     good_client_served(daemon)
 
 

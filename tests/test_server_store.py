@@ -295,6 +295,36 @@ def test_a_hit_that_moves_an_expiry_is_flagged_in_its_reply(
     assert flags([(key(1), 0), (key(1), 1)]) == [0, GET_REFRESHED]
 
 
+@pytest.mark.parametrize("batches", [1, 2])
+def test_a_rewrite_keeps_the_slide_a_pending_hit_promised(
+    tmp_path: Path, clock: FakeClock, batches: int
+) -> None:
+    """A hit naming a longer class slides a shard's expiry (pending, not yet written); the
+    same shard written again, alone or twice in one group commit (two batches of one
+    put_many, whose first attempt is undone and redone the careful way), keeps the promised
+    expiry, and the shard outlives its own class's TTL."""
+    policy = RetentionPolicy(classes={"chat": 300, "agent": 3000}, default_class="chat")
+    with open_store(tmp_path / "db", clock, policy=policy, touch_resolution_s=1) as store:
+        shards = block_records(key(7), indices=[0], traffic_class="chat")
+        put(store, shards)
+        clock.step(10)
+        result = store.get(T, get_items([(key(7), 0)]), traffic_class="agent")
+        assert result.items["flags"].tolist() == [GET_REFRESHED]
+        result.release()
+        promised = store.expiry_of(T, key(7), 0)
+        assert promised is not None and promised[1] == "agent"
+        items, data = put_items(shards)
+        for reply in store.put_many([PutBatch(T, items, data)] * batches):
+            assert reply["status"].tolist() == [Status.OK]  # type: ignore[index]
+        store.flush_touches()
+        assert store.expiry_of(T, key(7), 0) == promised
+        clock.step(1000)  # past chat's 300 s, within the promised 3000
+        store.sweep()
+        result = store.get(T, get_items([(key(7), 0)]))
+        assert result.items["status"].tolist() == [Status.OK]
+        result.release()
+
+
 def test_two_classes_keep_the_longer_expiry(store: ShardStore, clock: FakeClock) -> None:
     put(store, block_records(key(1), traffic_class="agent", indices=[0]))
     put(store, block_records(key(2), traffic_class="chat", indices=[0]))

@@ -114,6 +114,16 @@ def test_limits_are_enforced_from_the_header_alone() -> None:
     reader.commit(HEADER_BYTES)
     with pytest.raises(ProtocolError, match="exceeds"):
         reader.next_message()
+    # A HAS reply carries an item per live shard of each asked key: up to 255 a key.
+    for op in (Op.HAS, Op.HAS_DIR):
+        has = Header(op=op, request_id=1, count=4 * 255, flags=FLAG_REPLY).pack()
+        assert Header.unpack(has, limits).count == 4 * 255
+        too_many = Header(op=op, request_id=1, count=4 * 255 + 1, flags=FLAG_REPLY).pack()
+        with pytest.raises(ProtocolError, match="exceed"):
+            Header.unpack(too_many, limits)
+    get = Header(op=Op.GET, request_id=1, count=5, flags=FLAG_REPLY).pack()
+    with pytest.raises(ProtocolError, match="exceed"):
+        Header.unpack(get, limits)
 
 
 def test_counts_and_lengths_must_agree() -> None:
@@ -163,6 +173,9 @@ def test_reader_cuts_any_byte_stream_into_the_same_messages(
         assert message.items.tobytes() == items.tobytes()
         assert bytes(message.data) == data
     assert reader.idle
+    # A buffer grown for a message of many items went back to a chunk: an idle connection
+    # holds no more than that.
+    assert len(reader.recv_buffer()) == max(chunk, HEADER_BYTES)
 
 
 @settings(max_examples=100, deadline=None)

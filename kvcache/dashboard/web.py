@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -65,8 +66,20 @@ def _secure(resp: web.StreamResponse, *, cache: str = "no-store") -> web.StreamR
     return resp
 
 
-def add_dashboard(app: web.Application, collector: Collector, access: Access) -> None:
-    """Add the status page's routes to ``app`` (and close the collector with it)."""
+def add_dashboard(
+    app: web.Application,
+    collector: Collector,
+    access: Access,
+    refused: Callable[[], None] | None = None,
+) -> None:
+    """Add the status page's routes to ``app`` (and close the collector with it).
+    ``refused`` is called for each wrong token, and each data request without access (not
+    for the login page a first visit gets): the daemon counts them as admin_unauthorized."""
+
+    def refuse() -> None:
+        if refused is not None:
+            refused()
+
     assets = _load_assets()
     index = assets["index.html"].body
     login_template = assets["login.html"].body.decode()
@@ -94,6 +107,7 @@ def add_dashboard(app: web.Application, collector: Collector, access: Access) ->
         if token is not None:
             if access.token_ok(token):
                 return logged_in()
+            refuse()
             return login_page("That is not the admin token.")
         if not access.allows(request.headers, request.cookies):
             return login_page("")
@@ -106,6 +120,7 @@ def add_dashboard(app: web.Application, collector: Collector, access: Access) ->
         token = form.get("token")
         if isinstance(token, str) and access.token_ok(token.strip()):
             return logged_in()
+        refuse()
         return login_page("That is not the admin token.")
 
     async def logout(request: web.Request) -> web.StreamResponse:
@@ -115,6 +130,7 @@ def add_dashboard(app: web.Application, collector: Collector, access: Access) ->
 
     async def api(request: web.Request) -> web.StreamResponse:
         if not access.allows(request.headers, request.cookies):
+            refuse()
             return _secure(_json({"error": "the status page needs the admin token"}, status=401))
         return _secure(_json(await collector.view()))
 

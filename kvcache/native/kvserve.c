@@ -91,6 +91,7 @@ enum {
     WHY_REQUEST_TIMEOUT = 5,
     WHY_SLOW_REQUEST = 6,
     WHY_NOMEM = 7,
+    WHY_PEER_MID_REQUEST = 8, /* the peer closed with part of a request sent: truncated */
 };
 /* Why a request was handed to Python (counters, for tests and stats). */
 enum {
@@ -1012,7 +1013,7 @@ static void on_readable(kvs_engine *e, int fd, kvs_conn *c) {
         size_t room = c->cap - c->end;
         ssize_t r = recv(fd, c->in + c->end, room, MSG_DONTWAIT);
         if (r == 0) {
-            closed(e, fd, c, WHY_PEER);
+            closed(e, fd, c, c->start == c->end ? WHY_PEER : WHY_PEER_MID_REQUEST);
             return;
         }
         if (r < 0) {

@@ -226,7 +226,9 @@ def build_app(
         served_by=config.node_id,
         auth="open" if admin_token is None else "token",
     )
-    add_dashboard(app, collector, Access(admin_token))
+    add_dashboard(
+        app, collector, Access(admin_token), lambda: service.metrics.error("admin_unauthorized")
+    )
     return app
 
 

@@ -23,6 +23,7 @@ store, which only this thread may touch).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import errno
@@ -82,6 +83,7 @@ class _Conn:
 
     __slots__ = (
         "addr",
+        "admitted",
         "auth_buf",
         "busy",
         "counted",
@@ -130,6 +132,9 @@ class _Conn:
         self.request_bytes = 0
         #: The native data plane owns the connection now (reads and answers it).
         self.native = False
+        #: Counted as an authenticated connection of its tenant (given back once, on close,
+        #: whatever state it closes in: a malformed request closes a _CLOSING one).
+        self.admitted = False
 
 
 class DataServer:
@@ -165,6 +170,10 @@ class DataServer:
         self._send_timeout = send_timeout_s
         #: Connections not read for now (their tenant holds its share of in-flight bytes).
         self._paused: dict[int, _Conn] = {}
+        #: Connections whose reply went out while another's next step was under way: their
+        #: next step waits here, taken in turn by the outermost one (see _after_reply).
+        self._after_replies: collections.deque[_Conn] = collections.deque()
+        self._in_after_reply = False
         self._authenticated = 0
         self._last_expire = 0.0
         #: When the listener, unwatched after accept ran out of descriptors, is watched again.
@@ -227,11 +236,12 @@ class DataServer:
                     elif key.fileobj is self._wake:
                         self._wake.drain()
                     else:
-                        self._event(key.data, mask)
+                        self._guarded(key.data, self._event, key.data, mask)
                 if self._plane_selector is not None:
                     for event in self._plane_selector.native_events():
-                        self._native_event(event)
+                        self._guarded(self._conns.get(event.fd), self._native_event, event)
                 self._pump()
+                self._after_replies_left()
                 self._run_calls()
                 now = time.monotonic()
                 if self._listener_paused_until and now >= self._listener_paused_until:
@@ -249,6 +259,19 @@ class DataServer:
             self.serving.clear()
             self._run_calls()
             self.close()
+
+    def _guarded(self, conn: _Conn | None, step: Callable[..., None], *args: Any) -> None:
+        """Run one connection's step; a bug in it closes that connection (counted as
+        ``internal``, logged with its traceback), never the daemon: every other client is
+        served on."""
+        try:
+            step(*args)
+        except Exception:
+            log.exception("closing %s: its request hit a bug", conn.addr if conn else "?")
+            self.metrics.error("internal")
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    self._close(conn, "internal error")
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the loop thread between requests (how other threads reach the store)."""
@@ -502,6 +525,8 @@ class DataServer:
                 self._close(conn, f"receive failed: {exc}")
                 return
             if n == 0:
+                if conn.state == _READY and not conn.reader.idle:
+                    self.metrics.error("truncated")  # the peer closed inside a request
                 self._close(conn, "closed by peer")
                 return
             now = time.monotonic()
@@ -560,10 +585,11 @@ class DataServer:
                 self.metrics.error(refused)
                 log.info("refused a data connection of %s: %s", tenant.name, refused)
                 conn.state = _CLOSING
-                self._send(conn, Reply([result]))
+                self._send(conn, Reply([conn.handshake.busy()]))  # KVNO: try again later
                 return
             conn.tenant = tenant
             conn.state = _READY
+            conn.admitted = True
             self._authenticated += 1
             self._admission.tenant_connected(tenant.id)
         self._send(conn, Reply([result]))
@@ -620,6 +646,9 @@ class DataServer:
                 del self._paused[fd]
             elif self._admission.may_start(conn.tenant.id):
                 del self._paused[fd]
+                # Its deadline and rate count from now: the wait was this daemon's doing.
+                conn.request_started = time.monotonic()
+                conn.request_bytes = conn.reader.buffered_bytes
                 self._continue(conn)
 
     def _continue(self, conn: _Conn) -> None:
@@ -669,13 +698,42 @@ class DataServer:
         if conn.state == _CLOSING:
             self._close(conn, "refused")
             return
-        # Requests already buffered come first; then the native plane takes the connection,
-        # or this loop waits for more.
+        self._after_reply(conn)
+
+    def _after_reply(self, conn: _Conn) -> None:
+        """Go on with ``conn`` once its reply is out, without recursing: an error reply is
+        sent from inside the parse that found the error, and its send would go on to parse
+        the next buffered request, and so on, a stack frame per request (2,000 pipelined
+        requests carrying a status crashed the daemon with a RecursionError, issue 18's
+        probe). Called while another connection's (or its own) next step is under way, the
+        connection is queued and taken by the outermost call, one after another."""
+        self._after_replies.append(conn)
+        if self._in_after_reply:
+            return
+        self._in_after_reply = True
+        try:
+            while self._after_replies:
+                self._next_step(self._after_replies.popleft())
+        finally:
+            self._in_after_reply = False
+
+    def _after_replies_left(self) -> None:
+        """Next steps a bug cut short (see _guarded): each taken on its own, guarded."""
+        while self._after_replies and not self._in_after_reply:
+            conn = self._after_replies.popleft()
+            self._guarded(conn, self._after_reply, conn)
+
+    def _next_step(self, conn: _Conn) -> None:
+        """Requests already buffered come first; then the native plane takes the connection,
+        or this loop waits for more (nothing, if it was closed or is busy again since)."""
+        if conn.sock.fileno() < 0 or conn.busy or conn.out or conn.native:
+            return
         if conn.state == _READY and self._parse(conn):
             return
         if self._plane is not None and self._adopt(conn):
             return
         self._watch(conn, selectors.EVENT_READ)
+        sock = conn.sock
         if conn.state == _READY and isinstance(sock, ssl.SSLSocket) and sock.pending():
             self._read(conn)
 
@@ -700,7 +758,8 @@ class DataServer:
             self._conns.pop(fd, None)
             self._paused.pop(fd, None)
             self._admission.preauth_close(fd)
-            if conn.state == _READY and conn.tenant is not None:
+            if conn.admitted:
+                conn.admitted = False
                 self._authenticated -= 1
                 self._admission.tenant_disconnected(conn.tenant.id)
                 self._admission.moved(conn.tenant.id, -conn.counted)
@@ -738,7 +797,12 @@ class DataServer:
                         self._send_timeout,
                     )
                     self._close(conn, "send timeout")
-            elif conn.state == _READY and not conn.busy and not conn.reader.idle:
+            elif (
+                conn.state == _READY
+                and not conn.busy
+                and not conn.reader.idle
+                and conn.sock.fileno() not in self._paused  # held back by us, not slow
+            ):
                 why = admission.request_overdue(conn.request_started, conn.request_bytes, now)
                 if why is not None:
                     self.metrics.error(why)

@@ -79,6 +79,7 @@ CLOSE_REASONS: Mapping[int, tuple[str, str | None]] = {
     5: ("request timeout", "request_timeout"),
     6: ("slow request", "slow_request"),
     7: ("out of memory", "internal"),
+    8: ("closed by peer in the middle of a request", "truncated"),
 }
 #: Why a request went to Python (the engine's ``handed`` counters), by index.
 HANDOFF_REASONS = ("op", "class", "disabled", "get_not_quiet", "has", "segment")

@@ -613,6 +613,10 @@ class ShardStore:
         status_updates: list[tuple[CheckedPut, list[int]]] = []
         appended: tuple[int, SegmentState] | None = None
         cols = _Columns()
+        # Pending hits a rewrite took over: dropped once the transaction commits, not before
+        # (an attempt undone, _HadRows above all, must leave them for the retry to merge:
+        # a group commit of two batches of one shard lost a hit's slide that way).
+        settled: list[bytes] = []
         try:
             with self.segments.writing, self._lmdb.begin_write(shards) as txn:
                 # Shards written earlier in this transaction: (expiry, size, stripe, class).
@@ -675,7 +679,7 @@ class ShardStore:
                             if action is WriteAction.REPEAT:
                                 # A repeat of the same write keeps the later expiry and its class.
                                 expiry, name = decide.merge(current, (expiry, name))
-                            self._pending.pop(skey, None)
+                            settled.append(skey)
                         size = len(record)
                         cols.add(skey, record, classes.id_of(name), expiry, stripe)
                         staged[skey] = (expiry, size, stripe, name)
@@ -717,6 +721,8 @@ class ShardStore:
             if appended is not None:
                 self.segments.rewind(*appended)
             raise
+        for skey in settled:
+            self._pending.pop(skey, None)
         return deltas, status_updates, earliest
 
     @staticmethod
@@ -1317,6 +1323,10 @@ class ShardStore:
                     updated += 1
                 self._write_usage(txn, moved)
         except lmdb.Error as exc:
+            # Nothing was written: the hits wait for the next flush (a later one of a key,
+            # pending since, wins: it was merged with what the store held then).
+            pending.update(self._pending)
+            self._pending = pending
             raise self.failed(exc, "writing hits") from exc
         self.book.apply(moved)
         self.classes.persisted()
