@@ -351,6 +351,37 @@ def test_split_and_pipelined_requests_are_answered_in_order(peer: PeerServer) ->
     assert peer.counters["requests"] == 5 and peer.counters["bad_requests"] == 0
 
 
+def test_thousands_of_pipelined_requests_are_answered_one_after_another(
+    peer: PeerServer, transport: TcpPeerTransport
+) -> None:
+    """3,000 requests sent at once, each answered (BAD_REQUEST: an SWA peer answers no GET)
+    in order on a connection that stays open, and the peer serves on: each reply used to
+    answer the next request from inside its own send, a stack frame a request."""
+    count = 3000
+    sock = open_session(peer.endpoint, tenant="default", secret=SECRET, timeout_s=5, node="p")
+    sock.settimeout(10)
+    reader = MessageReader(limits=Limits(), replies=True)
+    sock.sendall(
+        b"".join(Header(op=Op.GET, request_id=i + 1, count=0).pack() for i in range(count))
+    )
+    ids = []
+    while len(ids) < count:
+        while (message := reader.next_message()) is not None:
+            assert message.header.status is Status.BAD_REQUEST
+            ids.append(message.header.request_id)
+        if len(ids) < count:
+            got = sock.recv_into(reader.recv_buffer())
+            assert got, f"peer closed after {len(ids)} replies"
+            reader.commit(got)
+    assert ids == list(range(1, count + 1))
+    sock.close()
+    peer.store.put(skey(3), blob(3))
+    got = transport.fetch(
+        peer.endpoint, [Wanted(skey(3), 42, state_digest(blob(3)))], deadline=soon()
+    )
+    assert [None if g is None else bytes(g) for g in got] == [blob(3)]
+
+
 def test_a_kept_connection_keeps_a_shorter_deadline_too(transport: TcpPeerTransport) -> None:
     """A connection armed for a long fetch, then used for a short one against a holder that
     has stopped answering, still gives up at the short one's deadline."""

@@ -73,6 +73,8 @@ class _Conn:
     out: SendQueue = field(default_factory=SendQueue)
     last_progress: float = 0.0
     events: int = 0
+    #: Its buffered requests are being answered (see PeerServer._answer_buffered).
+    answering: bool = False
 
 
 class PeerServer:
@@ -267,16 +269,28 @@ class PeerServer:
         return True
 
     def _answer_buffered(self, conn: _Conn) -> None:
-        """Answer the next complete request on ``conn``, if one is buffered."""
-        try:
-            message = conn.reader.next_message()
-        except ProtocolError as exc:
-            self.counters["bad_requests"] += 1
-            conn.state = _CLOSING
-            self._send(conn, error_reply(None, Status.BAD_REQUEST, f"bad_request: {exc}"))
+        """Answer the complete requests buffered on ``conn``, one after another, while each
+        reply goes out at once (the rest once the socket takes more). Called again from
+        inside a reply's send, it returns: the loop here goes on (a call per request, one
+        inside the other, crashed the peer with a RecursionError at a few thousand
+        pipelined requests)."""
+        if conn.answering:
             return
-        if message is not None:
-            self._send(conn, self.answer(message))
+        conn.answering = True
+        try:
+            while conn.state == _READY and not conn.out:
+                try:
+                    message = conn.reader.next_message()
+                except ProtocolError as exc:
+                    self.counters["bad_requests"] += 1
+                    conn.state = _CLOSING
+                    self._send(conn, error_reply(None, Status.BAD_REQUEST, f"bad_request: {exc}"))
+                    return
+                if message is None:
+                    return
+                self._send(conn, self.answer(message))
+        finally:
+            conn.answering = False
 
     # ------------------------------------------------------------------ requests
 
