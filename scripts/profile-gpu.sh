@@ -8,7 +8,10 @@
 # as $OUT/profile_gpu_raw.txt. Extra arguments go to bench/engine_gpu.py. BENCH, if set, is
 # another benchmark's command line to profile instead (e.g. "bench/pool_cost.py
 # --processes 8"); PROFILE_NAME (default profile_gpu) names the files.
-# Usage: [RATE=100] [BENCH="bench/x.py flags"] bash scripts/profile-gpu.sh [engine_gpu flags]
+# SPY_FLAGS (default "--subprocesses --nonblocking") replaces py-spy's sampling flags: e.g.
+# "--idle --nonblocking" samples the benchmark process alone, waiting threads included (where a
+# call's wall time goes, not only its CPU).
+# Usage: [RATE=100] [BENCH="bench/x.py flags"] [SPY_FLAGS=...] bash scripts/profile-gpu.sh [engine_gpu flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_gpu-site.sh
@@ -22,7 +25,8 @@ if [ -n "${BENCH:-}" ]; then
 else
   cmd=(bench/engine_gpu.py --quick --no-recompute "$@")
 fi
-"$spy" record --subprocesses --nonblocking --format raw --rate "${RATE:-100}" \
+read -r -a spy_flags <<<"${SPY_FLAGS:---subprocesses --nonblocking}"
+"$spy" record "${spy_flags[@]}" --format raw --rate "${RATE:-100}" \
   -o "$out/${name}_raw.txt" -- python3 "${cmd[@]}" --json "$out/$name.json" \
   2>&1 | tee "$out/$name.txt"
 python3 bench/_pyspy_table.py "$out/${name}_raw.txt" --top 40 | tee -a "$out/$name.txt"
