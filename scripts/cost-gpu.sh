@@ -111,7 +111,7 @@ for part in ${PARTS:-ab peers engine}; do
             --connections-per-node 1 --json "$stem.json" >"$stem.txt" 2>&1 \
             || echo "FAILED: $procs I/O processes"
           echo "--- run $n: $procs I/O processes"
-          grep -E '^(DSV41|store 4|load 4)' "$stem.txt"
+          grep -E "^(DSV41|store 4|load 4)" "$stem.txt"
         done
       ) || status=1
       ;;

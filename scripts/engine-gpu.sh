@@ -54,6 +54,7 @@ headline=e2e_load_gbps_4gib,client_cores_busy_load_4gib,e2e_store_gbps_4gib
 headline+=,client_cores_busy_store_4gib,e2e_store_gbps_4gib_cold,e2e_load_gbps_4gib_one_process
 headline+=,load_vs_recompute_8k,load_vs_recompute_32k,load_vs_recompute_77k
 headline+=,dsv41_load_gbps,dsv41_blocks_per_s,dsv41_client_cores_busy,dsv41_store_gbps
+headline+=,dsv41_overlapped_load_gbps,dsv41_overlapped_client_cores_busy
 headline+=,client_cpu_s_per_gb_load,client_cpu_s_per_gb_store
 headline+=,daemon_cpu_s_per_gb_get,daemon_cpu_s_per_gb_put,gather_vs_raw,scatter_vs_raw
 python3 bench/_runs.py --json "$out/engine_gpu.json" --keys "$headline" \
