@@ -20,12 +20,13 @@ import array
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvcache import native
 from kvcache.errors import ConfigError
 from kvcache.layout import KVLayout
 
@@ -50,6 +51,9 @@ NAMESPACE_TAG = b"kvcache:namespace:v1\x00"
 KEY_BYTES = 16
 
 BlockKey = NewType("BlockKey", bytes)
+#: Prompts of at least this many blocks are keyed in one native call (shorter ones pay
+#: less for the Python loop than for the call).
+_NATIVE_CHAIN_MIN = 4
 TokenArray = npt.NDArray[np.uint32]
 
 
@@ -152,6 +156,9 @@ def block_keys(
         count = min(count, max_blocks)
     raw = arr[: count * block].tobytes()
     step = block * 4
+    if count >= _NATIVE_CHAIN_MIN and native.AVAILABLE:
+        # One native call for the whole chain: 2.6 ms of Python for a 4,096-block prompt.
+        return cast(list[BlockKey], native.chain_keys(namespace.seed, BLOCK_TAG, raw, step, count))
     parent = namespace.seed
     keys: list[BlockKey] = []
     append = keys.append

@@ -45,6 +45,31 @@ def test_batched_hashes_equal_xxhash(chunks: list[bytes]) -> None:
     assert [bytes(d) for d in h128.tolist()] == [xxhash.xxh3_128_digest(c) for c in chunks]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.binary(min_size=16, max_size=16),
+    tag=st.binary(max_size=40),
+    step=st.integers(1, 700),
+    count=st.integers(0, 40),
+    data=st.data(),
+)
+def test_chained_keys_equal_one_xxhash_call_a_block(
+    seed: bytes, tag: bytes, step: int, count: int, data: st.DataObject
+) -> None:
+    """The native key chain is the chain of xxhash digests, block by block, for any tag,
+    block size and count (a raw buffer longer than the blocks included)."""
+    raw = data.draw(st.binary(min_size=step * count, max_size=step * count + 30))
+    expected, parent = [], seed
+    for i in range(count):
+        parent = xxhash.xxh3_128_digest(tag + parent + raw[i * step : (i + 1) * step])
+        expected.append(parent)
+    assert native.chain_keys(seed, tag, raw, step, count) == expected
+    with pytest.raises(ValueError):
+        native.chain_keys(seed, tag, raw[: step * count - 1], step, count) if count else (
+            native.chain_keys(seed[:15], tag, raw, step, count)
+        )
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 40), st.integers(0, 2**32))
 def test_header_checks_equal_one_hash_per_record(count: int, seed: int) -> None:

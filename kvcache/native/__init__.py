@@ -40,15 +40,16 @@ from kvcache.errors import ConfigError
 
 __all__ = [
     "AVAILABLE",
+    "BURST_DTYPE",
+    "Burst",
     "ENV",
     "HASH_KERNEL",
     "LIBRARY",
     "LIBRARY_ENV",
     "Segments",
-    "BURST_DTYPE",
-    "Burst",
     "accept_items",
     "addresses_of",
+    "chain_keys",
     "check_put",
     "ec_run_many",
     "encode_hashed",
@@ -59,8 +60,8 @@ __all__ = [
     "recv_hashed",
     "recv_scatter",
     "send_gather",
-    "xxh3_64_many",
     "xxh3_128_many",
+    "xxh3_64_many",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 15
+_ABI_VERSION = 16
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -96,6 +97,8 @@ def _load() -> Any:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, size, ptr]
         fn.restype = None
+    lib.kv_chain_keys.argtypes = [ptr, ptr, size, ptr, size, size, ptr, ptr]
+    lib.kv_chain_keys.restype = None
     lib.kv_hash_kernel.restype = ctypes.c_char_p
     lib.kv_landing_segments.argtypes = [ptr, ptr, ptr, ptr, ptr, size, ptr, ptr, ptr]
     lib.kv_landing_segments.restype = size
@@ -236,6 +239,29 @@ def xxh3_128_many(addrs: U64Array, lens: U64Array | np.uint64 | int) -> npt.NDAr
         return out
     _LIB.kv_xxh3_128_many(addresses_of(addrs), addresses_of(lens), addrs.size, addresses_of(out))
     return out
+
+
+def chain_keys(seed: bytes, tag: bytes, raw: bytes, step: int, count: int) -> list[bytes]:
+    """``count`` chained keys: key i is the canonical XXH3-128 digest of ``tag`` + key i-1 +
+    the ``step`` bytes of block i of ``raw`` (key -1: ``seed``), in one native call (as
+    :func:`kvcache.keys.block_keys` does a call a block without the helpers)."""
+    if len(seed) != 16 or step <= 0 or len(raw) < step * count:
+        raise ValueError(f"chain_keys: {len(seed)}-byte seed, {count} blocks of {step} bytes "
+                         f"in {len(raw)} bytes")  # fmt: skip
+    if not count:
+        return []
+    if _LIB is None:
+        digest = xxhash.xxh3_128_digest
+        keys, parent = [], seed
+        for start in range(0, step * count, step):
+            parent = digest(tag + parent + raw[start : start + step])
+            keys.append(parent)
+        return keys
+    scratch = ctypes.create_string_buffer(len(tag) + 16 + step)
+    out = ctypes.create_string_buffer(16 * count)
+    _LIB.kv_chain_keys(seed, tag, len(tag), raw, step, count, scratch, out)
+    whole = out.raw
+    return [whole[i : i + 16] for i in range(0, 16 * count, 16)]
 
 
 class Segments:

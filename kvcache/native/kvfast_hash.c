@@ -32,6 +32,26 @@ void KV_CAT(kv_xxh3_128_many, KV_SUFFIX)(const uint64_t *addrs, const uint64_t *
     }
 }
 
+/* A prompt's block keys, chained: key i = canonical XXH3-128 of tag ++ key i-1 ++ block i,
+ * key -1 being seed (16 bytes), block i the step bytes at raw + i step; as
+ * kvcache.keys.block_keys computes them one xxhash call a block. scratch holds
+ * tag_len + 16 + step bytes. out[16 i .. 16 i + 15] = key i. */
+void KV_CAT(kv_chain_keys, KV_SUFFIX)(const uint8_t *seed, const uint8_t *tag, size_t tag_len,
+                                      const uint8_t *raw, size_t step, size_t count,
+                                      uint8_t *scratch, uint8_t *out) {
+    memcpy(scratch, tag, tag_len);
+    const uint8_t *parent = seed;
+    for (size_t i = 0; i < count; i++) {
+        memcpy(scratch + tag_len, parent, 16);
+        memcpy(scratch + tag_len + 16, raw + i * step, step);
+        XXH128_hash_t h = XXH3_128bits(scratch, tag_len + 16 + step);
+        XXH128_canonical_t c;
+        XXH128_canonicalFromHash(&c, h);
+        memcpy(out + 16 * i, c.digest, 16);
+        parent = out + 16 * i;
+    }
+}
+
 /* Receive len bytes from the blocking socket fd into buf, at most piece bytes a recv
  * (MSG_WAITALL), and with digest, hash each piece as soon as it is in (still in cache,
  * while the sender sends the next): digest = canonical XXH3-128 of the prefix bytes, then
