@@ -159,6 +159,27 @@ def test_stripe_with_more_than_m_rejected_shards_is_dropped_and_rewritten(
         assert loaded_whole(fresh, ns, toks, pl)
 
 
+def test_a_load_asking_another_payload_length_never_drops_the_block(
+    cluster: LocalCluster,
+) -> None:
+    """A caller's wrong ``payload_len`` (or a namespace of another layout) makes every shard
+    of a block the wrong size for it: a clean miss, counted, and the block stays, whole for
+    every reader that asks the right length (such loads used to drop it everywhere)."""
+    ns, toks, pl = prompt("other-payload-len")
+    with Client(cluster.client_config()) as writer:
+        assert writer.store(ns, toks, pl).written == 3
+    with Client(cluster.client_config()) as reader:
+        match = reader.match_prefix(ns, toks)
+        assert match.hit_blocks == 3
+        for wrong in (SMALL.payload_bytes - 1, SMALL.payload_bytes * 2):
+            assert reader.load_keys(match, payload_len=wrong).blocks == 0
+        assert reader.counters["blocks_other_payload_len"] == 2
+        assert reader.counters["blocks_corrupt"] == reader.counters["stripes_dropped"] == 0
+    with Client(cluster.client_config()) as fresh:
+        assert fresh.match_prefix(ns, toks).hit_blocks == 3
+        assert loaded_whole(fresh, ns, toks, pl)
+
+
 def test_a_store_replaces_every_leftover_shard_of_a_stripe(cluster: LocalCluster) -> None:
     """Two shards of a stripe whose writer failed (its rollback lost) stay on their
     holders; once they are replace_after_s old, a store must replace both, and the block

@@ -132,6 +132,9 @@ class LoadAssembly:
         self.not_found = np.zeros((blocks, n), bool)
         #: Shards that arrived but are not the shard asked for (wrong length or header).
         self.rejected = np.zeros((blocks, n), bool)
+        #: The headers of records of another length than a shard's (rejected on arrival):
+        #: what they were stored as (see loading._stored_payload_len).
+        self.odd_headers = np.zeros((blocks, n), HEADER_DTYPE)
         self._last_digest = b""
         self._headers = self.headers.view(np.uint8).reshape(-1).data
         self._out_at = np.uint64(native.addresses_of(out))
@@ -152,6 +155,7 @@ class LoadAssembly:
                 self._parity_at,
                 self._headers_at,
                 0,
+                native.addresses_of(self.odd_headers),
             ],
             np.uint64,
         )
@@ -301,11 +305,23 @@ class LoadAssembly:
         addrs = np.zeros((count, 4), np.uint64)
         lens = np.zeros((count, 4), np.uint64)
         if scratch_rows.any():
-            sizes = lengths[scratch_rows].astype(np.uint64)
+            # A record of another length for an open block: its header to the odd headers
+            # table, the rest (and any record of a sealed block) to scratch.
+            odd = scratch_rows & live & (lengths >= HEADER_BYTES)
+            if odd.any():
+                rows = np.flatnonzero(odd)
+                at = blocks[odd].astype(np.uint64) * np.uint64(self.n) + indices[odd]
+                addrs[rows, 1] = native.addresses_of(self.odd_headers) + at * np.uint64(
+                    HEADER_BYTES
+                )
+                lens[rows, 1] = HEADER_BYTES
+            sizes = lengths[scratch_rows].astype(np.uint64) - np.where(
+                odd[scratch_rows], np.uint64(HEADER_BYTES), np.uint64(0)
+            )
             scratch = np.empty(max(int(sizes.sum()), 1), np.uint8)
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
-            addrs[scratch_rows, 0] = native.addresses_of(scratch) + starts
-            lens[scratch_rows, 0] = sizes
+            addrs[scratch_rows, 2] = native.addresses_of(scratch) + starts
+            lens[scratch_rows, 2] = sizes
         if wanted.any():
             b = blocks[wanted].astype(np.uint64)
             i = indices[wanted].astype(np.uint64)

@@ -56,6 +56,7 @@ COUNTERS = (
     "write_failures",
     "write_conflicts",
     "blocks_corrupt",
+    "blocks_other_payload_len",
     "bad_shards_found",
     "shards_repaired",
     "blocks_refreshed",

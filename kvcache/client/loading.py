@@ -27,7 +27,7 @@ from kvcache.client.plan import MatchResult
 from kvcache.client.rounds import LoadRound, Send
 from kvcache.client.transport import Exchange
 from kvcache.errors import ArgumentError
-from kvcache.shard import HEADER_BYTES
+from kvcache.shard import HEADER_BYTES, header_verdicts
 from kvcache.wire import GET_REFRESHED, NO_INDEX, NO_RETAIN, Message, Op, Retain, make_items
 
 __all__ = ["LoadResult", "load_keys"]
@@ -433,6 +433,37 @@ def _repair(
         core.transport.submit(_Background(core, "shards_repaired", node, Op.PUT, items, data))
 
 
+def _stored_payload_len(assembly: LoadAssembly, b: int, stripe: int) -> int | None:
+    """The payload length block ``b``'s shards were stored with, when it is not the one
+    this load asked for and nothing else is wrong with them: k of its rejected shards or
+    more carry headers that pass every check, name its key, ``stripe`` and this load's k
+    and m, and agree on one other payload length. Then the reader is wrong, not the block
+    (a caller's payload_len or layout), and it must not be dropped: a reader with the
+    right one reads it whole. None otherwise (another erasure layout, damage)."""
+    rejected = np.flatnonzero(assembly.rejected[b])
+    if len(rejected) < assembly.k:
+        return None
+    # A record of a shard's length landed its header in the headers table; one of another
+    # length, in the odd headers table (kv_landing_segments).
+    odd = assembly.odd_headers[b, rejected]
+    headers = np.where(odd["magic"] != b"", odd, assembly.headers[b, rejected])
+    lengths = headers["payload_len"].astype(np.int64)
+    intact = (
+        header_verdicts(headers)
+        & (headers["block_key"] == assembly.key_words[b])
+        & (headers["stripe_id"] == np.uint64(stripe))
+        & (headers["k"] == assembly.k)
+        & (headers["m"] == assembly.m)
+        & (headers["shard_index"] == rejected)
+        & (lengths != assembly.payload_len)
+    )
+    if int(intact.sum()) < assembly.k:
+        return None
+    values, counts = np.unique(lengths[intact], return_counts=True)
+    best = int(np.argmax(counts))
+    return int(values[best]) if counts[best] >= assembly.k else None
+
+
 def _drop_broken(
     core: ClientCore,
     assembly: LoadAssembly,
@@ -451,6 +482,17 @@ def _drop_broken(
     stripe = int(assembly.stripes[b])
     if stripe == 0:
         return  # no shard arrived to name the stripe: nothing to drop
+    other_length = _stored_payload_len(assembly, b, stripe)
+    if other_length is not None:
+        core.count("blocks_other_payload_len")
+        log.warning(
+            "block %s: its shards hold %d-byte payloads and this load asked for %d (a "
+            "payload_len or layout that is not the one it was stored with); left as it is",
+            match.keys[b].hex(),
+            other_length,
+            assembly.payload_len,
+        )
+        return
     core.count("blocks_corrupt")
     key = match.keys[b]
     log.warning(

@@ -228,9 +228,13 @@ int64_t kv_send_gather(int fd, const uint64_t *addrs, const uint64_t *lens, size
  * length is not HEADER + L) or whose block is no longer open goes to scratch, at the next
  * free place of the scratch buffer (scratch_at, filled in order). Otherwise its 104-byte
  * header goes to the headers table and its body to the caller's out buffer (a data shard;
- * the part past the payload's end to the pad) or to the parity scratch.
+ * the part past the payload's end to the pad) or to the parity scratch. A record of
+ * another length for an open block, at least a header long, has its header put in the
+ * odd headers table (odd_at, when not 0; what it was stored as, for the load to tell a
+ * caller's wrong payload length from damage) and the rest in scratch.
  * geom = {L, payload, k, n, pad_len, header_bytes, out_at, pad_at, parity_at, headers_at,
- * scratch_at}. addrs/lens have room for 3 segments per item. Returns the segment count. */
+ * scratch_at, odd_at}. addrs/lens have room for 3 segments per item. Returns the segment
+ * count. */
 size_t kv_landing_segments(const int64_t *blocks, const int64_t *indices,
                            const uint8_t *statuses, const int64_t *lengths,
                            const uint8_t *live, size_t count, const uint64_t *geom,
@@ -239,12 +243,19 @@ size_t kv_landing_segments(const int64_t *blocks, const int64_t *indices,
     const uint64_t hb = geom[5], out_at = geom[6], pad_at = geom[7], parity_at = geom[8];
     const uint64_t headers_at = geom[9];
     uint64_t scratch = geom[10];
+    const uint64_t odd_at = geom[11];
     const uint64_t m = n - k;
     size_t c = 0;
     for (size_t j = 0; j < count; j++) {
         if (statuses[j] != 0) continue;
         uint64_t size = (uint64_t)lengths[j];
         if (size != hb + L || !live[j]) {
+            if (live[j] && odd_at && size >= hb) {
+                uint64_t b = (uint64_t)blocks[j], i = (uint64_t)indices[j];
+                addrs[c] = odd_at + (b * n + i) * hb;
+                lens[c++] = hb;
+                size -= hb;
+            }
             if (size) {
                 addrs[c] = scratch;
                 lens[c++] = size;
