@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
+import threading
+from pathlib import Path
 
 import numpy as np
+from server_fixtures import wait_until
 
 from kvcache.chaos import ShardFault, plant
 from kvcache.client import Client
+from kvcache.errors import ClosedError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.testing.localcluster import LocalCluster
@@ -78,3 +83,76 @@ def test_pooled_load_stops_at_a_broken_block_and_never_reports_past_it(
         assert result.blocks == 13
         assert np.array_equal(out[:13], src[:13])
         assert max(b for _, b in ready) == 13
+
+
+def test_a_dead_io_worker_leaves_the_client_loading_and_storing_itself(
+    shared_cluster: LocalCluster,
+) -> None:
+    """One I/O worker killed: the next call finds the pool broken, and every load and store
+    from then on runs in the calling process, on the same shared buffers, exactly (they
+    used to fail with a BrokenPipeError, then hang)."""
+    ns, tokens = space("pool-death"), prompt(24, 5)
+    keys = block_keys(ns, tokens)
+    with Client(shared_cluster.client_config(io_processes=2, chunk_bytes=CHUNK)) as client:
+        src = client.alloc_buffer(24, P)
+        for b, key in enumerate(keys):
+            src[b] = payload_for_key(key, P)
+        assert client.store(ns, tokens, src).written == 24
+        victim = client.io_pids[0]
+        os.kill(victim, signal.SIGKILL)
+        pool = client._pool
+        assert pool is not None
+        wait_until(lambda: pool.broken is not None, what="the pool to see its worker die")
+        out = client.alloc_buffer(24, P)
+        for _ in range(2):
+            out.fill(0)
+            assert client.load(ns, client.match_prefix(ns, tokens), out=out).blocks == 24
+            assert np.array_equal(out, src)
+        other, more = space("pool-death-2"), prompt(24, 6)
+        for b, key in enumerate(block_keys(other, more)):
+            src[b] = payload_for_key(key, P)
+        assert client.store(other, more, src).written == 24
+        assert client.load(other, client.match_prefix(other, more), out=out).blocks == 24
+        assert np.array_equal(out, src)
+        assert client.counters["blocks_loaded"] >= 72
+
+
+def test_closing_the_client_ends_a_pooled_load_in_flight(tmp_path: Path) -> None:
+    """A pooled load waiting on stopped holders when the client is closed returns (what
+    was verified: nothing here) once the workers are gone; it used to wait forever."""
+    cluster = LocalCluster(tmp_path / "c")
+    cluster.start(nodes=12, capacity="64MiB")
+    try:
+        ns, tokens = space("pool-close"), prompt(16, 7)
+        client = Client(cluster.client_config(io_processes=2, chunk_bytes=CHUNK, timeout_s=2.0))
+        try:
+            src = client.alloc_buffer(16, P)
+            for b, key in enumerate(block_keys(ns, tokens)):
+                src[b] = payload_for_key(key, P)
+            assert client.store(ns, tokens, src).written == 16
+            match = client.match_prefix(ns, tokens)
+            for node in range(12):
+                cluster.pause(node)
+            out = client.alloc_buffer(16, P)
+            done: list[object] = []
+
+            def load() -> None:
+                try:
+                    done.append(client.load(ns, match, out=out).blocks)
+                except ClosedError as exc:  # closed before all its ranges were posted
+                    done.append(exc)
+
+            loader = threading.Thread(target=load)
+            loader.start()
+            pool = client._pool
+            assert pool is not None
+            wait_until(lambda: bool(pool._waiting), what="the load to reach the workers")
+        finally:
+            client.close()
+        loader.join(30)
+        assert not loader.is_alive(), "the load still waits after close()"
+        assert len(done) == 1 and (done[0] == 0 or isinstance(done[0], ClosedError))
+    finally:
+        for node in range(12):
+            cluster.resume(node)
+        cluster.stop()

@@ -111,7 +111,7 @@ class Client:
         """Client-side counters (hedges, node errors, blocks loaded/written, repairs...),
         the I/O pool's workers included."""
         counters = self._core.snapshot()
-        if self._pool is not None:
+        if self._pool is not None and self._pool.broken is None:
             for name, n in self._pool.counters().items():
                 counters[name] = counters.get(name, 0) + n
         return counters
@@ -267,7 +267,12 @@ class Client:
     ) -> LoadResult | None:
         """The load through the I/O pool, or None when it should run here."""
         pool = self._pool
-        if pool is None or not isinstance(match, MatchResult) or match.hit_blocks < 2:
+        if (
+            pool is None
+            or pool.broken is not None  # a worker died: this process moves the bytes
+            or not isinstance(match, MatchResult)
+            or match.hit_blocks < 2
+        ):
             return None
         if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
             return None  # load_keys names the mistake
@@ -387,6 +392,7 @@ class Client:
         pool = self._pool
         if (
             pool is not None
+            and pool.broken is None  # a worker died: this process moves the bytes
             and retain is NO_RETAIN  # the I/O pool carries no hints
             and isinstance(payloads, np.ndarray)
             and payloads.ndim == 2

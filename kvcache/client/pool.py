@@ -60,7 +60,7 @@ from kvcache.client.pool_messages import (
     WorkerRequest,
 )
 from kvcache.client.storing import StoreResult
-from kvcache.errors import ClusterError
+from kvcache.errors import ClosedError, ClusterError
 from kvcache.keys import BlockKey
 
 __all__ = ["ClientPool", "SharedBuffer"]
@@ -121,6 +121,9 @@ class ClientPool:
         self._waiting: dict[int, queue.SimpleQueue[RequestReply]] = {}
         self._buffers: dict[str, shared_memory.SharedMemory] = {}
         self._closed = False
+        #: Why the pool takes no more work (a worker died), or None: the client then moves
+        #: the bytes in its own process (Client falls back), and nothing waits on the pool.
+        self.broken: str | None = None
         self._dispatcher = threading.Thread(target=self._dispatch, name="kvcache-pool", daemon=True)
         self._dispatcher.start()
         self._next_worker = itertools.count()
@@ -215,7 +218,7 @@ class ClientPool:
         front = 0
         try:
             while len(good) < len(requests):
-                message = replies.get()
+                message = self._next_reply(replies)
                 start, stop = requests[message.request_id]
                 if isinstance(message, Ready):
                     ready[start + message.first : start + message.stop] = True
@@ -272,7 +275,7 @@ class ClientPool:
         failed: list[int] = []
         try:
             for _ in requests:
-                message = replies.get()
+                message = self._next_reply(replies)
                 start, stop = requests[message.request_id]
                 if isinstance(message, Stored):
                     written += message.written
@@ -296,7 +299,7 @@ class ClientPool:
             ids.append(request_id)
             self._post(request_id, replies, CountersRequest(request_id=request_id), worker=worker)
         for _ in ids:
-            message = replies.get()
+            message = self._next_reply(replies)
             if isinstance(message, Counters):
                 for name, n in message.counters.items():
                     total[name] = total.get(name, 0) + n
@@ -318,6 +321,9 @@ class ClientPool:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # The workers are gone (nothing writes into a caller's buffer any more): a call
+        # still waiting returns what was verified before (it waited forever before).
+        self._fail_waiting("the client was closed")
         for conn in self._conns:
             conn.close()
         self._conns = []
@@ -343,11 +349,43 @@ class ClientPool:
         worker: int | None = None,
     ) -> None:
         if self._closed:
-            raise ClusterError("the client's I/O pool is closed")
+            raise ClosedError("the client was closed: its I/O pool takes no work")
+        if self.broken is not None:
+            raise ClusterError(f"the client's I/O pool takes no work: {self.broken}")
         self._waiting[request_id] = replies
         index = next(self._next_worker) % self.size if worker is None else worker
-        with self._send_lock:
-            self._conns[index].send(message)
+        try:
+            with self._send_lock:
+                self._conns[index].send(message)
+        except OSError as exc:
+            self._waiting.pop(request_id, None)
+            self._break(f"I/O worker {self._procs[index].pid} is gone ({exc})")
+            raise ClusterError(f"the client's I/O pool takes no work: {self.broken}") from None
+
+    def _next_reply(self, replies: queue.SimpleQueue[RequestReply]) -> RequestReply:
+        """The next reply for a call, never waiting forever: a pool closed or broken meanwhile
+        failed every waiting request (see _fail_waiting); this is the guard should the
+        dispatcher itself stop."""
+        while True:
+            try:
+                return replies.get(timeout=0.5)
+            except queue.Empty:
+                if not self._dispatcher.is_alive() and replies.empty():
+                    raise ClusterError(
+                        f"the client's I/O pool stopped: {self.broken or 'closed'}"
+                    ) from None
+
+    def _break(self, why: str) -> None:
+        """Take no more work (the client moves the bytes itself from now on) and fail what
+        waits: a worker died, and what it had is lost."""
+        if self.broken is None and not self._closed:
+            self.broken = why
+            log.error("the client's I/O pool stops: %s; loads and stores run in this process", why)
+        self._fail_waiting(why)
+
+    def _fail_waiting(self, why: str) -> None:
+        for request_id, replies in list(self._waiting.items()):
+            replies.put(Failed(request_id=request_id, error=why))
 
     def _dispatch(self) -> None:
         """Route every worker message to the queue of the request it belongs to."""
@@ -362,9 +400,8 @@ class ClientPool:
                     message: WorkerReply = conn.recv()
                 except (EOFError, OSError):
                     if not self._closed:
-                        log.error("an I/O worker died; its requests fail")
-                        for request_id, replies in list(self._waiting.items()):
-                            replies.put(Failed(request_id=request_id, error="worker died"))
+                        pid = self._procs[self._conns.index(conn)].pid
+                        self._break(f"I/O worker {pid} died")
                     return
                 if isinstance(message, Started):
                     continue
