@@ -39,7 +39,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(handle)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
 
 

@@ -77,7 +77,17 @@ def read_trace(path: str | Path, *, traffic_class: str = "chat") -> Iterator[Req
     except OSError as exc:
         raise ConfigError(f"cannot open trace {path}: {exc}") from None
     with handle:
-        for lineno, line in enumerate(handle, 1):
+        lineno = 0
+        while True:
+            try:
+                line = handle.readline()
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"{path}:{lineno + 1}: not a trace: not UTF-8 text ({exc.reason})"
+                ) from None
+            if not line:
+                return
+            lineno += 1
             if not line.strip():
                 continue
             try:
@@ -89,7 +99,7 @@ def read_trace(path: str | Path, *, traffic_class: str = "chat") -> Iterator[Req
                     hash_ids=tuple(int(h) for h in raw["hash_ids"]),
                     traffic_class=str(raw.get("traffic_class", traffic_class)),
                 )
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:
                 raise ConfigError(f"{path}:{lineno}: not a trace record: {exc}") from None
 
 

@@ -91,3 +91,68 @@ def test_cli_simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     rates = {r["policy"]: r["hit_rate"] for r in out["results"]}
     assert rates["all=1h"] == pytest.approx(1 / 3)
     assert rates["agent=3d,chat=7d,default=3d"] == pytest.approx(2 / 3)
+
+
+BAD_INPUT = {
+    "trace timestamp past any integer": (["simulate", "--trace", "{inf}"], "not a trace record"),
+    "trace not UTF-8": (["simulate", "--trace", "{binary}"], "not UTF-8"),
+    "plan of a trace not UTF-8": (["plan", "--trace", "{binary}"], "not UTF-8"),
+    "cluster file not UTF-8": (["show", "--cluster", "{binary}"], "cannot read config file"),
+    "high watermark 0": (
+        ["plan", "--trace", "{good}", "--high-watermark", "0"],
+        "watermarks must satisfy",
+    ),
+    "high watermark nan": (
+        ["plan", "--trace", "{good}", "--high-watermark", "nan"],
+        "watermarks must satisfy",
+    ),
+    "negative block bytes": (["plan", "--trace", "{good}", "--block-bytes", "-5"], ">= 1"),
+    "negative capacity": (
+        ["simulate", "--trace", "{good}", "--capacity-blocks", "-1"],
+        "at least one block",
+    ),
+    "a class named twice": (
+        ["simulate", "--trace", "{good}", "--classes", "agent=3d,agent=4d"],
+        "named twice",
+    ),
+    "negative seed": (["generate", "--out", "{out}", "--seed", "-1"], "seed must be >= 0"),
+    "output is a directory": (["generate", "--out", "{dir}"], "Is a directory"),
+    "rate nan": (["generate", "--out", "{out}", "--agent-rate", "nan"], "finite"),
+    "rate inf": (["generate", "--out", "{out}", "--agent-rate", "inf"], "finite"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_a_clear_error_never_a_traceback_or_a_hang(tmp_path: Path, case: str) -> None:
+    """Each bad file or flag (found by a probe that crashed or hung the CLI on them) gets
+    one line saying what is wrong, and exit status 1 or 2, from the installed command."""
+    import subprocess
+    import sys
+
+    (tmp_path / "inf.jsonl").write_text(
+        '{"timestamp": 1e400, "input_length": 512, "hash_ids": [1]}\n'
+    )
+    (tmp_path / "binary.bin").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "good.jsonl").write_text(
+        '{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\n'
+    )
+    (tmp_path / "adir").mkdir()
+    names = {
+        "inf": tmp_path / "inf.jsonl",
+        "binary": tmp_path / "binary.bin",
+        "good": tmp_path / "good.jsonl",
+        "dir": tmp_path / "adir",
+        "out": tmp_path / "out.jsonl",
+    }
+    argv, message = BAD_INPUT[case]
+    args = [a.format(**names) for a in argv]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "retention", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode in (1, 2), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("kvcache: error:") or "error:" in proc.stderr
+    assert message in proc.stderr

@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvcache.errors import ConfigError
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.retention.simulate import SimulationResult, simulate
 from kvcache.shard import HEADER_BYTES, shard_len_for
@@ -97,6 +98,16 @@ def plan_capacity(
 ) -> CapacityPlan:
     """Plan the capacity of ``requests`` under ``policy`` (see the module docstring);
     ``tie_key`` as :func:`~kvcache.retention.simulate.simulate` takes it."""
+    if not 0 < low_watermark <= high_watermark <= 1:
+        raise ConfigError(
+            f"watermarks must satisfy 0 < low <= high <= 1, got low={low_watermark!r}, "
+            f"high={high_watermark!r}"
+        )
+    if block_bytes < 1 or nodes < 1 or k < 1 or m < 0:
+        raise ConfigError(
+            f"block_bytes, nodes and k must be >= 1 and m >= 0, got {block_bytes}, {nodes}, "
+            f"{k}, {m}"
+        )
 
     def at(capacity: int) -> SimulationResult:
         return simulate(

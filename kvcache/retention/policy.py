@@ -216,6 +216,8 @@ def _parse_class_list(text: str, source: str) -> dict[str, str]:
         name, sep, ttl = part.partition("=")
         if not sep:
             raise ConfigError(f"{source}: expected name=duration in {text!r}, got {part!r}")
+        if name.strip() in out:
+            raise ConfigError(f"{source}: class {name.strip()!r} is named twice in {text!r}")
         out[name.strip()] = ttl.strip()
     return out
 

@@ -34,6 +34,7 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvcache.errors import ConfigError
 from kvcache.retention import decide
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.workload import TRACE_BLOCK_TOKENS, Request
@@ -130,6 +131,13 @@ def simulate(
     """
     resolution_ms = max(1, int(touch_resolution_s * 1000))
     tie: Callable[[int], bytes | int] = _scrambled if tie_key is None else tie_key
+    if not 0 < low_watermark <= high_watermark <= 1:
+        raise ConfigError(
+            f"watermarks must satisfy 0 < low <= high <= 1, got low={low_watermark!r}, "
+            f"high={high_watermark!r}"
+        )
+    if capacity_blocks is not None and capacity_blocks < 1:
+        raise ConfigError(f"capacity must be at least one block, got {capacity_blocks!r}")
     high = None if capacity_blocks is None else int(capacity_blocks * high_watermark)
     low = None if capacity_blocks is None else int(capacity_blocks * low_watermark)
     state: dict[int, tuple[int, str]] = {}  # block -> (expiry_ms, stored class)

@@ -34,7 +34,7 @@ import heapq
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +72,12 @@ class TraceModel:
     max_blocks: int = 240
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"trace model: {f.name} must be a finite number, got {value!r}")
+        if self.seed < 0:
+            raise ConfigError(f"trace model: seed must be >= 0, got {self.seed!r}")
         for name in ("days", "agent_turns", "chat_turns", "agent_gap_s", "chat_gap_s",
                      "return_min_s", "chat_return_max_s", "agent_return_max_s"):  # fmt: skip
             if not getattr(self, name) > 0:
@@ -157,7 +163,11 @@ def generate_trace(model: TraceModel) -> Iterator[Request]:
 def write_trace(requests: Iterator[Request], path: Path) -> int:
     """Write ``requests`` as Mooncake JSONL to ``path``; returns how many."""
     n = 0
-    with open(path, "w", encoding="utf-8") as out:
+    try:
+        out = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise ConfigError(f"cannot write the trace to {path}: {exc.strerror or exc}") from None
+    with out:
         for r in requests:
             out.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                                   "output_length": r.output_length, "hash_ids": list(r.hash_ids),
