@@ -198,6 +198,35 @@ def test_a_store_with_two_holders_stopped_sends_their_shards_on_and_is_written(
         assert_loads(client, space, tokens, 48)
 
 
+def test_a_load_of_known_keys_finds_shards_a_writer_sent_to_stand_ins(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A writer that found three holders stopped stores: their shards go to stand-ins, so
+    placement's holders keep 9 of 12. With every daemon back, a load of the keys alone
+    (no match: the one-round-trip load) finds each block short there, matches the rest
+    over every node that may hold it, and loads every block byte for byte (it used to load
+    none)."""
+    cluster = cluster_factory()
+    space, tokens = ns("known-keys-spilled"), prompt(16, 31)
+    payloads = payloads_for(space, tokens)
+    keys = block_keys(space, tokens)
+    warm, warm_tokens = ns("known-keys-warm"), prompt(4, 32)
+    with client_for(cluster, timeout_s=1.0) as writer:
+        assert writer.store(warm, warm_tokens, payloads_for(warm, warm_tokens)).written == 4
+        with paused(cluster, 1, 2, 3):
+            writer.load_prefix(warm, warm_tokens)  # the writer sees the three stopped
+            stored, _took = timed_store(writer, space, tokens, payloads)
+            assert (stored.written, stored.failed) == (16, 0)
+    with client_for(cluster) as reader:
+        result = reader.load_keys(keys, payload_len=P)
+        assert result.blocks == 16
+        assert all(np.array_equal(a, b) for a, b in zip(result.payloads, payloads, strict=True))
+        assert reader.counters["loads_rematched"] == 1
+        # Keys that are not stored end the prefix: the match of the rest finds none.
+        missing = block_keys(ns("never-stored"), prompt(3, 33))
+        assert reader.load_keys([*keys[:2], *missing], payload_len=P).blocks == 2
+
+
 def test_longer_prompt_hits_only_shared_prefix(shared_cluster: LocalCluster) -> None:
     space = ns("prefix")
     base = prompt(8, 2)

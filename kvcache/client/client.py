@@ -220,8 +220,46 @@ class Client:
         ``match`` may also be the block keys themselves, when the caller knows they are
         stored (it wrote them; a scheduler matched them): the load then makes no HAS round
         and asks placement's holders for whatever stripe they have (one round trip). A key
-        that is not stored ends the loaded prefix there, as a miss would.
+        that is not stored ends the loaded prefix there, as a miss would. A block short of
+        shards on those holders is looked for where a writer may also have put them (the
+        stand-ins of holders it saw down): the keys from there on are matched (a HAS round
+        over every node that may hold them), and what is found is loaded after the rest.
         """
+        by_keys = not isinstance(match, MatchResult)
+        result = self._load_keys(match, payload_len, out, traffic_class, on_ready, hint)
+        if not by_keys or not isinstance(match, Sequence):
+            return result
+        start = result.blocks
+        if start >= len(match):
+            return result
+        rest = match_keys(self._core, list(match[start:]))
+        if not rest.hit_blocks:
+            return result
+        self._core.count("loads_rematched")
+        more = self._load_keys(
+            rest,
+            payload_len,
+            None if out is None else out[start:],
+            traffic_class,
+            None if on_ready is None else (lambda a, b: on_ready(start + a, start + b)),
+            hint,
+        )
+        return LoadResult(
+            blocks=start + more.blocks,
+            tokens=result.tokens + more.tokens,
+            payloads=[*result.payloads, *more.payloads],
+            bytes_loaded=result.bytes_loaded + more.bytes_loaded,
+        )
+
+    def _load_keys(
+        self,
+        match: MatchResult | Sequence[BlockKey],
+        payload_len: int,
+        out: npt.NDArray[np.uint8] | None,
+        traffic_class: str | None,
+        on_ready: OnReady | None,
+        hint: Hint | None,
+    ) -> LoadResult:
         if not isinstance(match, MatchResult):
             keys = list(match) if isinstance(match, Sequence) else None
             if keys is None or not are_block_keys(keys):

@@ -62,6 +62,7 @@ COUNTERS = (
     "blocks_refreshed",
     "stripes_dropped",
     "escalations",
+    "loads_rematched",
     "shards_redirected",
     "map_changes",
     "scratch_reused",
