@@ -517,6 +517,10 @@ def test_client_refuses_bad_arguments_before_any_io(shared_cluster: LocalCluster
             lambda: client.load_prefix(space, tokens, out=np.zeros((2, P), np.float32)),  # type: ignore[arg-type]
             lambda: client.store_keys([b"short"], [b"x"], payload_len=1),
             lambda: client.store(space, tokens, payloads_for(space, tokens), first_block=-1),
+            lambda: client.match_keys(block_keys(space, tokens), tokens_per_block=0),
+            lambda: client.match_keys(block_keys(space, tokens), tokens_per_block="a"),  # type: ignore[arg-type]
+            lambda: client.match_with_directory(block_keys(space, tokens), tokens_per_block=-1),
+            lambda: client.alloc_buffer(1 << 40, 1 << 40),  # past any host's memory
         ]
         for call in bad_calls:
             with pytest.raises(ArgumentError):

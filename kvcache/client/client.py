@@ -56,6 +56,15 @@ def _data_call(method: Callable[Concatenate[Client, P], T]) -> Callable[Concaten
     return call
 
 
+def _check_tokens_per_block(tokens_per_block: object) -> None:
+    if (
+        isinstance(tokens_per_block, bool)
+        or not isinstance(tokens_per_block, int)
+        or tokens_per_block < 1
+    ):
+        raise ArgumentError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
+
+
 def _keys(namespace: object, tokens: Tokens, max_blocks: int | None = None) -> list[BlockKey]:
     if not isinstance(namespace, Namespace):
         raise ArgumentError(
@@ -133,7 +142,12 @@ class Client:
         if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
             raise ArgumentError(f"row_bytes must be a positive int, got {row_bytes!r}")
         if self._pool is None:
-            return np.empty((rows, row_bytes), np.uint8)
+            try:
+                return np.empty((rows, row_bytes), np.uint8)
+            except (MemoryError, ValueError):  # ValueError: past numpy's largest array
+                raise ArgumentError(
+                    f"a buffer of {rows} x {row_bytes} bytes does not fit this host's memory"
+                ) from None
         return self._pool.alloc(rows, row_bytes).array
 
     @property
@@ -158,6 +172,7 @@ class Client:
         keys = list(keys)
         if not are_block_keys(keys):
             raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
+        _check_tokens_per_block(tokens_per_block)
         return match_keys(self._core, keys, tokens_per_block=tokens_per_block)
 
     @_data_call
@@ -169,6 +184,7 @@ class Client:
         keys = list(keys)
         if not are_block_keys(keys):
             raise ArgumentError("keys must be 16-byte block keys (kvcache.keys.block_keys)")
+        _check_tokens_per_block(tokens_per_block)
         return match_with_directory(self._core, keys, tokens_per_block=tokens_per_block)
 
     @_data_call
