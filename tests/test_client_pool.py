@@ -156,3 +156,38 @@ def test_closing_the_client_ends_a_pooled_load_in_flight(tmp_path: Path) -> None
         for node in range(12):
             cluster.resume(node)
         cluster.stop()
+
+
+def test_a_worker_dying_during_a_store_fails_its_range_alone(
+    shared_cluster: LocalCluster,
+) -> None:
+    """A worker killed while a store's ranges are out: its range is reported failed, block
+    by block, the other worker's range is written, and the call returns only once that
+    worker is done (a failure of every request, on top of the replies that came, used to
+    report written blocks failed and failed ones nowhere)."""
+    ns, tokens = space("pool-death-mid-store"), prompt(24, 8)
+    keys = block_keys(ns, tokens)
+    with Client(shared_cluster.client_config(io_processes=2, chunk_bytes=CHUNK)) as client:
+        src = client.alloc_buffer(24, P)
+        for b, key in enumerate(keys):
+            src[b] = payload_for_key(key, P)
+        pool = client._pool
+        assert pool is not None
+        victim = client.io_pids[0]
+        os.kill(victim, signal.SIGSTOP)  # it never reads its request
+        results: list[object] = []
+        storer = threading.Thread(target=lambda: results.append(client.store(ns, tokens, src)))
+        storer.start()
+        wait_until(lambda: len(pool._waiting) == 2, what="both ranges to be posted")
+        os.kill(victim, signal.SIGKILL)
+        storer.join(60)
+        assert not storer.is_alive() and len(results) == 1
+        result = results[0]
+        failed = set(result.failed_blocks)  # type: ignore[attr-defined]
+        assert failed in ({*range(12)}, {*range(12, 24)})
+        assert result.written == 24 - len(failed) == 12  # type: ignore[attr-defined]
+        # What was reported written is there, byte for byte (loaded in this process now).
+        ok = sorted(set(range(24)) - failed)
+        loaded = client.load_keys([keys[b] for b in ok], payload_len=P)
+        assert loaded.blocks == len(ok)
+        assert all(np.array_equal(loaded.payloads[j], src[b]) for j, b in enumerate(ok))

@@ -310,7 +310,9 @@ class LoadAssembly:
             odd = scratch_rows & live & (lengths >= HEADER_BYTES)
             if odd.any():
                 rows = np.flatnonzero(odd)
-                at = blocks[odd].astype(np.uint64) * np.uint64(self.n) + indices[odd]
+                at = blocks[odd].astype(np.uint64) * np.uint64(self.n) + indices[odd].astype(
+                    np.uint64
+                )
                 addrs[rows, 1] = native.addresses_of(self.odd_headers) + at * np.uint64(
                     HEADER_BYTES
                 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,13 +31,15 @@ from kvcache.client.pool import ClientPool
 from kvcache.client.storing import Payloads, StoreResult, store_keys, touch_or_delete
 from kvcache.client.transport import Transport
 from kvcache.cluster import ClusterMap
-from kvcache.errors import ArgumentError, ClosedError, ConfigError
+from kvcache.errors import ArgumentError, ClosedError, ConfigError, KVCacheError
 from kvcache.gc_pause import gc_paused
 from kvcache.keys import BlockKey, Namespace, are_block_keys, block_keys
 from kvcache.retention.decide import Hint
 from kvcache.wire import NO_RETAIN, Op, Retain
 
 __all__ = ["AsyncClient", "Client"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -236,7 +239,8 @@ class Client:
         ``match`` may also be the block keys themselves, when the caller knows they are
         stored (it wrote them; a scheduler matched them): the load then makes no HAS round
         and asks placement's holders for whatever stripe they have (one round trip). A key
-        that is not stored ends the loaded prefix there, as a miss would. A block short of
+        that is not stored ends the loaded prefix there, as a miss would (after one more
+        round, below). A block short of
         shards on those holders is looked for where a writer may also have put them (the
         stand-ins of holders it saw down): the keys from there on are matched (a HAS round
         over every node that may hold them), and what is found is loaded after the rest.
@@ -248,7 +252,11 @@ class Client:
         start = result.blocks
         if start >= len(match):
             return result
-        rest = match_keys(self._core, list(match[start:]))
+        try:
+            rest = match_keys(self._core, list(match[start:]))
+        except KVCacheError as exc:  # what was loaded stands
+            log.warning("matching the rest of a load of known keys failed: %s", exc)
+            return result
         if not rest.hit_blocks:
             return result
         self._core.count("loads_rematched")

@@ -118,7 +118,8 @@ class ClientPool:
                 raise ClusterError(f"an I/O worker failed to start: {why}")
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._waiting: dict[int, queue.SimpleQueue[RequestReply]] = {}
+        #: Requests posted and not yet answered: id -> (the call's reply queue, worker).
+        self._waiting: dict[int, tuple[queue.SimpleQueue[RequestReply], int]] = {}
         self._buffers: dict[str, shared_memory.SharedMemory] = {}
         self._closed = False
         #: Why the pool takes no more work (a worker died), or None: the client then moves
@@ -219,6 +220,8 @@ class ClientPool:
         try:
             while len(good) < len(requests):
                 message = self._next_reply(replies)
+                if message.request_id in good:
+                    continue  # answered already (a worker's reply, then a failure of all)
                 start, stop = requests[message.request_id]
                 if isinstance(message, Ready):
                     ready[start + message.first : start + message.stop] = True
@@ -273,9 +276,13 @@ class ClientPool:
             )
         written = touched = 0
         failed: list[int] = []
+        answered: set[int] = set()
         try:
-            for _ in requests:
+            while len(answered) < len(requests):
                 message = self._next_reply(replies)
+                if message.request_id in answered:
+                    continue  # answered already (a worker's reply, then a failure of all)
+                answered.add(message.request_id)
                 start, stop = requests[message.request_id]
                 if isinstance(message, Stored):
                     written += message.written
@@ -298,8 +305,12 @@ class ClientPool:
             request_id = next(self._ids)
             ids.append(request_id)
             self._post(request_id, replies, CountersRequest(request_id=request_id), worker=worker)
-        for _ in ids:
+        answered: set[int] = set()
+        while len(answered) < len(ids):
             message = self._next_reply(replies)
+            if message.request_id in answered:
+                continue
+            answered.add(message.request_id)
             if isinstance(message, Counters):
                 for name, n in message.counters.items():
                     total[name] = total.get(name, 0) + n
@@ -352,62 +363,68 @@ class ClientPool:
             raise ClosedError("the client was closed: its I/O pool takes no work")
         if self.broken is not None:
             raise ClusterError(f"the client's I/O pool takes no work: {self.broken}")
-        self._waiting[request_id] = replies
         index = next(self._next_worker) % self.size if worker is None else worker
+        self._waiting[request_id] = (replies, index)
         try:
             with self._send_lock:
                 self._conns[index].send(message)
         except OSError as exc:
-            self._waiting.pop(request_id, None)
-            self._break(f"I/O worker {self._procs[index].pid} is gone ({exc})")
-            raise ClusterError(f"the client's I/O pool takes no work: {self.broken}") from None
+            # The worker is gone: this request fails (the call's other requests, on the
+            # workers that are alive, finish as they would), and so does what it had.
+            self._worker_gone(index, f"I/O worker {self._procs[index].pid} is gone ({exc})")
 
     def _next_reply(self, replies: queue.SimpleQueue[RequestReply]) -> RequestReply:
-        """The next reply for a call, never waiting forever: a pool closed or broken meanwhile
-        failed every waiting request (see _fail_waiting); this is the guard should the
-        dispatcher itself stop."""
+        """The next reply for a call, never waiting forever: a dead worker's requests are
+        failed when it goes (_worker_gone), and close() fails what still waits once the
+        workers are gone; this is the guard should the dispatcher stop otherwise."""
         while True:
             try:
                 return replies.get(timeout=0.5)
             except queue.Empty:
-                if not self._dispatcher.is_alive() and replies.empty():
+                if not (self._closed or self._dispatcher.is_alive()) and replies.empty():
                     raise ClusterError(
-                        f"the client's I/O pool stopped: {self.broken or 'closed'}"
+                        f"the client's I/O pool stopped: {self.broken or 'its dispatcher ended'}"
                     ) from None
 
-    def _break(self, why: str) -> None:
-        """Take no more work (the client moves the bytes itself from now on) and fail what
-        waits: a worker died, and what it had is lost."""
+    def _worker_gone(self, index: int, why: str) -> None:
+        """Worker ``index`` died: its requests fail, the others' go on to the end (a call
+        returns only once nothing writes into its buffers any more), and the pool takes no
+        new work (the client moves the bytes itself from then on)."""
         if self.broken is None and not self._closed:
             self.broken = why
             log.error("the client's I/O pool stops: %s; loads and stores run in this process", why)
-        self._fail_waiting(why)
+        for request_id, (replies, worker) in list(self._waiting.items()):
+            if worker == index:
+                replies.put(Failed(request_id=request_id, error=why))
 
     def _fail_waiting(self, why: str) -> None:
-        for request_id, replies in list(self._waiting.items()):
+        for request_id, (replies, _worker) in list(self._waiting.items()):
             replies.put(Failed(request_id=request_id, error=why))
 
     def _dispatch(self) -> None:
-        """Route every worker message to the queue of the request it belongs to."""
-        while not self._closed:
+        """Route every worker message to the queue of the request it belongs to, until every
+        worker is gone (closing included: what they answer meanwhile still counts)."""
+        conns = list(self._conns)  # close() empties the pool's list
+        live = list(conns)
+        while live:
             try:
-                ready = multiprocessing.connection.wait(self._conns, timeout=0.5)
+                ready = multiprocessing.connection.wait(live, timeout=0.5)
             except OSError:
-                return
+                return  # close() closed the connections: the workers are gone
             for conn in ready:
                 assert isinstance(conn, multiprocessing.connection.Connection)
                 try:
                     message: WorkerReply = conn.recv()
                 except (EOFError, OSError):
-                    if not self._closed:
-                        pid = self._procs[self._conns.index(conn)].pid
-                        self._break(f"I/O worker {pid} died")
-                    return
+                    live.remove(conn)
+                    index = conns.index(conn)
+                    self._worker_gone(index, f"I/O worker {self._procs[index].pid} died")
+                    continue
                 if isinstance(message, Started):
                     continue
                 target = self._waiting.get(message.request_id)
                 if target is not None:
-                    target.put(message)
+                    target[0].put(message)
 
 
 def _release(buffers: dict[str, shared_memory.SharedMemory], name: str) -> None:

@@ -241,7 +241,6 @@ class DataServer:
                     for event in self._plane_selector.native_events():
                         self._guarded(self._conns.get(event.fd), self._native_event, event)
                 self._pump()
-                self._after_replies_left()
                 self._run_calls()
                 now = time.monotonic()
                 if self._listener_paused_until and now >= self._listener_paused_until:
@@ -630,7 +629,7 @@ class DataServer:
             if conn.sock.fileno() < 0:
                 reply.done()
                 continue
-            self._send(conn, reply)
+            self._guarded(conn, self._send, conn, reply)
 
     def _drain_after_writes(self) -> None:
         try:
@@ -649,7 +648,7 @@ class DataServer:
                 # Its deadline and rate count from now: the wait was this daemon's doing.
                 conn.request_started = time.monotonic()
                 conn.request_bytes = conn.reader.buffered_bytes
-                self._continue(conn)
+                self._guarded(conn, self._continue, conn)
 
     def _continue(self, conn: _Conn) -> None:
         """Go on with a connection's request: answer it if its bytes are all in (a native
@@ -713,15 +712,10 @@ class DataServer:
         self._in_after_reply = True
         try:
             while self._after_replies:
-                self._next_step(self._after_replies.popleft())
+                queued = self._after_replies.popleft()
+                self._guarded(queued, self._next_step, queued)  # a bug closes that one alone
         finally:
             self._in_after_reply = False
-
-    def _after_replies_left(self) -> None:
-        """Next steps a bug cut short (see _guarded): each taken on its own, guarded."""
-        while self._after_replies and not self._in_after_reply:
-            conn = self._after_replies.popleft()
-            self._guarded(conn, self._after_reply, conn)
 
     def _next_step(self, conn: _Conn) -> None:
         """Requests already buffered come first; then the native plane takes the connection,

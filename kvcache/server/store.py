@@ -1323,10 +1323,8 @@ class ShardStore:
                     updated += 1
                 self._write_usage(txn, moved)
         except lmdb.Error as exc:
-            # Nothing was written: the hits wait for the next flush (a later one of a key,
-            # pending since, wins: it was merged with what the store held then).
-            pending.update(self._pending)
-            self._pending = pending
+            # The hits' slides are lost (they are hints; kept, a flush that keeps failing,
+            # a full map, would hold every sweep and eviction behind it).
             raise self.failed(exc, "writing hits") from exc
         self.book.apply(moved)
         self.classes.persisted()
