@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import re
 import tomllib
@@ -142,14 +143,29 @@ def _convert(hint: Any, raw: Any, what: str, source: str) -> Any:
         if isinstance(raw, bool):
             raise ConfigError(f"{source}: {what} must be a number, got {raw!r}")
         try:
-            return hint(raw)
-        except (TypeError, ValueError):
+            if hint is float:
+                value = float(raw)
+            elif isinstance(raw, int):
+                value = raw
+            elif isinstance(raw, str) and raw.strip().lstrip("+-").isdigit():
+                value = int(raw)
+            else:
+                number = float(raw)
+                if not number.is_integer():  # never truncated: 2.9 is not 2
+                    raise ValueError
+                value = int(number)
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{source}: {what} must be {hint.__name__}, got {raw!r}") from None
+        if hint is float and not math.isfinite(value):
+            raise ConfigError(f"{source}: {what} must be a finite number, got {raw!r}")
+        return value
     if hint is str:
         if not isinstance(raw, str):
             raise ConfigError(f"{source}: {what} must be a string, got {raw!r}")
         return raw
     if hint is Path:
+        if not isinstance(raw, str | Path) or not str(raw):
+            raise ConfigError(f"{source}: {what} must be a non-empty path, got {raw!r}")
         return Path(raw)
     if isinstance(raw, hint):
         return raw
