@@ -82,16 +82,22 @@ class NodeInfo:
             raise ConfigError(
                 f"node {self.id}: data address {self.data!r} must be tcp:// or ipc://"
             )
-        if self.admin and not self.admin.startswith(("http://", "https://")):
+        if not isinstance(self.admin, str) or (
+            self.admin and not self.admin.startswith(("http://", "https://"))
+        ):
             raise ConfigError(f"node {self.id}: admin address {self.admin!r} must be http(s)://")
         if not isinstance(self.weight, int | float) or not 0 < float(self.weight) < 1e6:
             raise ConfigError(f"node {self.id}: weight must be a positive number")
+        if not isinstance(self.domain, str):
+            raise ConfigError(f"node {self.id}: domain must be a string, got {self.domain!r}")
         if not self.domain:
             object.__setattr__(self, "domain", self.id)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> NodeInfo:
         """Build from a TOML table, naming the bad field on error."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"a node entry must be a table, got {raw!r}")
         known = {"id", "data", "admin", "domain", "weight", "state"}
         unknown = set(raw) - known
         if unknown:
@@ -104,12 +110,15 @@ class NodeInfo:
             raise ConfigError(
                 f"node {raw['id']}: state must be one of {[s.value for s in NodeState]}"
             ) from None
+        weight = raw.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ConfigError(f"node {raw['id']}: weight must be a number, got {weight!r}")
         return cls(
             id=raw["id"],
             data=raw["data"],
             admin=raw.get("admin", ""),
             domain=raw.get("domain", ""),
-            weight=float(raw.get("weight", 1.0)),
+            weight=float(weight),
             state=state,
         )
 
@@ -129,14 +138,17 @@ class EtcdSettings:
         if not self.endpoints:
             raise ConfigError("[etcd] needs at least one endpoint")
         for url in self.endpoints:
-            if not isinstance(url, str) or not _ETCD_URL_RE.match(url):
+            found = _ETCD_URL_RE.match(url) if isinstance(url, str) else None
+            if found is None or not 0 < int(found.group(2)) < 65536:
                 raise ConfigError(f"etcd endpoint {url!r} must look like http://host:port")
         if not isinstance(self.prefix, str) or not _PREFIX_RE.match(self.prefix):
             raise ConfigError(
                 f"etcd prefix {self.prefix!r} must start with / and use A-Z a-z 0-9 _ . - /"
             )
-        if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
-            raise ConfigError(f"etcd timeout_s must be > 0, got {self.timeout_s!r}")
+        if not isinstance(self.timeout_s, int | float) or not 0 < self.timeout_s < 86_400:
+            raise ConfigError(
+                f"etcd timeout_s must be > 0 s and under a day, got {self.timeout_s!r}"
+            )
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> EtcdSettings:
@@ -206,10 +218,10 @@ class ClusterMap:
         nodes = raw.get("nodes")
         if not isinstance(nodes, list):
             raise ConfigError("cluster map needs a [[nodes]] array")
-        return cls(
-            epoch=int(raw.get("epoch", 0)),
-            nodes=tuple(NodeInfo.from_mapping(n) for n in nodes),
-        )
+        epoch = raw.get("epoch", 0)
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise ConfigError(f"cluster map: epoch must be an integer, got {epoch!r}")
+        return cls(epoch=epoch, nodes=tuple(NodeInfo.from_mapping(n) for n in nodes))
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterMap:

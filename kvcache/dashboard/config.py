@@ -50,8 +50,10 @@ class DashboardConfig:
         except ConfigError:
             raise ConfigError(f"listen must be host:port, got {self.listen!r}") from None
         for name in ("refresh_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) <= 86_400:  # inf made every page request a 500
+                raise ConfigError(
+                    f"{name} must be > 0 s and at most a day, got {getattr(self, name)}"
+                )
         if self.token is not None and len(self.token) < 16:
             raise ConfigError("token must be the cluster's admin token (16 characters or more)")
 

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     rate = parse_size(args.rate, what="--rate")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
-    if args.interval <= 0:
-        raise ConfigError(f"--interval must be > 0, got {args.interval}")
+    if not 0 < args.interval < 366 * 86_400:  # NaN fails this too (it busy-looped)
+        raise ConfigError(f"--interval must be > 0 seconds and under a year, got {args.interval}")
     creds = Credentials.load(args.credentials)
     names = args.tenant or [t.name for t in creds.tenants]
     for name in names:

@@ -26,6 +26,13 @@ __all__ = ["register", "run"]
 log = logging.getLogger(__name__)
 
 
+def _nonempty_path(text: str) -> Path:
+    """A path flag's value; an empty one is refused (Path("") is the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a non-empty path is needed")
+    return Path(text)
+
+
 def register(subparsers: Any) -> None:
     """Add the ``server`` subcommand to the ``kvcache`` parser."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -34,7 +41,9 @@ def register(subparsers: Any) -> None:
         description="Run one storage daemon (TCP data path + admin HTTP) in the foreground.",
     )
     parser.add_argument("--config", type=Path, help="TOML file with [server] and [retention]")
-    parser.add_argument("--data-dir", type=Path, help="LMDB directory (created if missing)")
+    parser.add_argument(
+        "--data-dir", type=_nonempty_path, help="LMDB directory (created if missing)"
+    )
     parser.add_argument("--listen", help="data endpoint (default tcp://127.0.0.1:7400)")
     parser.add_argument("--admin-listen", help="admin HTTP host:port (default 127.0.0.1:7480)")
     parser.add_argument("--node-id", help="node name in logs and metrics")
@@ -133,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
         "events_listen": args.events_listen,
         "events_replay_listen": args.events_replay_listen,
     }
+    if args.ready_file is not None and (not args.ready_file.name or args.ready_file.is_dir()):
+        raise ConfigError(
+            f"--ready-file {str(args.ready_file)!r} must name a file (it is written when the "
+            "daemon is ready), not a directory"
+        )
     if args.ready_file is not None and not args.ready_file.parent.is_dir():
         raise ConfigError(
             f"--ready-file {str(args.ready_file)!r}: directory {str(args.ready_file.parent)!r} "

@@ -45,8 +45,10 @@ class SwaConfig:
             raise ConfigError(f"SwaConfig.max_bytes must be positive, got {self.max_bytes}")
         if not 0 < self.ttl_s <= 3600:
             raise ConfigError(f"SwaConfig.ttl_s must lie in (0, 3600], got {self.ttl_s}")
-        if not self.fetch_timeout_s > 0:
-            raise ConfigError(f"SwaConfig.fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        if not 0 < self.fetch_timeout_s <= 3600:  # inf made every remote fetch raise
+            raise ConfigError(
+                f"SwaConfig.fetch_timeout_s must be > 0 and at most 3600 s, got {self.fetch_timeout_s}"
+            )
         if not 1 <= self.directory_replicas <= 12:
             raise ConfigError("SwaConfig.directory_replicas must lie in 1..12")
         if not 1 <= self.connections_per_peer <= 64 or self.max_connections < 1:

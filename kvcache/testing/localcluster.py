@@ -344,9 +344,9 @@ class LocalCluster:
                 _Node(
                     n,
                     self.root / n.id,
-                    int(rec.get("pid", 0) or 0),
+                    _record_int(rec, "pid", self.root),
                     cmd=cmd if isinstance(cmd, list) else None,
-                    started=int(rec.get("started", 0) or 0),
+                    started=_record_int(rec, "started", self.root),
                 )
             )
         rec = records.get(ETCD_RECORD)
@@ -355,9 +355,9 @@ class LocalCluster:
             self._etcd = _Node(
                 NodeInfo(id=ETCD_RECORD.strip("_"), data="tcp://127.0.0.1:1"),
                 self.root / "etcd",
-                int(rec.get("pid", 0) or 0),
+                _record_int(rec, "pid", self.root),
                 cmd=rec["cmd"],
-                started=int(rec.get("started", 0) or 0),
+                started=_record_int(rec, "started", self.root),
             )
             self._etcd_settings = etcd
         return self
@@ -485,6 +485,8 @@ class LocalCluster:
             try:
                 with urllib.request.urlopen(f"{node.info.admin}/stats", timeout=2) as resp:
                     stats = json.loads(resp.read())
+                if not isinstance(stats, dict):
+                    raise ValueError(f"/stats answered {type(stats).__name__}, not an object")
                 out.append({"node": node.info.id, "up": True, **stats})
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 out.append({"node": node.info.id, "up": False, "error": str(exc)})
@@ -495,6 +497,17 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _record_int(rec: dict[str, Any], name: str, root: Path) -> int:
+    """A process record's integer field (pid, start time), or ClusterError naming the file."""
+    value = rec.get(name, 0) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ClusterError(
+            f"the local cluster's process records under {root} are damaged: {name} is "
+            f"{value!r}; stop what runs there by hand and remove the directory"
+        )
+    return value
 
 
 def _alive(pid: int, proc: subprocess.Popen[bytes] | None = None) -> bool:
