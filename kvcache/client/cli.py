@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvcache.errors import ConfigError
 from kvcache.testing.localcluster import LocalCluster
 
 __all__ = ["register"]
@@ -94,6 +95,8 @@ def register(sub: Any) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
+    if args.domains is not None and args.domains < 0:
+        raise ConfigError(f"--domains must be >= 1 (0: one domain each), got {args.domains}")
     domains = [f"host-{i % args.domains}" for i in range(args.nodes)] if args.domains else None
     cluster = LocalCluster(args.dir).start(
         nodes=args.nodes,

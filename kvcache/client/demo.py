@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -76,6 +77,24 @@ class DemoOptions:
     swa_ttl_s: float = 180.0
     #: Bytes of one state (DeepSeek V4.1 Flash on SM100 by default).
     swa_state_bytes: int = DSV41_STATE_BYTES
+
+    def __post_init__(self) -> None:
+        # Checked before any daemon starts (a bad value used to cost a whole replay first).
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+        if self.swa_workers < 0:
+            raise ConfigError(f"--swa-workers must be >= 0, got {self.swa_workers}")
+        if not (math.isfinite(self.swa_ttl_s) and self.swa_ttl_s > 0):
+            raise ConfigError(
+                f"--swa-ttl must be a positive number of seconds, got {self.swa_ttl_s}"
+            )
+        if self.swa_state_bytes < 1:
+            raise ConfigError(f"--swa-state-bytes must be >= 1, got {self.swa_state_bytes}")
+        if not (math.isfinite(self.speed) and self.speed >= 0):
+            raise ConfigError(f"--speed must be a finite number >= 0, got {self.speed}")
+        for path in (self.plot,):
+            if path is not None and Path(path).is_dir():
+                raise ConfigError(f"{path} is a directory: name a file to write")
 
 
 @dataclass(slots=True)
@@ -427,8 +446,13 @@ def run_cli(args: argparse.Namespace) -> int:
         swa_ttl_s=getattr(args, "swa_ttl", 180.0),
         swa_state_bytes=getattr(args, "swa_state_bytes", DSV41_STATE_BYTES),
     )
+    if args.json and Path(args.json).is_dir():
+        raise ConfigError(f"--json {args.json} is a directory: name a file to write")
     summary = run_demo(options)
     print_summary(summary)
     if args.json:
-        write_json(summary, args.json)
+        try:
+            write_json(summary, args.json)
+        except OSError as exc:
+            raise ConfigError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
     return 0 if summary.wrong_bytes == 0 else 3

@@ -109,6 +109,17 @@ class SimSettings:
             raise ArgumentError("MTTFs must be > 0 years")
         if self.disks_per_node < 1 or self.node_bytes <= 0 or self.lifetime_days < 0:
             raise ArgumentError("disks_per_node >= 1, node_bytes > 0, lifetime_days >= 0")
+        for name in ("node_bytes", "per_node_gbps", "nic_gbps", "read_gibps", "write_gibps",
+                     "detect_s", "node_mttf_years", "disk_mttf_years", "lifetime_days",
+                     "mc_horizon_repairs"):  # fmt: skip
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.per_node_gbps > 0 or not self.nic_gbps > 0:
+            raise ArgumentError(
+                f"per_node_gbps and nic_gbps must be > 0, got {self.per_node_gbps!r}, "
+                f"{self.nic_gbps!r}"
+            )
 
     def keys_for(self, nodes: int) -> int:
         """Sampled keys for a cluster of ``nodes`` (the nearest size given, scaled)."""
