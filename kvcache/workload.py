@@ -70,6 +70,11 @@ class Request:
         return self.input_length // TRACE_BLOCK_TOKENS
 
 
+#: Trace timestamps (ms) past this are refused: no trace spans 285,000 years, and float
+#: arithmetic on them stays exact below it.
+_MAX_TRACE_MS = 2**53
+
+
 def read_trace(path: str | Path, *, traffic_class: str = "chat") -> Iterator[Request]:
     """Requests of a Mooncake FAST'25 JSONL trace (timestamp, input_length, output_length, hash_ids)."""
     try:
@@ -92,15 +97,22 @@ def read_trace(path: str | Path, *, traffic_class: str = "chat") -> Iterator[Req
                 continue
             try:
                 raw = json.loads(line)
-                yield Request(
+                request = Request(
                     timestamp_ms=int(raw["timestamp"]),
                     input_length=int(raw["input_length"]),
                     output_length=int(raw.get("output_length", 0)),
                     hash_ids=tuple(int(h) for h in raw["hash_ids"]),
                     traffic_class=str(raw.get("traffic_class", traffic_class)),
                 )
+                if not 0 <= request.timestamp_ms < _MAX_TRACE_MS:
+                    raise ValueError("timestamp out of range (0 .. 2**53 ms)")
+                if request.input_length < 0 or request.output_length < 0:
+                    raise ValueError("lengths must be >= 0")
+                if any(not 0 <= h < 2**63 for h in request.hash_ids):
+                    raise ValueError("hash ids must be 0 .. 2**63 - 1")
             except (ValueError, KeyError, TypeError, OverflowError) as exc:
                 raise ConfigError(f"{path}:{lineno}: not a trace record: {exc}") from None
+            yield request
 
 
 def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:

@@ -164,6 +164,24 @@ CASES: dict[str, tuple[dict[str, str], list[str], dict[str, str], str]] = {
         {},
         "finite number",
     ),
+    "events: a replay endpoint that is no endpoint": (
+        {},
+        ["events", "--endpoint", "tcp://127.0.0.1:7", "--replay-endpoint", "bogus", "--no-auth"],
+        {},
+        "must be tcp://host:port",
+    ),
+    "swa simulate: a timestamp past any clock": (
+        {"t.jsonl": '{"timestamp": 1' + "0" * 400 + ', "input_length": 512, "hash_ids": [1]}\n'},
+        ["swa", "simulate", "--trace", "t.jsonl"],
+        {},
+        "timestamp out of range",
+    ),
+    "swa simulate: a negative timestamp": (
+        {"t.jsonl": '{"timestamp": -1000, "input_length": 512, "hash_ids": [1]}\n'},
+        ["swa", "simulate", "--trace", "t.jsonl"],
+        {},
+        "timestamp out of range",
+    ),
     "repair: interval not a number": (
         {"c.toml": NODE},
         [

@@ -120,17 +120,35 @@ def _auth(args: argparse.Namespace) -> dict[str, Any]:
     return {"tenant": tenant.name, "secret": tenant.secret}
 
 
+def _check_endpoint(endpoint: str, flag: str) -> None:
+    """A ZeroMQ endpoint a subscriber can connect to: tcp://host:port (port 1-65535) or
+    ipc://path; anything else is refused here, not by zmq with a traceback."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if (
+        not endpoint.startswith("tcp://")
+        or not sep
+        or not host
+        or not port.isdigit()
+        or not (0 < int(port) < 65536)
+    ):
+        raise ConfigError(f"{flag} {endpoint!r} must be tcp://host:port (1-65535) or ipc://path")
+
+
 def _endpoints(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
     """(node label, PUB endpoint, replay endpoint) per daemon."""
     if args.endpoint:
         replays = list(args.replay_endpoint) + [None] * len(args.endpoint)
         out = []
         for pub, replay in zip(args.endpoint, replays, strict=False):
+            _check_endpoint(pub, "--endpoint")
             if replay is None:
                 base, _, port = pub.rpartition(":")
-                if not port.isdigit():
+                if not port.isdigit() or int(port) >= 65535:
                     raise ConfigError(f"--endpoint {pub!r}: give --replay-endpoint too")
                 replay = f"{base}:{int(port) + 1}"
+            _check_endpoint(replay, "--replay-endpoint")
             out.append((pub.removeprefix("tcp://"), pub, replay))
         return out
     if args.cluster_file is None:
@@ -142,12 +160,19 @@ def _endpoints(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
     for node in static.nodes:
         try:
             with urllib.request.urlopen(node.admin + "/stats", timeout=5) as resp:
-                events = json.loads(resp.read()).get("events")
-        except OSError as exc:
-            log.warning("%s: no /stats (%s): skipped", node.id, exc)
+                stats = json.loads(resp.read())
+            events = stats.get("events") if isinstance(stats, dict) else None
+            if events and not (
+                isinstance(events, dict)
+                and isinstance(events.get("endpoint"), str)
+                and isinstance(events.get("replay_endpoint"), str | None)
+            ):
+                raise ValueError(f"its events entry is not what a daemon reports: {events!r}")
+        except (OSError, ValueError) as exc:
+            log.warning("%s: no usable /stats (%s): skipped", node.id, exc)
             continue
         if events:
-            found.append((node.id, events["endpoint"], events["replay_endpoint"]))
+            found.append((node.id, events["endpoint"], events.get("replay_endpoint")))
     if not found:
         raise ClusterError(f"no node of {args.cluster_file} publishes events (events_listen)")
     return found
