@@ -27,7 +27,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvcache import native
-from kvcache.errors import ConfigError
+from kvcache.errors import ArgumentError, ConfigError
 from kvcache.layout import KVLayout
 
 __all__ = [
@@ -120,19 +120,22 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArra
     if isinstance(tokens, np.ndarray):
         arr = tokens
         if arr.ndim != 1:
-            raise ConfigError(f"tokens must be one-dimensional, got shape {arr.shape}")
+            raise ArgumentError(f"tokens must be one-dimensional, got shape {arr.shape}")
         if arr.dtype.kind not in "iu":
-            raise ConfigError(f"tokens must be integers, got dtype {arr.dtype}")
+            raise ArgumentError(f"tokens must be integers, got dtype {arr.dtype}")
         if arr.dtype != np.dtype("<u4"):
             if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
-                raise ConfigError("token ids must lie in 0..2**32-1")
+                raise ArgumentError("token ids must lie in 0..2**32-1")
             arr = arr.astype("<u4")
         return np.ascontiguousarray(arr)
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        # array.array would read bytes as raw machine words and a str is no token list.
+        raise ArgumentError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
     try:
         # array.array converts and range-checks in C, ~2x faster than numpy for lists.
         packed = array.array(_U32_CODE, tokens)
     except (TypeError, OverflowError) as exc:
-        raise ConfigError(f"tokens must be ints in 0..2**32-1: {exc}") from exc
+        raise ArgumentError(f"tokens must be ints in 0..2**32-1: {exc}") from exc
     out = np.frombuffer(packed, dtype=np.uint32)
     return out if _NATIVE_IS_LE else out.astype("<u4")
 
@@ -149,6 +152,10 @@ def block_keys(
     max_blocks: int | None = None,
 ) -> list[BlockKey]:
     """The chained keys of every full block of ``tokens`` (at most ``max_blocks``)."""
+    if not isinstance(namespace, Namespace):
+        raise ArgumentError(
+            f"namespace must be a kvcache Namespace, got {type(namespace).__name__}"
+        )
     arr = as_token_array(tokens)
     block = namespace.tokens_per_block
     count = full_blocks(arr.size, block)

@@ -170,11 +170,44 @@ CASES: dict[str, tuple[dict[str, str], list[str], dict[str, str], str]] = {
         {},
         "must be tcp://host:port",
     ),
+    "dashboard: a misspelled table": (
+        {"d.toml": "[dashbord]\nport = 9000\n"},
+        ["dashboard", "--config", "d.toml"],
+        {},
+        "unknown table(s) ['dashbord']",
+    ),
+    "events: a daemon that never answers": (
+        {},
+        ["events", "--endpoint", "tcp://127.0.0.1:1", "--no-auth"],
+        {},
+        "never answered",
+    ),
+    "events: a negative count": (
+        {},
+        ["events", "--endpoint", "tcp://127.0.0.1:1", "--no-auth", "--count", "-3"],
+        {},
+        "-3 is negative",
+    ),
+    "events: a negative sequence number": (
+        {},
+        ["events", "--endpoint", "tcp://127.0.0.1:1", "--no-auth", "--from-seq", "-1"],
+        {},
+        "-1 is negative",
+    ),
     "swa simulate: a timestamp past any clock": (
         {"t.jsonl": '{"timestamp": 1' + "0" * 400 + ', "input_length": 512, "hash_ids": [1]}\n'},
         ["swa", "simulate", "--trace", "t.jsonl"],
         {},
         "timestamp out of range",
+    ),
+    "swa simulate: a trace out of arrival order": (
+        {
+            "t.jsonl": '{"timestamp": 5000, "input_length": 512, "hash_ids": [1]}\n'
+            '{"timestamp": 10, "input_length": 512, "hash_ids": [2]}\n'
+        },
+        ["swa", "simulate", "--trace", "t.jsonl"],
+        {},
+        "give the requests in arrival order",
     ),
     "swa simulate: a negative timestamp": (
         {"t.jsonl": '{"timestamp": -1000, "input_length": 512, "hash_ids": [1]}\n'},

@@ -392,11 +392,12 @@ def test_cli_prints_one_line_per_event(tmp_path: Path) -> None:
         assert json.loads(doc) | {"node": None} == {
             "node": None, "tenant": "alice", "seq": 0, "event": "BlockStored",
             "medium": "STORAGE", "keys": [(b"c" * 16).hex()] * 2, "shards": [0, 1]}  # fmt: skip
-        # A wrong token: the daemon answers nothing; no event, and the replay it asked for
-        # times out (said on a RESYNC line).
+        # A wrong token: the daemon answers nothing; no event, the replay it asked for times
+        # out (said on a RESYNC line), and the dump exits 1 saying so.
         wrong = subprocess.run([*base[:-4], "--tenant", "alice", "--token", "0" * 64],
-                               capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert "Block" not in wrong.stdout and "replay timed out" in wrong.stdout
+        assert wrong.returncode == 1 and "never answered" in wrong.stderr
 
 
 def test_swa_holder_records_coming_and_going_are_events() -> None:

@@ -14,7 +14,7 @@ import pytest
 from kvcache import DType, KVLayout, Namespace, block_keys
 from kvcache.client import Client
 from kvcache.credentials import TenantCredentials
-from kvcache.errors import ArgumentError
+from kvcache.errors import ArgumentError, ClosedError
 from kvcache.keys import BlockKey
 from kvcache.net import open_session
 from kvcache.session import AUTH_BYTES, ServerHandshake
@@ -426,3 +426,41 @@ def test_a_kept_connection_keeps_a_shorter_deadline_too(transport: TcpPeerTransp
     assert second == [None]
     assert 0.29 <= elapsed < 1.0  # the 30 s bound of the first fetch did not carry over
     assert transport.counters["timeouts"] == 1
+
+
+def test_the_tiers_api_refuses_wrong_arguments_and_a_second_life(cluster: LocalCluster) -> None:
+    """Wrong types are ArgumentErrors (an int state was stored as that many zero bytes, a
+    read-only ``out`` made a silent miss); a second start returns the endpoint, a start after
+    close is a ClosedError (was a KeyError, then an epoll error)."""
+    client, tier = _tier(cluster)
+    try:
+        assert tier.start() == tier.endpoint
+        key = skey(77)
+        for bad_state in (5, "state"):
+            with pytest.raises(ArgumentError, match="bytes-like"):
+                tier.put(key, bad_state)  # type: ignore[arg-type]
+        assert tier.store.get(key) is None  # nothing was stored
+        tier.put(key, blob(77, 1000))
+        with pytest.raises(ArgumentError, match="StateKey"):
+            tier.fetch("key")  # type: ignore[arg-type]
+        for bad_holders in ("abc", [1, 2]):
+            with pytest.raises(ArgumentError, match="HolderRecords"):
+                tier.fetch(key, bad_holders)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match="writable"):
+            tier.fetch(key, out=bytes(1000))  # type: ignore[arg-type]
+        for bad_time in ("x", float("nan"), -1.0):
+            with pytest.raises(ArgumentError, match="seconds"):
+                tier.fetch(key, timeout_s=bad_time)  # type: ignore[arg-type]
+            with pytest.raises(ArgumentError, match="seconds"):
+                tier.flush(bad_time)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match="Namespace"):
+            tier.lookup("ns", list(range(64)))  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match="sequence of ints"):
+            tier.lookup(MAIN_NS, b"\x00" * 64)  # type: ignore[arg-type]
+        got = tier.fetch(key)
+        assert got is not None and bytes(got) == blob(77, 1000)
+    finally:
+        tier.close()
+        client.close()
+    with pytest.raises(ClosedError):
+        tier.start()

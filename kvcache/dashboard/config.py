@@ -77,14 +77,29 @@ class DashboardConfig:
         return token
 
 
+#: Top-level tables a config file shared between the components may hold.
+_SHARED_TABLES = frozenset({"dashboard", "server", "retention", "client", "swa"})
+
+
 def load_dashboard_config(
     path: str | Path | None = None,
     *,
     flags: Mapping[str, Any] | None = None,
     environ: bool = True,
 ) -> DashboardConfig:
-    """The config from TOML ``[dashboard]`` < environment < flags (None flags ignored)."""
-    table = load_toml(path).get("dashboard", {}) if path is not None else {}
+    """The config from TOML ``[dashboard]`` < environment < flags (None flags ignored).
+
+    The file may be shared with other components, so their tables are let be; any other table
+    (a misspelled ``[dashbord]``) is an error rather than a dashboard quietly on defaults.
+    """
+    raw = load_toml(path) if path is not None else {}
+    unknown = sorted(set(raw) - _SHARED_TABLES)
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown table(s) {unknown}; the dashboard reads [dashboard] "
+            f"(a shared file may also hold {', '.join(sorted(_SHARED_TABLES - {'dashboard'}))})"
+        )
+    table = raw.get("dashboard", {})
     if not isinstance(table, Mapping):
         raise ConfigError(f"{path}: [dashboard] must be a table")
     env: dict[str, Any] = {}

@@ -59,16 +59,30 @@ def register(subparsers: Any) -> None:
                         help="every tenant's events, with the admin token of --credentials")  # fmt: skip
     parser.add_argument("--no-auth", action="store_true",
                         help="connect without credentials (a daemon with events_auth = false)")  # fmt: skip
-    parser.add_argument("--from-seq", type=int, default=None,
+    parser.add_argument("--from-seq", type=_non_negative, default=None,
                         help="replay from this sequence number first (default: 0 without "
                         "--follow, live only with it)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.add_argument("--count", type=int, default=0, help="stop after this many events")
+    parser.add_argument("--count", type=_non_negative, default=0,
+                        help="stop after this many events (default 0: no limit)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
+def _non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0 (a sequence number or a count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Follow (or dump) the streams; returns the exit code."""
+    """Follow (or dump) the streams; returns the exit code: 0, or 1 when a dump (no
+    ``--follow``) had a daemon whose replay endpoint never answered, so that a script can tell
+    "no events" from "no daemon"."""
     out = out or sys.stdout
     endpoints = _endpoints(args)
     auth = _auth(args)
@@ -94,12 +108,20 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             if got:
                 idle_since = time.monotonic()
             elif not args.follow and time.monotonic() - idle_since > 0.5:
-                return 0
+                return _dump_status(subs)
     except KeyboardInterrupt:
         return 130
     finally:
         for _, sub in subs:
             sub.close()
+
+
+def _dump_status(subs: list[tuple[str, Subscriber]]) -> int:
+    silent = [node for node, sub in subs if sub.counters["replay_timeouts"]]
+    for node in silent:
+        print(f"kvcache events: {node}: its replay endpoint never answered (is the daemon up, "
+              "are these its endpoints, are the credentials right?)", file=sys.stderr)  # fmt: skip
+    return 1 if silent else 0
 
 
 def _auth(args: argparse.Namespace) -> dict[str, Any]:

@@ -122,7 +122,9 @@ class Subscriber:
         self._pending: list[Delivery | Resync] = []
         #: The last sequence received live, per topic (a smaller one later: a restart).
         self._last_live: dict[bytes, int] = {}
-        self.counters = dict.fromkeys(("delivered", "replayed", "gaps", "resyncs"), 0)
+        self.counters = dict.fromkeys(
+            ("delivered", "replayed", "gaps", "resyncs", "replay_timeouts"), 0
+        )
         if start_seq is not None and admin_token is None and tenant is not None:
             self._catch_up(self.topic, start_seq, None)
 
@@ -216,6 +218,7 @@ class Subscriber:
         while True:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0 or not self._dealer.poll(left):
+                self.counters["replay_timeouts"] += 1
                 self._resync(topic, start, upto, "replay timed out")
                 return
             frames = self._dealer.recv_multipart()

@@ -158,7 +158,8 @@ def simulate(
     replay_tokens: int = 128,
     tokens_per_block: int = TRACE_BLOCK_TOKENS,
 ) -> SwaSimulation:
-    """Replay ``requests`` (in arrival order); see the module docstring.
+    """Replay ``requests`` (in arrival order: one that arrives before the one ahead of it is
+    an ArgumentError, since the TTLs and the rates depend on it); see the module docstring.
 
     ``tokens_per_block`` is the store's block: the trace's 512 by default, 128 for
     DeepSeek V4.1 (each hash id then names 4 blocks, and states lie at 128-token
@@ -181,6 +182,12 @@ def simulate(
     store_tokens = state_tokens = 0
     first_ms = last_ms = None
     for req in requests:
+        if last_ms is not None and req.timestamp_ms < last_ms:
+            raise ArgumentError(
+                f"request {count + 1} arrives at {req.timestamp_ms} ms, before the one ahead of "
+                f"it ({last_ms} ms): give the requests in arrival order (sort the trace by "
+                "timestamp)"
+            )
         now = req.timestamp_ms / 1000.0
         first_ms = req.timestamp_ms if first_ms is None else first_ms
         last_ms = req.timestamp_ms

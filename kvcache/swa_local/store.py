@@ -110,7 +110,7 @@ class SwaStore:
         than ``max_bytes`` (refused). ``digest`` spares hashing when the caller has it."""
         if not isinstance(key, StateKey):
             raise ArgumentError(f"key must be a StateKey, got {type(key).__name__}")
-        blob = data if isinstance(data, bytes) else bytes(data)
+        blob = data if isinstance(data, bytes) else _state_bytes(data)
         now = self._clock()
         with self._lock:
             if len(blob) > self.max_bytes or not blob:
@@ -196,3 +196,14 @@ class SwaStore:
             self._counters["expiries"] += 1
             dropped += 1
         return dropped
+
+
+def _state_bytes(data: object) -> bytes:
+    """A copy of a bytes-like ``data``; anything else (an int, which ``bytes()`` would turn
+    into that many zeros, or a str) is an ArgumentError."""
+    if isinstance(data, int | str):
+        raise ArgumentError(f"a state must be bytes-like, got {type(data).__name__}")
+    try:
+        return memoryview(data).tobytes()  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentError(f"a state must be bytes-like, got {type(data).__name__}") from None

@@ -19,6 +19,7 @@ clean restart leaves none behind.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -28,6 +29,7 @@ from typing import Any
 
 from kvcache.client import Client, MatchResult
 from kvcache.credentials import TenantCredentials
+from kvcache.errors import ArgumentError, ClosedError
 from kvcache.keys import BlockKey, Namespace
 from kvcache.swa_local.config import SwaConfig
 from kvcache.swa_local.directory import Directory, Holders
@@ -80,6 +82,7 @@ class SwaTier:
         self._publisher: threading.Thread | None = None
         self._idle = threading.Condition()
         self._pending = 0
+        self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
             ("local_hits", "remote_hits", "misses", "puts"), 0
         )
@@ -87,7 +90,14 @@ class SwaTier:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> str:
-        """Serve peers and start registering records; returns the endpoint peers use."""
+        """Serve peers and start registering records; returns the endpoint peers use.
+
+        Starting a started tier returns its endpoint; a closed tier cannot start again
+        (ClosedError: make a new one)."""
+        if self._closed:
+            raise ClosedError("this SWA tier is closed; make a new SwaTier to serve again")
+        if self._publisher is not None:
+            return self.endpoint
         bound = self.server.start()
         self.endpoint = self.config.advertise or bound
         self._publisher = threading.Thread(
@@ -106,8 +116,10 @@ class SwaTier:
     def close(self, *, withdraw: bool | None = None, timeout_s: float = 5.0) -> None:
         """Stop serving; with ``withdraw`` (default: the config's ``withdraw_on_close``),
         first remove this worker's records from the directory (bounded by ``timeout_s``)."""
+        timeout_s = _seconds(timeout_s, "timeout_s")
         if withdraw is None:
             withdraw = self.config.withdraw_on_close
+        self._closed = True
         if self._publisher is not None:
             self._published.put(_STOP)
             self._publisher.join(timeout_s)
@@ -142,7 +154,7 @@ class SwaTier:
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every record put so far was sent to the directory; whether it was."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + _seconds(timeout_s, "timeout_s")
         with self._idle:
             while self._pending:
                 left = deadline - time.monotonic()
@@ -176,6 +188,22 @@ class SwaTier:
         (a holder's reply is received into it) and ``out`` comes back; a state of another
         size is a miss, and after a miss ``out`` holds undefined bytes.
         """
+        if not isinstance(key, StateKey):
+            raise ArgumentError(f"key must be a StateKey, got {type(key).__name__}")
+        if isinstance(holders, str | bytes):
+            raise ArgumentError("holders must be HolderRecords (from lookup), not a string")
+        holders = tuple(holders)
+        if not all(isinstance(record, HolderRecord) for record in holders):
+            raise ArgumentError("holders must be HolderRecords (from lookup)")
+        if timeout_s is not None:
+            timeout_s = _seconds(timeout_s, "timeout_s")
+        if out is not None:
+            try:
+                writable = not memoryview(out).readonly
+            except TypeError:
+                writable = False
+            if not writable:
+                raise ArgumentError(f"out must be a writable buffer, got {type(out).__name__}")
         local = self.store.get(key)
         if local is not None:
             self._count("local_hits")
@@ -270,3 +298,15 @@ class SwaTier:
                 self.directory.publish(records, timeout_s=timeout_s)
             except Exception:
                 log.warning("withdrawing %d SWA records failed", len(records), exc_info=True)
+
+
+def _seconds(value: object, what: str) -> float:
+    """A finite, non-negative number of seconds, else an ArgumentError naming ``what``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ArgumentError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
