@@ -899,3 +899,40 @@ def test_a_damaged_batch_head_ends_the_walk_without_an_error(damage: str) -> Non
             assert walked == good_keys
         finally:
             files.close()
+
+
+@pytest.mark.parametrize("sync_each_write", [True, False])
+def test_a_new_segments_name_is_synced_before_what_points_at_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync_each_write: bool
+) -> None:
+    """A new segment file (created, or a kept file renamed) is a directory entry: the
+    directory is fsynced at once with ``sync = commit``, and by the next :meth:`sync` with
+    periodic syncs, so a power cut cannot keep index rows that point into a nameless file."""
+    synced_dirs: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            synced_dirs.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    files = SegmentFiles(tmp_path, segment_bytes=SEG, sync_each_write=sync_each_write)
+    files.load({})
+    record = bytes(range(250)) * 120  # two batches fill a segment
+    seg_dir = str(tmp_path / "segments")
+    for batch, rolled_to in enumerate([0, 0, 1, 1]):
+        files.append([T + key(batch)], [record])
+        assert files.active == rolled_to
+        # Each roll syncs the directory at once with sync = commit, not before sync() else.
+        assert synced_dirs.count(seg_dir) == ((1 if batch < 2 else 2) if sync_each_write else 0)
+    files.sync()
+    assert synced_dirs.count(seg_dir) == (2 if sync_each_write else 1)
+    files.sync()  # nothing new: no directory sync
+    assert synced_dirs.count(seg_dir) == (2 if sync_each_write else 1)
+    files.drop(0)
+    files.append([T + key(9)], [record])  # a kept file renamed into segment 2
+    assert files.reused == 1
+    files.sync()
+    assert synced_dirs.count(seg_dir) == (3 if sync_each_write else 2)
+    files.close()

@@ -37,8 +37,9 @@ dead has its live records copied forward (compaction) first.
 Durability: a batch is written before the index transaction that points at it
 commits, and it is synced before that transaction is (``sync = commit``:
 ``fdatasync`` before the commit; ``periodic``: :meth:`sync` runs before each
-LMDB sync). A crash can leave bytes past a segment's recorded end: they are
-overwritten, as nothing points at them.
+LMDB sync); a new segment's name is made durable the same way (the directory is
+synced before that commit, or before the next LMDB sync). A crash can leave bytes
+past a segment's recorded end: they are overwritten, as nothing points at them.
 
 This module does file I/O only; which records are live is the index's business.
 """
@@ -188,6 +189,15 @@ class _Segment:
         self.file = None
 
 
+def _sync_directory(directory: Path) -> None:
+    """``fsync`` a directory, so the names created or renamed in it survive a power cut."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _closed(found: mmap.mmap) -> bool:
     """Close ``found`` if nothing holds a view of it; whether it is closed."""
     try:
@@ -228,6 +238,8 @@ class SegmentFiles:
         self.state: dict[int, SegmentState] = {}
         self.active = -1
         self._dirty: set[int] = set()
+        #: A segment file was created or renamed since the last sync (periodic mode).
+        self._directory_dirty = False
         self._lock = threading.Lock()
         #: Held by the store's thread from an append to the commit of the transaction that
         #: points at it, and by the periodic sync's last step (see ShardStore), so that a
@@ -355,6 +367,13 @@ class SegmentFiles:
             os.replace(spare, self.path_of(seg))
             self.reused += 1
         self._segment(seg, create=True)
+        # The file's name is a directory entry: without the directory synced, a power cut
+        # could keep an index that points into a segment whose name was never written.
+        if self._sync_each:
+            _sync_directory(self.directory)
+        else:
+            with self._lock:
+                self._directory_dirty = True
         self.state[seg] = SegmentState()
         self.active = seg
 
@@ -512,6 +531,9 @@ class SegmentFiles:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
             fds = [os.dup(found.fd) for seg in dirty if (found := self._open.get(seg))]
+            directory_dirty, self._directory_dirty = self._directory_dirty, False
+        if directory_dirty:
+            _sync_directory(self.directory)
         try:
             for fd in fds:
                 os.fdatasync(fd)
