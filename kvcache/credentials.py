@@ -42,6 +42,7 @@ __all__ = [
     "TENANT_TAG",
     "Credentials",
     "TenantCredentials",
+    "RESERVED_TENANT_NAMES",
     "TenantId",
     "check_tenant_name",
     "parse_secret",
@@ -53,6 +54,8 @@ DEFAULT_TENANT = "default"
 TENANT_TAG = b"kvcache:tenant:v1\x00"
 SECRET_BYTES = 32
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}\Z")
+#: Names no tenant may have: ``admin`` is the event stream's superuser (kvcache.events).
+RESERVED_TENANT_NAMES = frozenset({"admin"})
 
 TenantId = NewType("TenantId", bytes)
 
@@ -63,6 +66,12 @@ def check_tenant_name(name: object) -> str:
         raise ConfigError(
             f"tenant name {name!r} is invalid: use 1-64 characters of a-z, 0-9, '_', '.', '-', "
             "starting with a letter or digit"
+        )
+    if name in RESERVED_TENANT_NAMES:
+        raise ConfigError(
+            f"tenant name {name!r} is reserved: the event stream's administrator logs in as "
+            f"{name!r} with the admin token (a tenant of that name would read every tenant's "
+            "events); choose another name"
         )
     return name
 

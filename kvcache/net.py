@@ -8,6 +8,7 @@ and hand back a blocking socket that carries :mod:`kvcache.wire` messages.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import ssl
 from pathlib import Path
@@ -17,6 +18,8 @@ from kvcache.session import HELLO_BYTES, RESULT_BYTES, ClientHandshake
 from kvcache.wire import parse_endpoint
 
 __all__ = ["client_tls_context", "open_session", "recv_exact", "recv_exact_into"]
+
+log = logging.getLogger(__name__)
 
 
 def client_tls_context(ca_file: Path | None, *, check_hostname: bool = True) -> ssl.SSLContext:
@@ -43,8 +46,15 @@ def open_session(
     node: str,
     tls: ssl.SSLContext | None = None,
     buffer_bytes: int = 4 << 20,
+    expect_node: str | None = None,
+    require_node: bool = False,
 ) -> socket.socket:
     """A connected, authenticated, *blocking* socket to a daemon (no timeout set on it).
+
+    ``expect_node`` is the node id the map gives this address: with ``require_node`` (a map
+    from etcd, where a node's entry is its own registration) a daemon announcing another id
+    is refused with AuthError; without, a mismatch is logged once and the session is bound
+    to the id announced.
 
     Raises NodeError when the daemon cannot be reached, NodeTimeoutError when
     it does not answer the handshake within ``timeout_s``, AuthError when it
@@ -72,8 +82,12 @@ def open_session(
                 sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=host)
-        handshake = ClientHandshake(tenant=tenant, secret=secret)
+        handshake = ClientHandshake(
+            tenant=tenant, secret=secret, expect_node=expect_node if require_node else None
+        )
         sock.sendall(handshake.auth(recv_exact(sock, HELLO_BYTES, node)))
+        if expect_node is not None and handshake.node_id != expect_node:
+            _warn_other_id(expect_node, handshake.node_id, endpoint)
         handshake.check(recv_exact(sock, RESULT_BYTES, node), node)
         sock.settimeout(None)
         return sock
@@ -91,6 +105,25 @@ def open_session(
         raise NodeError(
             f"connecting to node {node} at {endpoint} failed: {exc}", node=node
         ) from None
+
+
+_warned_ids: set[tuple[str, str]] = set()
+
+
+def _warn_other_id(expected: str, announced: str, endpoint: str) -> None:
+    """Log once per (map id, announced id) that a static map names a daemon otherwise."""
+    if (expected, announced) in _warned_ids:
+        return
+    _warned_ids.add((expected, announced))
+    log.warning(
+        "node %s at %s says it is node %r (its node_id): set node_id = %r in its config, "
+        "or name it %r in the cluster file; with etcd membership it would be refused",
+        expected,
+        endpoint,
+        announced,
+        expected,
+        announced,
+    )
 
 
 def recv_exact(sock: socket.socket, size: int, node: str) -> bytes:

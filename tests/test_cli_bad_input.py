@@ -252,3 +252,34 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, case: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr
     assert message in proc.stderr, proc.stderr
     assert not (tmp_path / "data.mdb").exists()  # nothing written into the working directory
+
+
+def test_a_tenant_named_admin_is_refused_at_the_daemons_start(tmp_path: Path) -> None:
+    """``admin`` is the event stream's superuser: a tenant of that name read every tenant's
+    events (its own events token logged it in as the superuser when the cluster had no admin
+    token). The name is reserved, and a daemon given such a file says so and does not start."""
+    creds = tmp_path / "creds.toml"
+    creds.write_text(f'[tenants.admin]\nsecret = "{"ab" * 32}"\n')
+    creds.chmod(0o600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcache.cli",
+            "server",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--credentials",
+            str(creds),
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "tenant name 'admin' is reserved" in proc.stderr, proc.stderr

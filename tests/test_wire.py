@@ -387,6 +387,55 @@ def test_client_refuses_a_server_that_does_not_know_the_secret() -> None:
         client.check(result)
 
 
+def test_a_clients_proof_is_good_for_the_node_that_announced_itself_only() -> None:
+    """The proofs cover the node id the HELLO announced: a node without the secret that
+    passes a client's handshake on to a real daemon (a relay) cannot use the client's proof
+    there, whether it forwards the real daemon's HELLO (the client, which knows whom it
+    dialed, refuses it) or announces itself (the real daemon refuses the proof)."""
+    creds = Credentials.generate()
+    secret = creds.tenant("default").secret  # type: ignore[union-attr]
+    real = ServerHandshake(creds.tenant, node_id="node-03")
+    # The relay forwards the real HELLO to a client that dialed "evil".
+    with pytest.raises(AuthError, match="says it is node 'node-03'"):
+        ClientHandshake(tenant="default", secret=secret, expect_node="evil").auth(real.hello())
+    # The relay rewrites the HELLO to announce "evil": the proof is for "evil", not node-03.
+    forged = ServerHandshake(creds.tenant, node_id="evil", nonce=real.nonce).hello()
+    client = ClientHandshake(tenant="default", secret=secret, expect_node="evil")
+    result, tenant = real.answer(client.auth(forged))
+    assert tenant is None and result[:4] == b"KVNO"
+    # The node it dialed, announcing itself: accepted both ways, bound to its id.
+    client = ClientHandshake(tenant="default", secret=secret, expect_node="node-03")
+    result, tenant = real.answer(client.auth(real.hello()))
+    assert tenant is not None and client.node_id == "node-03"
+    client.check(result)
+    # A server proof made for another node id fails the client's check.
+    client = ClientHandshake(tenant="default", secret=secret)
+    other = ServerHandshake(creds.tenant, node_id="node-04", nonce=real.nonce)
+    client.auth(real.hello())
+    result, _ = other.answer(
+        ClientHandshake(tenant="default", secret=secret, nonce=client.nonce).auth(other.hello())
+    )
+    with pytest.raises(AuthError):
+        client.check(result)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda h: h[:5] + bytes([200]) + h[6:], "node id field"),  # length past the field
+        (lambda h: h[:-1] + b"x", "node id field"),  # bytes after the id
+        (lambda h: h[:6] + b"\x01\x00" + h[8:], "node id field"),  # reserved set
+        (lambda h: h[:5] + bytes([2]) + h[6:40] + b"\xff\xfe" + h[42:], "not UTF-8"),
+        (lambda h: h[:4] + bytes([1]) + h[5:], "session version 1"),
+    ],
+)
+def test_a_malformed_hello_is_a_protocol_error(mutate: object, message: str) -> None:
+    hello = ServerHandshake(Credentials.generate().tenant, node_id="").hello()
+    client = ClientHandshake(tenant="default", secret=b"s" * 32)
+    with pytest.raises(ProtocolError, match=message):
+        client.auth(mutate(hello))  # type: ignore[operator]
+
+
 @settings(max_examples=300, deadline=None)
 @given(raw=st.binary(max_size=200))
 def test_server_handshake_fuzz(raw: bytes) -> None:

@@ -16,6 +16,7 @@ start after it. Node indices are into ``transport.nodes``, which only grows
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from kvcache.cluster import ClusterMap
 from kvcache.erasure import ErasureParams, get_codec
 from kvcache.errors import ArgumentError
 from kvcache.keys import BlockKey
-from kvcache.membership.source import MapSource, StaticSource, open_source
+from kvcache.membership.source import EtcdSource, MapSource, StaticSource, open_source
 from kvcache.memtune import tune_malloc
 from kvcache.net import client_tls_context
 from kvcache.shard import check_class_name
@@ -93,6 +94,11 @@ class ClientCore:
                 StaticSource(cluster) if cluster is not None else open_source(config.cluster_file)
             )
         self.source = source
+        if credentials is not None and isinstance(source, EtcdSource):
+            # A map from etcd holds what nodes registered themselves: a daemon must then be
+            # the node its entry names, so a node registered by anyone who can write to etcd
+            # cannot relay other daemons' sessions (kvcache.session).
+            credentials = dataclasses.replace(credentials, require_node_ids=True)
         try:
             initial = source.initial()
         except BaseException:

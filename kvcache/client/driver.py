@@ -472,6 +472,8 @@ class Reviver:
                         timeout_s=self._timeout,
                         node=info.id,
                         tls=credentials.tls,
+                        expect_node=info.id,
+                        require_node=credentials.require_node_ids,
                     )
                 except KVCacheError:
                     continue

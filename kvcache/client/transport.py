@@ -122,6 +122,9 @@ class Credentials:
     tenant: str
     secret: bytes = field(repr=False)
     tls: ssl.SSLContext | None = None
+    #: Refuse a daemon whose HELLO announces another node id than the map's (a map from
+    #: etcd, where each entry is the node's own registration; see kvcache.session).
+    require_node_ids: bool = False
 
 
 class Exchange:
@@ -1320,6 +1323,8 @@ class TcpTransport:
                     timeout_s=self.connect_timeout_s,
                     node=info.id,
                     tls=credentials.tls,
+                    expect_node=info.id,
+                    require_node=credentials.require_node_ids,
                 )
             except BaseException as exc:
                 sock = exc

@@ -62,7 +62,7 @@ __all__ = ["ADMIN_USER", "EventPublisher", "PublisherSettings", "events_token"]
 log = logging.getLogger(__name__)
 
 #: The PLAIN user name that sees every tenant's stream (password: the admin token).
-ADMIN_USER = "admin"
+ADMIN_USER = "admin"  # kvcache.credentials reserves it: no tenant may be named so
 _TOKEN_TAG = b"kvcache:events:v1"
 #: The publisher thread sleeps in poll at most this long when nothing is queued (the
 #: serving thread wakes it through a pipe when it queues the first entry).

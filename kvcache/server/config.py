@@ -212,8 +212,15 @@ class ServerConfig:
     allow_clock_override: bool = False
 
     def __post_init__(self) -> None:
-        if not self.node_id or len(self.node_id) > 128 or not self.node_id.isprintable():
-            raise ConfigError(f"node_id must be 1-128 printable characters, got {self.node_id!r}")
+        if (
+            not self.node_id
+            or len(self.node_id.encode("utf-8")) > 128  # what a session HELLO carries
+            or not self.node_id.isprintable()
+        ):
+            raise ConfigError(
+                f"node_id must be 1-128 printable characters (128 bytes UTF-8), got "
+                f"{self.node_id!r}"
+            )
         try:
             parse_endpoint(self.listen)
         except ValueError as exc:

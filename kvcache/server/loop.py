@@ -463,7 +463,7 @@ class DataServer:
             self._tls_step(conn)
 
     def _start_session(self, conn: _Conn) -> None:
-        conn.handshake = ServerHandshake(self._credentials.tenant)
+        conn.handshake = ServerHandshake(self._credentials.tenant, node_id=self.handler.node_id)
         conn.state = _AUTH
         self._send(conn, Reply([conn.handshake.hello()]))
 
