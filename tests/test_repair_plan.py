@@ -178,3 +178,60 @@ def test_plan_property_writes_exactly_what_targets_lack(nodes: list, stripes: li
     writes = {w[0] for p in plan.repairs for w in p.writes}
     assert writes == lacking
     assert (plan.complete == 1) == (not lacking)
+
+
+def test_a_block_whose_targets_are_unplaceable_is_waiting_not_complete_nor_pruned() -> None:
+    """With more holders down than writes may redirect past, every target is -1: the block
+    used to count as complete, every copy as a stray, and ``--prune`` deleted them all."""
+    targets = np.full((1, N), -1, np.int64)
+    plan = plan_blocks([(b"w" * 16, held([(i, i, 3) for i in range(N)]))], targets, k=K)
+    assert plan.complete == 0 and plan.waiting == 1
+    assert not plan.stray_only and not plan.repairs and plan.deferred == N
+    # One target down (not writable), the rest holding theirs: waiting, nothing pruned,
+    # even with a copy of the down target's shard elsewhere.
+    targets = np.arange(N, dtype=np.int64)[None, :]
+    writable = np.ones(N + 1, bool)
+    writable[4] = False
+    rows = [(i, i, 3) for i in range(N) if i != 4] + [(N, 4, 3), (N, 5, 3)]
+    plan = plan_blocks([(b"v" * 16, held(rows))], targets, k=K, writable=writable)
+    assert plan.complete == 0 and plan.waiting == 1 and not plan.stray_only
+
+
+def test_a_copy_with_a_damaged_payload_length_neither_decides_nor_serves() -> None:
+    """One flipped bit in one copy's ``payload_len`` made it the block's length (the
+    largest): every pass failed the block and never rebuilt its missing shard."""
+    targets = np.arange(N, dtype=np.int64)[None, :]
+    rows = held([(i, i, 5) for i in range(N) if i not in (3, 6)], payload_len=4096)
+    rows.append(Held(6, 6, 5, 4096 | (1 << 30), 10**15))
+    plan = plan_blocks([(b"p" * 16, rows)], targets, k=K)
+    (block,) = plan.repairs
+    assert block.payload_len == 4096
+    assert 6 not in [index for index, _ in block.sources]
+    assert sorted(w[0] for w in block.writes) == [3, 6]  # the damaged copy is rewritten
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 15), st.integers(0, N - 1)), min_size=0, max_size=30),
+    st.lists(st.integers(-1, 15), min_size=N, max_size=N),
+    st.lists(st.booleans(), min_size=16, max_size=16),
+)
+def test_plan_property_a_pruned_copy_is_never_the_only_one_on_a_live_target(
+    rows: list, row: list, up: list
+) -> None:
+    """Whatever the targets and which nodes can be written: a block whose strays may be
+    pruned has every index's copy on that index's target, and that target is writable."""
+    targets = np.array([row], np.int64)
+    writable = np.array(up, bool)
+    plan = plan_blocks(
+        [(b"q" * 16, held([(node, index, 1) for node, index in rows]))],
+        targets,
+        k=K,
+        writable=writable,
+    )
+    for block in plan.stray_only:
+        have = {(node, index) for node, index in rows}
+        for index in range(N):
+            assert row[index] >= 0 and writable[row[index]]
+            assert (row[index], index) in have
+        assert all(node != row[index] for index, node in block.strays)

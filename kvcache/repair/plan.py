@@ -12,9 +12,16 @@ and the key's write targets under the current map (shard ``i`` to
   replace it);
 * **unrecoverable**: fewer than k distinct shards of any stripe are left:
   nothing can rebuild it (the next store of the block rewrites it);
+* **waiting**: nothing can be written now (a target is down, or -1: more
+  holders down than writes may redirect past), yet some target lacks its
+  shard: not complete, and nothing of it is pruned;
 * ``strays``: shards of the stripe on nodes that are not their index's target
   (drained, out or spill nodes, holders under an old map), which may be
-  deleted once the target holds a copy.
+  deleted once the target holds a copy (only for complete blocks).
+
+Copies whose header gives another payload length than most copies of the stripe
+are not used (a damaged header must not decide the block's length), and their
+indices are rewritten like missing ones.
 
 The stripe chosen for a key is the one with the most distinct shard indices
 (ties: the larger stripe id, so every run decides alike). Shards of other
@@ -61,6 +68,9 @@ class Plan:
     deferred: int = 0
     #: Blocks complete on their targets that still have copies elsewhere (prunable).
     stray_only: list[BlockPlan] = field(default_factory=list)
+    #: Blocks with nothing to write now but short on their targets (a target down or -1):
+    #: neither complete nor prunable.
+    waiting: int = 0
 
 
 def plan_blocks(
@@ -87,7 +97,7 @@ def plan_blocks(
             plan.unrecoverable.append(key)
             continue
         stripe = max(by_stripe, key=lambda s: (len(by_stripe[s]), s))
-        copies = by_stripe[stripe]
+        copies, payload_len = _agreeing(by_stripe[stripe])
         if len(copies) < k:
             plan.unrecoverable.append(key)
             continue
@@ -97,20 +107,23 @@ def plan_blocks(
             nodes = [h.node for h in copies[index]]
             sources.append((index, row[index] if row[index] in nodes else nodes[0]))
         writes = []
+        deferred = 0
         for index, node in enumerate(row):
             if index in copies and node in [h.node for h in copies[index]]:
                 continue
             if node < 0 or (writable is not None and not writable[node]):
-                plan.deferred += 1
+                deferred += 1
                 continue
             writes.append((index, node, other.get((node, index), 0)))
+        plan.deferred += deferred
+        # A copy is a stray only beside its index's target (never where the target is -1:
+        # with more holders down than writes may redirect past, every position is -1).
         strays = tuple(
             (index, h.node)
             for index in sorted(copies)
             for h in copies[index]
-            if h.node != row[index]
+            if row[index] >= 0 and h.node != row[index]
         )
-        payload_len = max(h.payload_len for index in copies for h in copies[index])
         block = BlockPlan(
             key=key,
             stripe=stripe,
@@ -121,8 +134,29 @@ def plan_blocks(
         )
         if writes:
             plan.repairs.append(block)
+        elif deferred:
+            # Short of a shard whose target cannot take it now: not complete, and its copies
+            # elsewhere may be the only ones left, so none is pruned.
+            plan.waiting += 1
         else:
             plan.complete += 1
             if strays:
                 plan.stray_only.append(block)
     return plan
+
+
+def _agreeing(copies: dict[int, list[Held]]) -> tuple[dict[int, list[Held]], int]:
+    """The copies of a stripe whose headers agree on the payload length most of them give,
+    and that length: one damaged header (a flipped bit in ``payload_len``) must not decide
+    the block's length, nor be used as a source (it is rewritten like a missing copy)."""
+    counts: dict[int, int] = {}
+    for held in copies.values():
+        for h in held:
+            counts[h.payload_len] = counts.get(h.payload_len, 0) + 1
+    length = max(counts, key=lambda n: (counts[n], -n))
+    agreeing = {
+        index: kept
+        for index, held in copies.items()
+        if (kept := [h for h in held if h.payload_len == length])
+    }
+    return agreeing, length

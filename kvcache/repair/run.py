@@ -85,6 +85,8 @@ class RepairProgress:
     tenant: str
     keys_scanned: int = 0
     blocks_complete: int = 0
+    #: Short on their targets with nothing writable now (a target down): left for a later pass.
+    blocks_waiting: int = 0
     blocks_repaired: int = 0
     blocks_unrecoverable: int = 0
     blocks_failed: int = 0
@@ -115,6 +117,7 @@ class RepairProgress:
         return (
             f"{self.tenant}: {self.keys_scanned} keys scanned, {self.blocks_repaired} repaired "
             f"({self.shards_written} shards), {self.blocks_complete} complete, "
+            f"{self.blocks_waiting} waiting for a target, "
             f"{self.blocks_unrecoverable} unrecoverable, {self.blocks_failed} failed; "
             f"{(self.bytes_read + self.bytes_written) / 1e6:.1f} MB in {self.elapsed_s:.1f} s "
             f"({self.gb_per_s:.3f} GB/s)" + (" done" if self.done else "")
@@ -268,6 +271,7 @@ class Repairer:
         writable[: len(up)] = up
         plan = plan_blocks(live, targets, k=self.core.config.k, writable=writable)
         progress.blocks_complete += plan.complete
+        progress.blocks_waiting += plan.waiting
         progress.blocks_unrecoverable += len(plan.unrecoverable)
         progress.shards_deferred += plan.deferred
         by_len: dict[int, list[BlockPlan]] = {}
@@ -276,7 +280,16 @@ class Repairer:
         for payload_len, blocks in by_len.items():
             self._rebuild(pump, blocks, payload_len, progress, throttle)
         if self.options.prune and plan.stray_only:
-            self._prune(pump, plan.stray_only, progress)
+            # Only blocks whose every target is still up: one that went down since the
+            # listing may hold the copy the prune would leave as the only one.
+            rows = {key: row for (key, _), row in zip(live, targets.tolist(), strict=True)}
+            now_up = self.core.up_mask(view)
+            prunable = [
+                block
+                for block in plan.stray_only
+                if all(0 <= node < len(now_up) and now_up[node] for node in rows[block.key])
+            ]
+            self._prune(pump, prunable, progress)
 
     def _rebuild(
         self,
