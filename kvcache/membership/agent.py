@@ -47,6 +47,8 @@ class Registrar:
             target=self._run, name=f"kvcache-registrar-{registration.id}", daemon=True
         )
         self.lease_id = 0
+        #: The other daemon's registration last warned about (warned once each).
+        self._waiting_for: Registration | None = None
         #: Registrations made (1 + re-registrations after a lost lease).
         self.registrations = 0
         self.last_error = ""
@@ -77,9 +79,11 @@ class Registrar:
         finally:
             close_loop(self._loop, self._store)
 
-    async def _register(self) -> None:
+    async def _register(self, lease: int = 0) -> None:
+        """Publish the registration under ``lease`` (0: a new one) and record its address."""
         store = self._store
-        lease = await store.grant(self.ttl_s)
+        if not lease:
+            lease = await store.grant(self.ttl_s)
         await store.put_live(self.registration, lease)
         changed, epoch = await store.change_member(
             self.registration.id,
@@ -103,12 +107,18 @@ class Registrar:
         while not self._stopping.is_set():
             try:
                 if not self.lease_id:
+                    if await self._another_holds_the_id():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._stopping.wait(), every)
+                        continue
                     await self._register()
                 elif await self._store.refresh(self.lease_id) <= 0:
                     log.warning("%s: lease %x expired; registering again", *self._ids())
                     self.lease_id = 0
                     self._registered.clear()
                     continue
+                else:
+                    await self._check_still_ours()
                 self.last_error = ""
             except ClusterError as exc:
                 self.last_error = str(exc)
@@ -121,6 +131,47 @@ class Registrar:
                 log.info("%s left etcd (lease %x revoked)", *self._ids())
             except ClusterError as exc:
                 log.warning("%s: could not revoke lease: %s", self.registration.id, exc)
+
+    async def _another_holds_the_id(self) -> bool:
+        """Whether another daemon's registration (another address) is live under this id:
+        then this one waits for it to end rather than take the id over (two daemons given
+        one node_id would otherwise take the id from each other)."""
+        holder = await self._store.live(self.registration.id)
+        if holder is None or holder.data == self.registration.data:
+            return False  # free, or this node's own, left by a restart within the lease
+        self.last_error = f"node id held by the daemon at {holder.data} (pid {holder.pid})"
+        if self._waiting_for != holder:
+            self._waiting_for = holder
+            log.warning(
+                "%s: this node id is live at %s (pid %d, another daemon): not registering "
+                "until that registration ends; give each daemon its own node_id",
+                self.registration.id,
+                holder.data,
+                holder.pid,
+            )
+        return True
+
+    async def _check_still_ours(self) -> None:
+        """The live key must still be this daemon's: another daemon that registered the same
+        id replaced it (and its lease took the key with it when it died). Publish it again
+        under this lease once the id is free, with this daemon's address."""
+        holder = await self._store.live(self.registration.id)
+        if holder == self.registration:
+            return
+        if holder is not None and holder.data != self.registration.data:
+            if self._waiting_for != holder:
+                self._waiting_for = holder
+                log.warning(
+                    "%s: another daemon (%s, pid %d) registered this node id; this one is "
+                    "out of the map until it goes",
+                    self.registration.id,
+                    holder.data,
+                    holder.pid,
+                )
+            return
+        log.warning("%s: its registration was gone or replaced; publishing it again",
+                    self.registration.id)  # fmt: skip
+        await self._register(self.lease_id)
 
     def _ids(self) -> tuple[str, int]:
         return self.registration.id, self.lease_id

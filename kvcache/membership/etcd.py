@@ -201,6 +201,14 @@ class EtcdStore:
         key = self.key(_LIVE + reg.id)
         await self.call("put", lambda c: c.put(key, reg.to_json(), lease=lease_id))
 
+    async def live(self, node_id: str) -> Registration | None:
+        """The registration published under ``node_id`` now (None: none, or unreadable)."""
+        key = self.key(_LIVE + node_id)
+        got = await self.call("get", lambda c: c.get(key))
+        if got is None:
+            return None
+        return parse_registrations({node_id: bytes(got.value)}).get(node_id)
+
     async def refresh(self, lease_id: int) -> int:
         """Renew the lease; its remaining TTL (0 or less: it had expired)."""
         reply = await self.call("lease keep-alive", lambda c: c.refresh_lease(lease_id))
