@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -744,3 +745,45 @@ def test_clients_that_never_read_replies_cost_bounded_memory(tmp_path: Path) -> 
             probe.close()
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+def _healthz(daemon: DaemonProcess) -> tuple[int, dict[str, Any]]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(daemon.admin + "/healthz", timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_healthz_says_unhealthy_while_writes_fail_with_io_errors(tmp_path: Path) -> None:
+    """Its segment directory removed under it, a daemon could not write a new segment, so
+    every PUT failed, yet /healthz said ok (its probe, a HAS, reads the index only). After
+    a few failed writes in a row it is unhealthy, and healthy again once a write succeeds."""
+    import shutil
+
+    with DaemonProcess(tmp_path, server={"capacity_bytes": 64 << 20}) as daemon:
+        with daemon.probe() as probe:
+            assert probe.put(block_records(key(1), body_len=1024)).tolist() == [Status.OK] * 12
+            assert _healthz(daemon)[0] == 200
+            shutil.rmtree(daemon.data_dir / "segments")
+            statuses: list[int] = []
+            n = 2
+            while _healthz(daemon)[0] == 200:
+                assert n < 200, "writes never failed"
+                # 1.2 MB a batch: the 4 MiB segment of a 64 MiB node fills in a few.
+                statuses += probe.put(
+                    [s for m in range(n, n + 10) for s in block_records(key(m), body_len=8192)]
+                ).tolist()
+                n += 10
+            code, body = _healthz(daemon)
+            assert (code, body["status"]) == (503, "unhealthy") and "segments" in body["reason"]
+            assert Status.INTERNAL in statuses
+            # Reads of what it has still work; once the directory is back, writes do too.
+            assert probe.has([key(1)])[key(1)]
+            (daemon.data_dir / "segments").mkdir()
+            assert probe.put(block_records(key(999), body_len=1024)).tolist() == [Status.OK] * 12
+            assert _healthz(daemon)[0] == 200
+        assert daemon.stop() == 0

@@ -936,3 +936,73 @@ def test_a_new_segments_name_is_synced_before_what_points_at_it(
     files.sync()
     assert synced_dirs.count(seg_dir) == (3 if sync_each_write else 2)
     files.close()
+
+
+def test_a_segment_cut_short_under_a_running_store_is_damage_not_a_crash(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A segment file cut short while the store runs: a scrub read its records through the
+    map past the file's end (SIGBUS: the daemon died without a word). Now the size is
+    checked on every view: the scrub discards the rows it cannot read and goes on, a GET
+    of them is an error the daemon answers, and the rest of the store is served."""
+    from kvcache.server.scrub import Scrubber
+
+    with open_store(tmp_path / "db", clock) as store:
+        blocks = {n: block_records(key(n), body_len=2048) for n in range(6)}
+        for shards in blocks.values():
+            put(store, shards)
+        first = min(store.segments.state)
+        cut_keys = {k for _, k, _, _ in store.segments.walk(first)}
+        os.truncate(seg_files(tmp_path / "db")[0], 100)
+        cut = sorted(
+            {n for n in blocks if any(T + key(n) + bytes([0, i]) in cut_keys for i in range(12))}
+        )
+        assert cut
+        with pytest.raises(StorageError):
+            read(store, [(key(cut[0]), i) for i in range(12)])
+        scrubber = Scrubber(store, rate_bytes=1 << 30, interval_s=3600, clock=clock)
+        scrubber.start_now()
+        for _ in range(100):
+            clock.step(1)
+            scrubber.step()
+            if not scrubber.running:
+                break
+        assert not scrubber.running and scrubber.shards_deleted == len(cut_keys)
+        assert store.counters["rows_unreadable"] >= len(cut_keys)
+        assert_blocks(store, {n: blocks[n] for n in blocks}, cut)
+
+
+def test_a_row_naming_a_segment_there_is_not_fails_that_item_only(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """One damaged index row naming a segment that does not exist made every GET that
+    asked for it fail whole (the other shards refused with it), and stalled the scrub."""
+    import dataclasses
+
+    from kvcache.server.records import Row
+    from kvcache.server.scrub import Scrubber
+
+    with open_store(tmp_path / "db", clock) as store:
+        shards = block_records(key(7), body_len=640)
+        put(store, shards)
+        skey = T + key(7) + bytes([0, 4])
+        with store._env.begin(write=True) as txn:
+            raw = store._row(txn, skey)
+            assert raw is not None
+            bad = dataclasses.replace(Row.unpack(raw, store.classes), seg=0x7E57).pack(
+                store.classes
+            )
+            txn.delete(skey[:-2], raw, db=store._index)
+            txn.put(skey[:-2], bad, db=store._index)
+        status, data, _ = read(store, [(key(7), i) for i in range(12)])
+        assert status == [Status.OK] * 4 + [Status.NOT_FOUND] + [Status.OK] * 7
+        assert data == b"".join(r for _, i, r in shards if i != 4)
+        scrubber = Scrubber(store, rate_bytes=1 << 30, interval_s=3600, clock=clock)
+        scrubber.start_now()
+        for _ in range(100):
+            clock.step(1)
+            scrubber.step()
+            if not scrubber.running:
+                break
+        assert not scrubber.running and scrubber.shards_deleted == 1
+        assert read(store, [(key(7), 4)])[0] == [Status.NOT_FOUND]

@@ -111,6 +111,8 @@ def build_app(
             return _json({**body, "status": "starting"}, status=503)
         if store.damaged is not None:
             return _json({**body, "status": "damaged", "reason": store.damaged}, status=503)
+        if (failing := store.io_failing) is not None:
+            return _json({**body, "status": "unhealthy", "reason": failing}, status=503)
         if selfprobe is not None:
             verdict = await asyncio.to_thread(selfprobe.verdict)
             if not verdict.ok:

@@ -309,6 +309,11 @@ class LmdbEnvironment:
             return
         ahead = min(_PREALLOCATE_BYTES, self.map_size // 32)
         target = min(self.map_size, need + ahead)
+        if target > need and target - self._allocated > self._free_bytes() // 2:
+            # A chunk ahead only out of plenty: a failed fallocate on ext4 keeps what it got,
+            # so trying one the disk cannot take ate the last free space (a fresh daemon on
+            # a nearly full disk then could not start), and segments need room too.
+            target = need
         try:
             os.posix_fallocate(self._datafd, self._allocated, target - self._allocated)
         except OSError:
@@ -318,6 +323,14 @@ class LmdbEnvironment:
                 os.posix_fallocate(self._datafd, self._allocated, need - self._allocated)
             target = need
         self._allocated = target
+
+    def _free_bytes(self) -> int:
+        """Bytes the data file's filesystem has free for this process (0 if unknown)."""
+        try:
+            stat = os.fstatvfs(self._datafd)
+        except OSError:
+            return 0
+        return stat.f_bavail * stat.f_frsize
 
     def close(self) -> None:
         """Stop the sync thread, sync, and close (idempotent)."""

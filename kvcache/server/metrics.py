@@ -437,6 +437,10 @@ def render_prometheus(
             "segments_uncompactable",
             "Segments a compaction pass could not empty (a damaged batch head): left alone.",
         ),
+        (
+            "rows_unreadable",
+            "Index rows whose record could not be read (its segment gone or cut short).",
+        ),
     ):
         lines += _family(f"{name}_total", "counter", help_text, [("", store_counters[name])])
     if swa_directory is not None:

@@ -161,11 +161,13 @@ class _Segment:
         self.old: list[mmap.mmap] = []
 
     def view(self, end: int) -> memoryview:
-        """A view of the file's first ``end`` bytes at least."""
+        """A view of the file's first ``end`` bytes at least; OSError when the file is
+        shorter than that (cut short from outside: touching a map past the file's end is
+        a SIGBUS that kills the daemon, so the size is checked on every view)."""
+        size = os.fstat(self.fd).st_size
+        if size < end:
+            raise OSError(f"segment {self.path} is {size} bytes, the index says {end}")
         if self.map is None or len(self.map) < end:
-            size = os.fstat(self.fd).st_size
-            if size < end:
-                raise OSError(f"segment {self.path} is {size} bytes, the index says {end}")
             if self.map is not None:
                 self.old.append(self.map)
                 self.old = [m for m in self.old if not _closed(m)]
@@ -508,7 +510,8 @@ class SegmentFiles:
         with self._lock:
             found = self._open.pop(seg, None)
             if found is None and self.path_of(seg).exists():
-                found = _Segment(self.path_of(seg), create=False)
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    found = _Segment(self.path_of(seg), create=False)
             size = os.fstat(found.fd).st_size if found is not None else 0
             reusable = found is not None and not held and found.unmapped()
             if found is not None:
@@ -517,7 +520,10 @@ class SegmentFiles:
         self.state.pop(seg, None)
         if reusable:
             spare = self.directory / f"{seg:08x}.spare"
-            os.replace(self.path_of(seg), spare)
+            try:
+                os.replace(self.path_of(seg), spare)
+            except FileNotFoundError:  # removed from outside: nothing to keep
+                return
             self._spares.append((spare, size, self._monotonic()))
         else:
             self.path_of(seg).unlink(missing_ok=True)

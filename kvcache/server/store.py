@@ -155,6 +155,7 @@ COUNTERS = (
     "segments_reused",
     "segments_compacted",
     "segments_uncompactable",
+    "rows_unreadable",
     "compacted_shards",
     "put_conflicts",
     "put_lookup_retries",
@@ -170,6 +171,10 @@ COUNTERS = (
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+#: Write failures in a row (I/O errors, not a full disk) after which /healthz says unhealthy.
+IO_FAILURES_UNHEALTHY = 3
 
 
 def _watch_damage(
@@ -346,6 +351,9 @@ class ShardStore:
         #: again (each pass would move nothing more, and the loop would run them back to
         #: back); their records stay readable by their rows, and go as the rows do.
         self._uncompactable: set[int] = set()
+        #: Write transactions failed with I/O errors since the last one that committed.
+        self._io_failures = 0
+        self._io_failure: str | None = None
         #: The latest expiry (ms) appended to each segment, as its meta row keeps it (a
         #: segment written before they were kept is not in it): see :meth:`_goes_first`.
         self._latest_expiry: dict[int, int] = {}
@@ -376,8 +384,10 @@ class ShardStore:
             try:
                 self.segments.sync()
             finally:
-                self.segments.close()
-                self._lmdb.close()
+                try:
+                    self.segments.close()
+                finally:  # the index is closed (and synced) even when the files are gone
+                    self._lmdb.close()
 
     def __enter__(self) -> ShardStore:
         return self
@@ -402,7 +412,22 @@ class ShardStore:
         error = storage_error(exc, what)
         if error.kind == "corrupted":
             self.mark_damaged(str(error))
+        elif error.kind in ("disk_io", "storage"):
+            self._io_failures += 1
+            self._io_failure = str(error)
         return error
+
+    @property
+    def io_failing(self) -> str | None:
+        """Why writes keep failing with I/O errors (not a full disk, which still serves
+        reads), once enough failed in a row with no write succeeding since: the file
+        system shut down, the data directory removed. ``/healthz`` then says unhealthy."""
+        return self._io_failure if self._io_failures >= IO_FAILURES_UNHEALTHY else None
+
+    def _wrote(self) -> None:
+        """A write transaction committed: writes work."""
+        self._io_failures = 0
+        self._io_failure = None
 
     def mark_damaged(self, reason: str) -> None:
         """Take no more writes (see :attr:`damaged`); logged and reported once."""
@@ -587,6 +612,7 @@ class ShardStore:
             self.counters["put_lookup_retries"] += 1
             written = self._write_attempt(passed, shards, now, resolved, pins, optimistic=False)
         deltas, status_updates, earliest = written
+        self._wrote()
         self._apply(deltas)
         self._next_sweep_ms = min(self._next_sweep_ms, earliest)
         for c, conflicts in status_updates:
@@ -880,12 +906,16 @@ class ShardStore:
             slid: list[int] = []
             rows = self._rows_of(txn, keys)
             unpack = ROW.unpack
+            segments = self.segments.state
             for i, key in enumerate(keys):
                 raw = rows.get(key)
                 if raw is None:
                     continue
                 _index, cid, size, expiry, stripe, _written, seg, off = unpack(raw)
                 if wanted[i] and stripe != wanted[i]:
+                    continue
+                if seg not in segments:  # a damaged row: this item only is NOT_FOUND
+                    self.counters["rows_unreadable"] += 1
                     continue
                 if expiry <= quiet_above:
                     live = self._alive(key, expiry, cid, size, now, hit, ttl_hint)
@@ -949,9 +979,12 @@ class ShardStore:
         if quiet is None:
             return None
         runs, total = quiet
+        segs, starts, ends = runs.T.tolist()
+        if not self.segments.state.keys() >= set(segs):
+            return None  # a row names a segment there is not: the per-item path skips it
         if total > self._max_reply:
             self._check_reply_size(reply["length"].tolist())
-        return self.segments.run_views(*runs.T.tolist())
+        return self.segments.run_views(segs, starts, ends)
 
     @_watch_damage
     def has(self, tenant: TenantId, items: npt.NDArray[np.void]) -> npt.NDArray[np.void]:
@@ -1079,7 +1112,11 @@ class ShardStore:
                 if pending:
                     expiry = max(expiry, pending.get(skey, (0,))[0])
                 if expiry > now:
-                    record = self.segments.read(_LOC.pack(seg, off, size, 0))
+                    try:
+                        record = self.segments.read(_LOC.pack(seg, off, size, 0))
+                    except OSError:  # its segment gone or cut short: listed with no length
+                        self.counters["rows_unreadable"] += 1
+                        record = memoryview(b"")
                     skeys.append(skey)
                     heads.append((size, stripe, expiry))
                     payloads.append(
@@ -1115,18 +1152,28 @@ class ShardStore:
         with self._env.begin(buffers=True) as txn:
             cursor = txn.cursor(db=self._index)
             found = cursor.set_range(after[:BLOCK_LEN]) if after else cursor.first()
-            read = self.segments.read
             while found:
                 raw = bytes(cursor.value())
                 skey = bytes(cursor.key()) + raw[:2]
                 if skey > after:
-                    record = bytes(read(row_location(raw)))
+                    record = self._record_copy(row_location(raw))
                     out.append((skey, record))
                     total += len(record)
                     if total >= max_bytes:
                         break
                 found = cursor.next()
         return out
+
+    def _record_copy(self, location: bytes) -> bytes:
+        """A copy of the record at ``location``; empty when it cannot be read (its segment
+        gone or cut short from outside): a record that fails every check, so a scrub
+        discards its row instead of stopping at it."""
+        try:
+            return bytes(self.segments.read(location))
+        except OSError as exc:
+            self.counters["rows_unreadable"] += 1
+            log.warning("a shard's record cannot be read (%s); treated as damaged", exc)
+            return b""
 
     @_watch_damage
     def discard(self, found: Sequence[tuple[bytes, bytes]]) -> int:
@@ -1138,7 +1185,7 @@ class ShardStore:
                 rows = self._rows_of(txn, [skey for skey, _ in found])
                 for skey, record in found:
                     raw = rows.pop(skey, None)
-                    if raw is None or bytes(self.segments.read(row_location(raw))) != record:
+                    if raw is None or self._record_copy(row_location(raw)) != record:
                         continue
                     self._remove(txn, skey, raw, deltas)
                 self._write_usage(txn, deltas)
