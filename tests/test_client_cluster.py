@@ -4,6 +4,7 @@ paused nodes, racing writers, holes in the prefix."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,10 +13,11 @@ import numpy as np
 import pytest
 from vllm_e2e.damage import damage_block
 
-from kvcache.client import Client, ClientConfig, StoreResult
+from kvcache.client import Client, ClientConfig, MatchResult, StoreResult
 from kvcache.errors import ArgumentError, ConfigError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
+from kvcache.retention import Hint
 from kvcache.testing.localcluster import LocalCluster
 from kvcache.workload import payload_for_key
 
@@ -505,6 +507,7 @@ def test_a_corrupt_or_forged_shard_costs_no_hit(shared_cluster: LocalCluster) ->
 def test_client_refuses_bad_arguments_before_any_io(shared_cluster: LocalCluster) -> None:
     space, tokens = ns("args"), prompt(2, 13)
     with client_for(shared_cluster) as client:
+        known = MatchResult.known(block_keys(space, tokens), n=12)
         bad_calls = [
             lambda: client.match_prefix("not a namespace", tokens),  # type: ignore[arg-type]
             lambda: client.match_prefix(space, "abc"),  # type: ignore[arg-type]
@@ -521,6 +524,16 @@ def test_client_refuses_bad_arguments_before_any_io(shared_cluster: LocalCluster
             lambda: client.match_keys(block_keys(space, tokens), tokens_per_block="a"),  # type: ignore[arg-type]
             lambda: client.match_with_directory(block_keys(space, tokens), tokens_per_block=-1),
             lambda: client.alloc_buffer(1 << 40, 1 << 40),  # past any host's memory
+            lambda: client.match_prefix(space, tokens, max_blocks=-1),  # was an empty match
+            # Hint(store=False) stores nothing, but a bad call is still an error.
+            lambda: client.store_keys(["nope"], None, payload_len=-5, hint=Hint(store=False)),  # type: ignore[list-item,arg-type]
+            # Blocks named by keys (no HAS first): the buffer for them cannot be had.
+            lambda: client.load_keys(block_keys(space, tokens), payload_len=10**12),
+            # MatchResults no match of this client makes.
+            lambda: client.load(space, dataclasses.replace(known, hit_blocks=-1)),
+            lambda: client.load(space, dataclasses.replace(known, holders=known.holders[:, :3])),
+            lambda: client.load(space, dataclasses.replace(known, holders=known.holders + 99)),
+            lambda: client.load(space, dataclasses.replace(known, stripe=known.stripe[:1])),
         ]
         for call in bad_calls:
             with pytest.raises(ArgumentError):

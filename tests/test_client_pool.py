@@ -10,11 +10,12 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from server_fixtures import wait_until
 
 from kvcache.chaos import ShardFault, plant
 from kvcache.client import Client
-from kvcache.errors import ClosedError
+from kvcache.errors import ClosedError, ClusterError
 from kvcache.keys import Namespace, block_keys
 from kvcache.layout import DType, KVLayout
 from kvcache.testing.localcluster import LocalCluster
@@ -191,3 +192,88 @@ def test_a_worker_dying_during_a_store_fails_its_range_alone(
         loaded = client.load_keys([keys[b] for b in ok], payload_len=P)
         assert loaded.blocks == len(ok)
         assert all(np.array_equal(loaded.payloads[j], src[b]) for j, b in enumerate(ok))
+
+
+def test_an_on_ready_that_raises_ends_the_load_only_once_the_workers_are_done(
+    shared_cluster: LocalCluster,
+) -> None:
+    """The callback's error used to end a pooled load at once, while the workers still
+    wrote into ``out``; a caller reusing ``out`` then made them find "broken" stripes and
+    drop healthy blocks from every holder. The error is raised once every range answered:
+    nothing lands in ``out`` after it, and nothing is dropped."""
+    ns, tokens = space("pool-on-ready"), prompt(40, 11)
+    keys = block_keys(ns, tokens)
+    with Client(shared_cluster.client_config(io_processes=2, chunk_bytes=CHUNK)) as client:
+        src = client.alloc_buffer(40, P)
+        for b, key in enumerate(keys):
+            src[b] = payload_for_key(key, P)
+        assert client.store(ns, tokens, src).written == 40
+        expected = np.array(src)  # the shared buffer goes with the client
+        out = client.alloc_buffer(40, P)
+
+        def refuse(first: int, stop: int) -> None:
+            raise RuntimeError("the engine's callback failed")
+
+        with pytest.raises(RuntimeError, match="callback failed"):
+            client.load(ns, client.match_prefix(ns, tokens), out=out, on_ready=refuse)
+        out.fill(0xEE)  # the caller reuses its buffer at once
+        # Each worker answers a counters request after all it was asked before.
+        assert client.counters["stripes_dropped"] == 0
+        assert (out == 0xEE).all()
+    with Client(shared_cluster.client_config()) as fresh:
+        assert fresh.match_prefix(ns, tokens).hit_blocks == 40
+        loaded = fresh.load_prefix(ns, tokens)
+        assert loaded.blocks == 40
+        assert all(np.array_equal(p, expected[b]) for b, p in enumerate(loaded.payloads))
+
+
+def test_a_worker_that_cannot_start_is_a_cluster_error_and_leaves_nothing_behind(
+    shared_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker interpreter that dies at start (here: a PYTHONHOME with no standard
+    library) made Client() raise ConnectionResetError and leave its threads, connections
+    and the other workers behind."""
+    config = shared_cluster.client_config(io_processes=2)
+    with Client(config):
+        pass  # warm: imports and the multiprocessing resource tracker
+    threads = {t.name for t in threading.enumerate()}
+    fds = len(os.listdir("/proc/self/fd"))
+    children_before = _children()
+    monkeypatch.setenv("PYTHONHOME", "/nonexistent-python-home")
+    for _ in range(2):
+        with pytest.raises(ClusterError, match="I/O worker"):
+            Client(config)
+    monkeypatch.delenv("PYTHONHOME")
+    assert {t.name for t in threading.enumerate()} == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert _children() == children_before
+
+
+def _children() -> set[int]:
+    """This process's live child processes."""
+    me = os.getpid()
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.add(int(entry))
+    return out
+
+
+def test_a_store_whose_encoder_is_shut_down_is_a_closed_error() -> None:
+    """close() shuts the client's encoder down; a multi-chunk store submitting its next
+    chunk's encoding then got the executor's bare RuntimeError."""
+    import concurrent.futures
+
+    from kvcache.client.storing import _submit
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    assert _submit(pool, abs, -3).result() == 3
+    pool.shutdown()
+    with pytest.raises(ClosedError, match="closed during the store"):
+        _submit(pool, abs, -3)

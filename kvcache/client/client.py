@@ -68,13 +68,42 @@ def _check_tokens_per_block(tokens_per_block: object) -> None:
         raise ArgumentError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
 
 
+def _check_match(match: MatchResult, *, n: int, nodes: int) -> None:
+    """A MatchResult a caller hands back must be one a match of this client's shape could
+    have made (a hand-built or altered one raised numpy's errors deep in the load)."""
+    hits = match.hit_blocks
+    keys = match.keys
+    if isinstance(hits, bool) or not isinstance(hits, int) or not 0 <= hits <= len(keys):
+        raise ArgumentError(f"MatchResult.hit_blocks must be 0..{len(keys)}, got {hits!r}")
+    holders, stripe = match.holders, match.stripe
+    if (
+        not isinstance(holders, np.ndarray)
+        or holders.ndim != 2
+        or holders.shape[0] < hits
+        or holders.shape[1] != n
+        or holders.dtype.kind not in "iu"
+    ):
+        raise ArgumentError(
+            f"MatchResult.holders must be an int array of {hits} rows or more and {n} columns "
+            "(this client's k + m): use a match made by this client"
+        )
+    if hits and (int(holders[:hits].min()) < -1 or int(holders[:hits].max()) >= nodes):
+        raise ArgumentError("MatchResult.holders names nodes this client does not know")
+    if not isinstance(stripe, np.ndarray) or stripe.ndim != 1 or len(stripe) < hits:
+        raise ArgumentError(f"MatchResult.stripe must be an array of {hits} stripe ids or more")
+    if not are_block_keys(keys[:hits]):
+        raise ArgumentError("MatchResult.keys must be 16-byte block keys")
+
+
 def _keys(namespace: object, tokens: Tokens, max_blocks: int | None = None) -> list[BlockKey]:
     if not isinstance(namespace, Namespace):
         raise ArgumentError(
             f"namespace must be a kvcache.Namespace, got {type(namespace).__name__}"
         )
-    if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)):
-        raise ArgumentError(f"max_blocks must be an int or None, got {max_blocks!r}")
+    if max_blocks is not None and (
+        isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 0
+    ):
+        raise ArgumentError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
     try:
         return block_keys(namespace, tokens, max_blocks=max_blocks)
     except ConfigError as exc:
@@ -97,21 +126,27 @@ class Client:
         if not isinstance(config, ClientConfig):
             raise ArgumentError(f"config must be a ClientConfig, got {type(config).__name__}")
         self._core = ClientCore(config, cluster=cluster, transport=transport, clock=clock)
-        self._watchdog = (
-            Watchdog(self._core.transport, self._core.health, config.timeout_s, clock=clock)
-            if hasattr(self._core.transport, "busy_since")
-            else None
-        )
-        self._reviver = (
-            Reviver(self._core.transport, self._core.health)
-            if hasattr(self._core.transport, "credentials")
-            else None
-        )
-        self._encoder = concurrent.futures.ThreadPoolExecutor(
-            max(1, min(4, (os.cpu_count() or 2) // 2)), thread_name_prefix="kvcache-encode"
-        )
-        self._pool = ClientPool(config, config.io_processes) if config.io_processes else None
         self._closed = False
+        self._watchdog: Watchdog | None = None
+        self._reviver: Reviver | None = None
+        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: ClientPool | None = None
+        try:
+            if hasattr(self._core.transport, "busy_since"):
+                self._watchdog = Watchdog(
+                    self._core.transport, self._core.health, config.timeout_s, clock=clock
+                )
+            if hasattr(self._core.transport, "credentials"):
+                self._reviver = Reviver(self._core.transport, self._core.health)
+            self._encoder = concurrent.futures.ThreadPoolExecutor(
+                max(1, min(4, (os.cpu_count() or 2) // 2)), thread_name_prefix="kvcache-encode"
+            )
+            if config.io_processes:
+                self._pool = ClientPool(config, config.io_processes)
+        except BaseException:
+            # What was started (threads, connections, worker processes) goes with the error.
+            self.close()
+            raise
 
     @property
     def config(self) -> ClientConfig:
@@ -291,6 +326,8 @@ class Client:
                     "match must be a MatchResult or a sequence of 16-byte block keys"
                 )
             match = MatchResult.known(keys, n=self._core.config.n)
+        else:
+            _check_match(match, n=self._core.config.n, nodes=len(self._core.transport.nodes))
         traffic_class, retain = _hinted(traffic_class, hint)
         # The I/O pool carries no hints: a hinted load runs in this process.
         pooled = (
@@ -450,6 +487,11 @@ class Client:
     ) -> StoreResult:
         traffic_class, retain = _hinted(traffic_class, hint)
         if hint is not None and not hint.store:
+            # Nothing is stored, but a bad call is still an error (it was a silent no-op).
+            if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
+                raise ArgumentError(f"payload_len must be a positive int, got {payload_len!r}")
+            if not isinstance(keys, Sequence) or not are_block_keys(list(keys)):
+                raise ArgumentError("keys must be a sequence of 16-byte block keys")
             return StoreResult(0, 0, 0)
         pool = self._pool
         if (
@@ -549,7 +591,8 @@ class Client:
             self._watchdog.close()
         if self._reviver is not None:
             self._reviver.close()
-        self._encoder.shutdown(wait=True)
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True)
         self._core.close()
 
     def __enter__(self) -> Client:

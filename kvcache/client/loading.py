@@ -91,11 +91,15 @@ def load_keys(
         raise ArgumentError(f"payload_len must be a positive int, got {payload_len!r}")
     total = match.hit_blocks
     cls = core.traffic_class(traffic_class)
-    buffer = (
-        check_out(out, total, payload_len)
-        if out is not None
-        else np.empty((total, payload_len), np.uint8)
-    )
+    if out is not None:
+        buffer = check_out(out, total, payload_len)
+    else:
+        try:
+            buffer = np.empty((total, payload_len), np.uint8)
+        except (MemoryError, ValueError) as exc:
+            raise ArgumentError(
+                f"cannot allocate {total} blocks of payload_len {payload_len}: {exc}"
+            ) from None
     if total == 0:
         return LoadResult(0, 0, [], 0)
     config = core.config

@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -60,7 +61,7 @@ from kvcache.client.pool_messages import (
     WorkerRequest,
 )
 from kvcache.client.storing import StoreResult
-from kvcache.errors import ClosedError, ClusterError
+from kvcache.errors import ArgumentError, ClosedError, ClusterError
 from kvcache.keys import BlockKey
 
 __all__ = ["ClientPool", "SharedBuffer"]
@@ -78,6 +79,10 @@ class SharedBuffer:
     array: npt.NDArray[np.uint8]
 
 
+#: How long a worker has to say it started (a cold interpreter importing numpy and the client).
+_START_TIMEOUT_S = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class _Region:
     """Where an array of the caller lies inside a shared buffer."""
@@ -93,6 +98,30 @@ class ClientPool:
         self.config = replace(config, io_processes=0)
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        #: Requests posted and not yet answered: id -> (the call's reply queue, worker).
+        self._waiting: dict[int, tuple[queue.SimpleQueue[RequestReply], int]] = {}
+        #: Shared buffers by name; alloc, region and release run on callers' threads (and
+        #: in finalizers), so the dict is changed and walked under its lock.
+        self._buffers: dict[str, shared_memory.SharedMemory] = {}
+        self._buffers_lock = threading.Lock()
+        self._closed = False
+        #: Why the pool takes no more work (a worker died), or None: the client then moves
+        #: the bytes in its own process (Client falls back), and nothing waits on the pool.
+        self.broken: str | None = None
+        try:
+            self._start_workers(processes)
+        except BaseException:
+            self.close()
+            raise
+        self._dispatcher = threading.Thread(target=self._dispatch, name="kvcache-pool", daemon=True)
+        self._dispatcher.start()
+        self._next_worker = itertools.count()
+
+    def _start_workers(self, processes: int) -> None:
+        """Start ``processes`` workers and wait for each to say it started (ClusterError
+        when one does not: it failed to start, died, or did not answer in time)."""
         # Plain subprocesses (not multiprocessing's spawn, which re-imports the caller's
         # __main__): `python -m kvcache.client.pool_worker FD`, over a socket pair.
         root = str(Path(__file__).resolve().parents[2])
@@ -107,27 +136,31 @@ class ClientPool:
             )
             theirs.close()
             conn = multiprocessing.connection.Connection(ours.detach())
-            conn.send(self.config)
             self._conns.append(conn)
             self._procs.append(proc)
-        for conn in self._conns:
-            reply = conn.recv()
+            try:
+                conn.send(self.config)
+            except OSError as exc:
+                raise ClusterError(
+                    f"an I/O worker (pid {proc.pid}) hung up at start: {exc}"
+                ) from None
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            try:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise ClusterError(
+                        f"an I/O worker (pid {proc.pid}) did not start within "
+                        f"{_START_TIMEOUT_S:.0f} s"
+                    )
+                reply = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise ClusterError(
+                    f"an I/O worker (pid {proc.pid}) failed to start: it exited or hung up "
+                    f"({exc or type(exc).__name__}; exit status {proc.poll()})"
+                ) from None
             if not isinstance(reply, Started) or reply.error:
-                self.close()
                 why = reply.error if isinstance(reply, Started) else repr(reply)
                 raise ClusterError(f"an I/O worker failed to start: {why}")
-        self._send_lock = threading.Lock()
-        self._ids = itertools.count(1)
-        #: Requests posted and not yet answered: id -> (the call's reply queue, worker).
-        self._waiting: dict[int, tuple[queue.SimpleQueue[RequestReply], int]] = {}
-        self._buffers: dict[str, shared_memory.SharedMemory] = {}
-        self._closed = False
-        #: Why the pool takes no more work (a worker died), or None: the client then moves
-        #: the bytes in its own process (Client falls back), and nothing waits on the pool.
-        self.broken: str | None = None
-        self._dispatcher = threading.Thread(target=self._dispatch, name="kvcache-pool", daemon=True)
-        self._dispatcher.start()
-        self._next_worker = itertools.count()
 
     @property
     def pids(self) -> list[int]:
@@ -155,17 +188,24 @@ class ClientPool:
                 f"/dev/shm has {free} bytes free, a buffer of {size} bytes was asked for: "
                 "enlarge /dev/shm or use io_processes = 0"
             )
-        shm = shared_memory.SharedMemory(create=True, size=size)
-        self._buffers[shm.name] = shm
+        try:
+            shm = shared_memory.SharedMemory(create=True, size=size)
+        except (OSError, ValueError) as exc:
+            raise ArgumentError(f"cannot allocate a shared buffer of {size} bytes: {exc}") from None
+        with self._buffers_lock:
+            self._buffers[shm.name] = shm
         array: npt.NDArray[np.uint8] = np.ndarray((rows, row_bytes), np.uint8, buffer=shm.buf)
-        weakref.finalize(array, _release, self._buffers, shm.name)
+        weakref.finalize(array, _release, self._buffers, self._buffers_lock, shm.name)
         return SharedBuffer(shm.name, array)
 
     def region(self, array: npt.NDArray[np.uint8]) -> _Region | None:
         """The shared buffer ``array`` lies in (it may be a slice of one), or None."""
         start = array.ctypes.data
-        for name, shm in self._buffers.items():
-            assert shm.buf is not None  # open until released
+        with self._buffers_lock:
+            buffers = list(self._buffers.items())
+        for name, shm in buffers:
+            if shm.buf is None:  # released meanwhile
+                continue
             base = np.frombuffer(shm.buf, np.uint8).ctypes.data
             if base <= start and start + array.nbytes <= base + shm.size:
                 return _Region(name, start - base)
@@ -193,30 +233,42 @@ class ClientPool:
         ranges = self._ranges(total, chunk_blocks)
         requests: dict[int, tuple[int, int]] = {}
         replies: queue.SimpleQueue[RequestReply] = queue.SimpleQueue()
+        posting_error: BaseException | None = None
         for start, stop in ranges:
             request_id = next(self._ids)
             requests[request_id] = (start, stop)
-            self._post(
-                request_id,
-                replies,
-                LoadRequest(
-                    request_id=request_id,
-                    keys=b"".join(match.keys[start:stop]),
-                    stripes=match.stripe[start:stop],
-                    holders=match.holders[start:stop],
-                    tokens_per_block=match.tokens_per_block,
-                    payload_len=payload_len,
-                    traffic_class=traffic_class,
-                    buffer=region.name,
-                    offset=region.offset + start * payload_len,
-                    nodes=nodes,
-                ),
-            )
+            try:
+                self._post(
+                    request_id,
+                    replies,
+                    LoadRequest(
+                        request_id=request_id,
+                        keys=b"".join(match.keys[start:stop]),
+                        stripes=match.stripe[start:stop],
+                        holders=match.holders[start:stop],
+                        tokens_per_block=match.tokens_per_block,
+                        payload_len=payload_len,
+                        traffic_class=traffic_class,
+                        buffer=region.name,
+                        offset=region.offset + start * payload_len,
+                        nodes=nodes,
+                    ),
+                )
+            except (ClosedError, ClusterError) as exc:
+                # Ranges already posted are written into the caller's buffer: their answers
+                # are waited for below before this is raised.
+                del requests[request_id]
+                posting_error = exc
+                break
         good: dict[int, int] = {}
         # Workers finish their ranges in any order; ``on_ready`` hears of the verified
         # prefix only, in order (blocks past a range that came up short are never reported).
         ready = np.zeros(max((stop for _, stop in requests.values()), default=0), bool)
         front = 0
+        # A callback that raises does not end the call while workers still write into the
+        # caller's buffer (a caller reusing it then made them drop healthy stripes): the
+        # error is raised once every range has answered.
+        callback_error: BaseException | None = None
         try:
             while len(good) < len(requests):
                 message = self._next_reply(replies)
@@ -225,10 +277,18 @@ class ClientPool:
                 start, stop = requests[message.request_id]
                 if isinstance(message, Ready):
                     ready[start + message.first : start + message.stop] = True
-                    if on_ready is not None and ready[front:].any() and ready[front]:
+                    if (
+                        on_ready is not None
+                        and callback_error is None
+                        and ready[front:].any()
+                        and ready[front]
+                    ):
                         gap = np.flatnonzero(~ready[front:])
                         end = len(ready) if not len(gap) else front + int(gap[0])
-                        on_ready(front, end)
+                        try:
+                            on_ready(front, end)
+                        except BaseException as exc:  # re-raised below, once all answered
+                            callback_error = exc
                         front = end
                 elif isinstance(message, Loaded):
                     good[message.request_id] = message.blocks
@@ -238,6 +298,10 @@ class ClientPool:
         finally:
             for request_id in requests:
                 self._waiting.pop(request_id, None)
+        if posting_error is not None:
+            raise posting_error
+        if callback_error is not None:
+            raise callback_error
         prefix = 0
         for request_id, (start, stop) in sorted(requests.items(), key=lambda r: r[1][0]):
             prefix = start + good[request_id]
@@ -259,21 +323,28 @@ class ClientPool:
         ranges = self._ranges(len(keys), chunk_blocks)
         replies: queue.SimpleQueue[RequestReply] = queue.SimpleQueue()
         requests: dict[int, tuple[int, int]] = {}
+        posting_error: BaseException | None = None
         for start, stop in ranges:
             request_id = next(self._ids)
             requests[request_id] = (start, stop)
-            self._post(
-                request_id,
-                replies,
-                StoreRequest(
-                    request_id=request_id,
-                    keys=b"".join(keys[start:stop]),
-                    payload_len=payload_len,
-                    traffic_class=traffic_class,
-                    buffer=region.name,
-                    offset=region.offset + start * payload_len,
-                ),
-            )
+            try:
+                self._post(
+                    request_id,
+                    replies,
+                    StoreRequest(
+                        request_id=request_id,
+                        keys=b"".join(keys[start:stop]),
+                        payload_len=payload_len,
+                        traffic_class=traffic_class,
+                        buffer=region.name,
+                        offset=region.offset + start * payload_len,
+                    ),
+                )
+            except (ClosedError, ClusterError) as exc:
+                # Ranges already posted read the caller's buffer: waited for below.
+                del requests[request_id]
+                posting_error = exc
+                break
         written = touched = 0
         failed: list[int] = []
         answered: set[int] = set()
@@ -294,6 +365,8 @@ class ClientPool:
         finally:
             for request_id in requests:
                 self._waiting.pop(request_id, None)
+        if posting_error is not None:
+            raise posting_error
         return StoreResult(written, touched, len(failed), tuple(sorted(failed)))
 
     def counters(self) -> dict[str, int]:
@@ -320,7 +393,7 @@ class ClientPool:
 
     def close(self) -> None:
         """Stop the workers and free the shared buffers (idempotent)."""
-        if not self._conns:
+        if not self._conns and not self._procs:
             return
         self._closed = True
         for conn in self._conns:
@@ -338,8 +411,9 @@ class ClientPool:
         for conn in self._conns:
             conn.close()
         self._conns = []
+        self._procs = []
         for name in list(self._buffers):
-            _release(self._buffers, name)
+            _release(self._buffers, self._buffers_lock, name)
 
     # -------------------------------------------------------------- internals
 
@@ -427,8 +501,11 @@ class ClientPool:
                     target[0].put(message)
 
 
-def _release(buffers: dict[str, shared_memory.SharedMemory], name: str) -> None:
-    shm = buffers.pop(name, None)
+def _release(
+    buffers: dict[str, shared_memory.SharedMemory], lock: threading.Lock, name: str
+) -> None:
+    with lock:
+        shm = buffers.pop(name, None)
     if shm is None:
         return
     with contextlib.suppress(BufferError):  # views still exported: unmapped at exit

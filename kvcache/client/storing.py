@@ -35,9 +35,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -49,11 +49,14 @@ from kvcache.client.matching import held_shards
 from kvcache.client.plan import HeldShards, best_counts
 from kvcache.client.rounds import PutRound, Send
 from kvcache.client.view import ClusterView
-from kvcache.errors import ArgumentError, ConfigError
+from kvcache.errors import ArgumentError, ClosedError, ConfigError
 from kvcache.keys import BlockKey, are_block_keys
 from kvcache.wire import NO_INDEX, NO_RETAIN, Op, Retain, Status, make_items
 
 __all__ = ["Payloads", "StoreResult", "store_keys", "touch_or_delete"]
+
+A = TypeVar("A")
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +201,7 @@ def _store(
         ahead = config.window + 1
         # The first chunk is encoded here: nothing is in flight yet for the pool to overlap
         # it with, and a call of one chunk then makes no thread hop at all.
-        pending = [pool.submit(encode, g) for g in groups[1:ahead]]
+        pending = [_submit(pool, encode, g) for g in groups[1:ahead]]
         if groups:
             first: concurrent.futures.Future[EncodedBatch] = concurrent.futures.Future()
             first.set_result(encode(groups[0]))
@@ -230,7 +233,7 @@ def _store(
                     )
                 )  # fmt: skip
                 if next_group < len(groups):
-                    pending.append(pool.submit(encode, groups[next_group]))
+                    pending.append(_submit(pool, encode, groups[next_group]))
                     next_group += 1
             group, batch, round_, pump = flights[0]
             _drive_put(core, round_, pump, batch, expect[group], retain, silent)
@@ -550,3 +553,14 @@ def _rows_of(
     if isinstance(rows, np.ndarray) and len(group) and group[-1] - group[0] == len(group) - 1:
         return rows[int(group[0]) : int(group[-1]) + 1]
     return [rows[i] for i in group]
+
+
+def _submit(
+    pool: concurrent.futures.Executor, fn: Callable[[A], R], arg: A
+) -> concurrent.futures.Future[R]:
+    """``pool.submit(fn, arg)``; the client's encoder shut down by ``close()`` during the
+    store is a ClosedError (it was a bare RuntimeError from the executor)."""
+    try:
+        return pool.submit(fn, arg)
+    except RuntimeError as exc:
+        raise ClosedError(f"the client was closed during the store ({exc})") from None
