@@ -60,6 +60,17 @@ def test_cli_show_set_reset_usage(tmp_path: Path, capsys: pytest.CaptureFixture[
         capsys.readouterr()
         assert main(["show", "--cluster", cfile]) == 0
         assert capsys.readouterr().out.count("agent=1d, chat=14d") == 3
+        # Bounds on hints' TTLs: set, kept by a later set of classes alone (a policy PUT
+        # replaces the whole policy, and such a set used to erase them), shown, cleared.
+        classes = ["--classes", "agent=1d,chat=14d,default=1d"]
+        assert main(["set", "--cluster", cfile, *classes, "--ttl-bounds", "chat=1h..14d"]) == 0
+        assert capsys.readouterr().out.count("ttl bounds: chat=1h..14d") == 3
+        assert main(["set", "--cluster", cfile, "--classes", "agent=2d,chat=14d,default=1d"]) == 0
+        assert main(["show", "--cluster", cfile]) == 0
+        out = capsys.readouterr().out
+        assert out.count("agent=2d, chat=14d") == 6 and out.count("chat=1h..14d") == 6  # set, show
+        assert main(["set", "--cluster", cfile, *classes, "--ttl-bounds", "none"]) == 0
+        assert "ttl bounds" not in capsys.readouterr().out
         assert main(["reset", "--cluster", cfile]) == 0
         assert capsys.readouterr().out.count("agent=3d, chat=7d") == 3
         assert main(["usage", "--cluster", cfile]) == 0

@@ -193,3 +193,29 @@ def test_one_eviction_pass_counts_expired_and_live_shards_of_a_class_apart(
         assert live["bytes"] == live["shards"] * record
         assert live["age_sum_s"] < 60 * live["shards"]
         assert store.recount() == store.usage()
+
+
+def test_a_pinned_write_counts_against_the_tenants_total_not_its_class_quota(
+    tmp_path: Path,
+) -> None:
+    """Pinned bytes count against the tenant's total quota and its pin quota, not its class
+    quota (docs/spec/retention.md, "Hints"): a pinned chat write was charged to the chat
+    quota, so it evicted the tenant's unpinned chat blocks, and one larger than that quota
+    was refused QUOTA (after evicting them too) though the pin quota held it."""
+    clock = FakeClock()
+    record = len(block_records(key(0), indices=[0])[0][2])
+    quota = Quota(classes={"chat": 4 * record}, pins=20 * record)
+    with ShardStore(
+        tmp_path / "db", clock=clock, policy=POLICY, quotas={T: quota}, capacity_bytes=64 << 20
+    ) as store:
+        for n in range(1, 5):  # the chat quota, full of unpinned blocks
+            assert put(store, n, "chat") == [Status.OK]
+        for n in range(10, 16):  # more pinned chat bytes than the chat quota
+            assert put(store, n, "chat", Retain(pin=True)) == [Status.OK]
+            assert store.expiry_of(T, key(n), 0)[1] == "+chat"  # type: ignore[index]
+        assert all(store.expiry_of(T, key(n), 0) is not None for n in range(1, 5))
+        assert store.counters["quota_evicted_shards"] == 0
+        # The class quota still holds for unpinned writes: the oldest chat block goes.
+        assert put(store, 5, "chat") == [Status.OK]
+        assert store.expiry_of(T, key(1), 0) is None
+        assert store.counters["quota_evicted_shards"] == 1

@@ -74,6 +74,11 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         "--default-class",
         help="class for unknown names (default: 'default' if listed, else the longest)",
     )
+    setp.add_argument(
+        "--ttl-bounds",
+        help="the TTLs hints may ask for, per class: e.g. chat=1h..14d,agent=10m..5d; 'none' "
+        "clears them (default: each node keeps its bounds for the classes still listed)",
+    )
     setp.set_defaults(func=_set)
     with_cluster(
         rsub.add_parser("reset", help="back to each node's configured policy")
@@ -168,11 +173,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _policy(classes: str, default_class: str | None) -> RetentionPolicy:
+def _policy(classes: str, default_class: str | None, ttl_bounds: object = None) -> RetentionPolicy:
     table: dict[str, Any] = {"classes": classes}
     if default_class:
         table["default_class"] = default_class
-    return RetentionPolicy.from_mapping(table, source="--classes")
+    if ttl_bounds:
+        table["ttl_bounds"] = ttl_bounds
+    return RetentionPolicy.from_mapping(table, source="--classes/--ttl-bounds")
 
 
 def _call(url: str, method: str, token: str, body: dict[str, Any] | None = None) -> Any:
@@ -209,6 +216,19 @@ def _token(args: argparse.Namespace, method: str) -> str:
     return token or ""
 
 
+def _one_node(
+    args: argparse.Namespace, node_id: str, method: str, path: str, body: dict[str, Any]
+) -> list[tuple[str, Any]]:
+    """``_each_node`` for the node ``node_id`` only (a body of its own)."""
+    for node in ClusterMap.load(args.cluster).nodes:
+        if node.id == node_id:
+            try:
+                return [(node.id, _call(node.admin + path, method, _token(args, method), body))]
+            except KVCacheError as exc:
+                return [(node.id, exc)]
+    return [(node_id, KVCacheError("no longer in the cluster file"))]
+
+
 def _each_node(
     args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None
 ) -> list[tuple[str, Any]]:
@@ -233,7 +253,12 @@ def _print_policies(results: list[tuple[str, Any]]) -> int:
             print(f"{node:<12} error: {res}")
             continue
         classes = ", ".join(f"{k}={_human(v)}" for k, v in sorted(res["classes"].items()))
-        print(f"{node:<12} {classes}  (default class: {res['default_class']})")
+        bounds = ", ".join(
+            f"{k}={_human(lo)}..{_human(hi)}"
+            for k, (lo, hi) in sorted(res.get("ttl_bounds", {}).items())
+        )
+        more = f"; ttl bounds: {bounds}" if bounds else ""
+        print(f"{node:<12} {classes}  (default class: {res['default_class']}{more})")
         seen.add(json.dumps(res, sort_keys=True))
     if len(seen) > 1:
         print("warning: nodes disagree on the policy", file=sys.stderr)
@@ -245,8 +270,28 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _set(args: argparse.Namespace) -> int:
-    policy = _policy(args.classes, args.default_class)
-    return _print_policies(_each_node(args, "PUT", "/retention", policy.to_dict()))
+    """PUT the policy on every node. The bounds of ``--ttl-bounds`` (``none``: none), else
+    each node's own for the classes still listed: a policy PUT replaces the whole policy,
+    and ``set --classes`` alone used to erase bounds an operator had configured."""
+    if args.ttl_bounds is not None and args.ttl_bounds.strip().lower() != "none":
+        policy = _policy(args.classes, args.default_class, args.ttl_bounds)
+        return _print_policies(_each_node(args, "PUT", "/retention", policy.to_dict()))
+    base = _policy(args.classes, args.default_class)
+    if args.ttl_bounds is not None:  # "none": cleared everywhere
+        return _print_policies(_each_node(args, "PUT", "/retention", base.to_dict()))
+    results: list[tuple[str, Any]] = []
+    for node, current in _each_node(args, "GET", "/retention"):
+        if isinstance(current, Exception):
+            results.append((node, current))
+            continue
+        kept = {
+            name: pair
+            for name, pair in dict(current.get("ttl_bounds") or {}).items()
+            if name in base.classes
+        }
+        policy = _policy(args.classes, args.default_class, kept)
+        results += _one_node(args, node, "PUT", "/retention", policy.to_dict())
+    return _print_policies(results)
 
 
 def _reset(args: argparse.Namespace) -> int:

@@ -585,11 +585,18 @@ class ShardStore:
         return None
 
     def _write(self, passed: list[CheckedPut]) -> None:
+        # Pins first: a batch whose pin its tenant's pin quota holds counts against the
+        # tenant's total quota, not its class quota (docs/spec/retention.md, "Hints"); it
+        # was charged to the class, evicting the tenant's unpinned blocks or refused QUOTA.
+        pins = self._pin_rooms(passed)
         incoming: dict[bytes, dict[str, int]] = {}
         for c in passed:
             per = incoming.setdefault(c.keys[0][:TENANT_LEN], {})
+            pinned = pins.get(id(c), False)
             for cls, size in _bytes_by_class(c).items():
                 name = self.policy.resolve(cls)
+                if pinned:
+                    name = decide.stored_class(name, pin=True)  # its partition: no class quota
                 per[name] = per.get(name, 0) + size
         total = sum(sum(v.values()) for v in incoming.values())
         for tenant, per_class in incoming.items():
@@ -601,7 +608,6 @@ class ShardStore:
         self._lmdb.preallocate(shards * 128)  # index rows only (without writemap)
         now = self.now_ms()
         resolved: dict[tuple[str, Retain], tuple[str, int]] = {}
-        pins = self._pin_rooms(passed)
         # The usual PUT stores blocks this node holds no row of. Then the lookup for earlier
         # rows is skipped: each block's first row goes in with no-overwrite, and if a block
         # had a row after all (a racing writer, a repair, a retry), that transaction is
