@@ -65,10 +65,14 @@ def register(subparsers: Any) -> None:
             f"(default {d.keys[1000]} at 1,000 nodes, {d.keys[10000]} at 10,000)",
         )
         p.add_argument("--domain-size", type=int, default=d.domain_size, help="nodes per domain")
-        p.add_argument("--seed", type=int, default=d.seed)
-        p.add_argument("--scheme", choices=sorted(SCHEMES), default=d.scheme)
+        p.add_argument("--seed", type=int, default=d.seed, help="random seed of the key samples")
+        p.add_argument(
+            "--scheme", choices=sorted(SCHEMES), default=d.scheme, help="redundancy (default 10+2)"
+        )
         p.add_argument("--node-tb", type=float, default=d.node_bytes / 1e12, help="TB per node")
-        p.add_argument("--disks-per-node", type=int, default=d.disks_per_node)
+        p.add_argument(
+            "--disks-per-node", type=int, default=d.disks_per_node, help="disks a node's TB span"
+        )
         p.add_argument(
             "--per-node-gbps",
             type=float,
@@ -76,13 +80,34 @@ def register(subparsers: Any) -> None:
             help="repair GB/s per node (default: bench/membership.py repair_gbps)",
         )
         p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="NIC GB/s per node")
-        p.add_argument("--read-gibps", type=float, default=d.read_gibps)
-        p.add_argument("--write-gibps", type=float, default=d.write_gibps)
-        p.add_argument("--detect-s", type=float, default=d.detect_s)
-        p.add_argument("--node-mttf-years", type=float, default=d.node_mttf_years)
-        p.add_argument("--disk-mttf-years", type=float, default=d.disk_mttf_years)
-        p.add_argument("--lifetime-days", type=float, default=d.lifetime_days)
-        p.add_argument("--durability-nodes", type=int, default=d.durability_nodes)
+        p.add_argument(
+            "--read-gibps", type=float, default=d.read_gibps,
+            help="deployment-wide foreground reads, GiB/s (beside repair)",
+        )  # fmt: skip
+        p.add_argument(
+            "--write-gibps", type=float, default=d.write_gibps,
+            help="deployment-wide foreground writes, GiB/s",
+        )  # fmt: skip
+        p.add_argument(
+            "--detect-s", type=float, default=d.detect_s,
+            help="seconds before a lost holder counts as gone (repair_down_after_s)",
+        )  # fmt: skip
+        p.add_argument(
+            "--node-mttf-years", type=float, default=d.node_mttf_years,
+            help="mean time to failure of a node",
+        )  # fmt: skip
+        p.add_argument(
+            "--disk-mttf-years", type=float, default=d.disk_mttf_years,
+            help="mean time to failure of a disk",
+        )  # fmt: skip
+        p.add_argument(
+            "--lifetime-days", type=float, default=d.lifetime_days,
+            help="how long a block lives (its retention)",
+        )  # fmt: skip
+        p.add_argument(
+            "--durability-nodes", type=int, default=d.durability_nodes,
+            help="nodes of the durability figure's cluster",
+        )  # fmt: skip
         p.add_argument("--json", type=Path, help="write the figures as a JSON object here")
         p.set_defaults(func=run, sim_run=name)
 
