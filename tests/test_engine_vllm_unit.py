@@ -109,6 +109,8 @@ def test_extra_config_rejects_unknown_keys_and_names_the_known_ones() -> None:
     [
         {"match_wait_ms": -1},
         {"match_wait_ms": 10, "match_deadline_ms": 5},
+        # Past what a thread's timeout holds: passed start-up, then killed the engine.
+        {"match_wait_ms": 1e13, "match_deadline_ms": 1e13},
         {"max_pending_save_mb": 0},
         {"match_wait_ms": "soon"},
         {"load_mode": "eventually"},

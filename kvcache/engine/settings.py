@@ -51,6 +51,10 @@ __all__ = [
     "state_namespace",
 ]
 
+#: The longest a prefix lookup may take (a wait past what a thread's timeout can hold used
+#: to pass start-up and kill the engine at its first request).
+_MAX_MATCH_DEADLINE_MS = 3_600_000.0
+
 _CLIENT_FIELDS = frozenset(ClientConfig.__dataclass_fields__)
 _SWA_FIELDS = frozenset(f.name for f in dataclasses.fields(SwaConfig))
 
@@ -258,10 +262,13 @@ class ConnectorSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         EngineSettings.__post_init__(self)
-        if not (self.match_wait_ms >= 0 and self.match_deadline_ms >= self.match_wait_ms):
+        if not (
+            self.match_wait_ms >= 0
+            and self.match_wait_ms <= self.match_deadline_ms <= _MAX_MATCH_DEADLINE_MS
+        ):
             raise ConfigError(
-                f"need 0 <= match_wait_ms <= match_deadline_ms, got {self.match_wait_ms} and "
-                f"{self.match_deadline_ms}"
+                f"need 0 <= match_wait_ms <= match_deadline_ms <= {_MAX_MATCH_DEADLINE_MS:.0f} "
+                f"(an hour), got {self.match_wait_ms} and {self.match_deadline_ms}"
             )
         if self.recompute_margin < 0:
             raise ConfigError(f"recompute_margin must be >= 0, got {self.recompute_margin}")

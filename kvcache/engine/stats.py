@@ -54,7 +54,9 @@ class ConnectorStats:
     ``blocks_save_dropped`` (queue full or shutdown), ``saves_skipped``
     (saves withheld because the same step's load failed), ``hints_bad`` (requests
     whose retention hint was malformed and ignored), ``saves_declined`` (saves not
-    planned because the request's hint said ``store: false``), ``save_jobs_queued`` /
+    planned because the request's hint said ``store: false``), ``requests_isolated``
+    (requests with a LoRA adapter or a ``cache_salt``, which the store's keys do not
+    name: neither loaded nor saved), ``save_jobs_queued`` /
     ``save_jobs_done`` (blocks and states handed to the saver thread, and finished
     with, stored or failed: equal when no save is pending), ``async_loads``
     (loads run while their request waited). Scheduler half, fetch or recompute:
@@ -97,6 +99,7 @@ class ConnectorStats:
     saves_skipped: int = 0
     hints_bad: int = 0
     saves_declined: int = 0
+    requests_isolated: int = 0
     save_jobs_queued: int = 0
     save_jobs_done: int = 0
     save_queue_peak_bytes: int = 0

@@ -81,7 +81,10 @@ class SchedulerSide:
         )
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-match")
         self._local_tokens: dict[str, int] = {}
-        self._offers: dict[str, int] = {}
+        #: Requests with a LoRA adapter or a cache_salt: neither loaded nor saved.
+        self._isolated_ids: set[str] = set()
+        #: Per request asked about: whether its stored blocks are loaded (decided once).
+        self._offers: dict[str, bool] = {}
         #: Hybrid: the holders of the state at each offered hit (filled on the lookup thread).
         self._holders: dict[str, tuple[HolderRecord, ...]] = {}
         self._holders_lock = threading.Lock()
@@ -117,7 +120,8 @@ class SchedulerSide:
         prompt = request.prompt_token_ids
         req_id = request.request_id
         self._remember_hint(request)
-        if not ctx.load or prompt is None or req_id in self._no_offer:
+        isolated = self._isolated(request)  # noted even when loads are off: saves skip it
+        if not ctx.load or prompt is None or req_id in self._no_offer or isolated:
             return 0, False
         b = ctx.block_size
         loadable = loadable_blocks(
@@ -133,17 +137,39 @@ class SchedulerSide:
         self._sync_lookup_stats()
         if hit is None:
             return None, False
-        ext = self._offers.get(req_id)
-        if ext is None:  # decided once per request: a request asked again gets the same answer
-            ext = external_tokens(
-                hit_blocks=hit, local_tokens=num_computed_tokens, loadable=loadable, block_size=b
-            )
-            if ext:
-                ext = self._fetch_or_recompute(ext, num_computed_tokens + ext)
-            self._offers[req_id] = ext
+        # What to load is worked out from the tokens vLLM has now: a request asked again (its
+        # blocks could not be allocated) may have more of its prompt in vLLM's own prefix
+        # cache by then, and an offer kept from the first ask then overran the prompt (vLLM
+        # asserts, and the engine died). Whether to load at all is decided once.
+        ext = external_tokens(
+            hit_blocks=hit, local_tokens=num_computed_tokens, loadable=loadable, block_size=b
+        )
+        fetch = self._offers.get(req_id)
+        if fetch is None:
+            fetch = bool(ext) and bool(self._fetch_or_recompute(ext, num_computed_tokens + ext))
+            self._offers[req_id] = fetch
+        if not fetch:
+            ext = 0
         if ext:
             self._local_tokens[req_id] = num_computed_tokens
         return ext, bool(ext) and self._async_loads
+
+    def _isolated(self, request: Any) -> bool:
+        """Whether the request's KV must not be shared through the store: a LoRA adapter's
+        or a ``cache_salt``'s KV differs from (or must not mix with) the base model's for the
+        same tokens, and block keys name neither, so a load could hand one the other's KV
+        (wrong tokens). Such requests are neither loaded nor saved."""
+        req_id = request.request_id
+        if req_id in self._isolated_ids:
+            return True
+        if getattr(request, "lora_request", None) is None and not getattr(
+            request, "cache_salt", None
+        ):
+            return False
+        self._isolated_ids.add(req_id)
+        with self.ctx.lock:
+            self.ctx.stats.requests_isolated += 1
+        return True
 
     def _remember_hint(self, request: Any) -> None:
         """Parse the request's retention hint once (a bad one is logged, counted, ignored)."""
@@ -263,6 +289,7 @@ class SchedulerSide:
         ctx = self.ctx
         req_id = request.request_id
         self._remember_hint(request)
+        self._isolated(request)
         self.matches.forget(req_id)
         self._offers.pop(req_id, None)
         local = self._local_tokens.pop(req_id, None)
@@ -361,10 +388,21 @@ class SchedulerSide:
             )
         spec = {rid: len(toks) for rid, toks in so.scheduled_spec_decode_tokens.items()}
         plan = self.book.plan_step(new, cached, so.num_scheduled_tokens, spec)
+        if self._isolated_ids:
+            plan = self._without_isolated(plan)
         if self._hints:
             plan = self._with_hints(plan)
         self.ctx.write_stats()
         return plan
+
+    def _without_isolated(self, plan: StepPlan) -> StepPlan:
+        """The plan without saves of requests whose KV the store must not share."""
+        isolated = self._isolated_ids
+        saves = tuple(s for s in plan.saves if s.req_id not in isolated)
+        swa_saves = tuple(s for s in plan.swa_saves if s.req_id not in isolated)
+        if len(saves) == len(plan.saves) and len(swa_saves) == len(plan.swa_saves):
+            return plan
+        return replace(plan, saves=saves, swa_saves=swa_saves)
 
     def _with_hints(self, plan: StepPlan) -> StepPlan:
         """The plan with its requests' hints; saves of ``store: false`` requests left out."""
@@ -422,6 +460,7 @@ class SchedulerSide:
         self._local_tokens.pop(req_id, None)
         self._offers.pop(req_id, None)
         self._no_offer.discard(req_id)
+        self._isolated_ids.discard(req_id)
         with self._holders_lock:
             self._holders.pop(req_id, None)
             self._claims.discard(req_id)
