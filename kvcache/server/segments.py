@@ -160,18 +160,23 @@ class _Segment:
         #: Earlier, shorter maps of the file that replies may still hold views of.
         self.old: list[mmap.mmap] = []
 
-    def view(self, end: int) -> memoryview:
+    def view(self, end: int, *, check: bool = False) -> memoryview:
         """A view of the file's first ``end`` bytes at least; OSError when the file is
-        shorter than that (cut short from outside: touching a map past the file's end is
-        a SIGBUS that kills the daemon, so the size is checked on every view)."""
-        size = os.fstat(self.fd).st_size
-        if size < end:
-            raise OSError(f"segment {self.path} is {size} bytes, the index says {end}")
-        if self.map is None or len(self.map) < end:
-            if self.map is not None:
-                self.old.append(self.map)
-                self.old = [m for m in self.old if not _closed(m)]
-            self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
+        shorter than that. With ``check`` the file's size is read every time: a file cut
+        short from outside leaves the map longer than the file, and this process touching
+        the map past the file's end is a SIGBUS that kills the daemon. Views handed to the
+        kernel (GET replies) need no check: it answers EFAULT, and the connection closes."""
+        stale = self.map is None or len(self.map) < end
+        if check or stale:
+            size = os.fstat(self.fd).st_size
+            if size < end:
+                raise OSError(f"segment {self.path} is {size} bytes, the index says {end}")
+            if stale:
+                if self.map is not None:
+                    self.old.append(self.map)
+                    self.old = [m for m in self.old if not _closed(m)]
+                self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
+        assert self.map is not None
         return memoryview(self.map)
 
     def unmapped(self) -> bool:
@@ -381,18 +386,20 @@ class SegmentFiles:
 
     # ------------------------------------------------------------------ reading
 
-    def view(self, seg: int) -> memoryview:
+    def view(self, seg: int, *, check: bool = False) -> memoryview:
         """A read-only view of segment ``seg``, its recorded end at least (raises OSError if
-        the file is gone or shorter)."""
+        the file is gone or shorter; ``check``: see :meth:`_Segment.view`, for views this
+        process reads itself)."""
         state = self.state.get(seg)
         if state is None:
             raise OSError(f"no segment {seg:08x} in {self.directory}")
-        return self._segment(seg).view(state.end)
+        return self._segment(seg).view(state.end, check=check)
 
     def read(self, location: bytes | memoryview) -> memoryview:
-        """The record an index value points at (see :data:`LOCATION`)."""
+        """The record an index value points at (see :data:`LOCATION`), for this process to
+        read: the file's size is checked first."""
         seg, off, length, _check = _LOC.unpack_from(location)
-        return self.view(seg)[off : off + length]
+        return self.view(seg, check=True)[off : off + length]
 
     def views(self, locations: np.ndarray) -> list[memoryview | FileRange]:
         """Views of the records at ``locations`` (a :data:`LOCATION` array), in order, with
@@ -435,7 +442,7 @@ class SegmentFiles:
         state = self.state.get(seg)
         if state is None:
             return
-        view = self.view(seg)
+        view = self.view(seg, check=True)  # batch heads are read here
         at = start
         while at + BATCH_HEAD.size <= state.end:
             magic, count, total, ntenants, uniform = BATCH_HEAD.unpack_from(view, at)
