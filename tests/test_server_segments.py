@@ -19,6 +19,7 @@ from kvcache.net_loop import FileRange, SendQueue, frame_nbytes, frame_view
 from kvcache.retention import DAY_S, RetentionPolicy
 from kvcache.server import store as store_module
 from kvcache.server.probe import fake_shard
+from kvcache.server.scrub import Scrubber
 from kvcache.server.segments import SPARE_KEEP_S, SegmentFd, SegmentFiles
 from kvcache.server.store import ShardStore
 from kvcache.wire import Op, Status
@@ -945,8 +946,6 @@ def test_a_segment_cut_short_under_a_running_store_is_damage_not_a_crash(
     map past the file's end (SIGBUS: the daemon died without a word). Now the size is
     checked before this process reads a view: the scrub discards the rows it cannot read
     and goes on, and the rest of the store is served."""
-    from kvcache.server.scrub import Scrubber
-
     with open_store(tmp_path / "db", clock) as store:
         blocks = {n: block_records(key(n), body_len=2048) for n in range(6)}
         for shards in blocks.values():
@@ -960,13 +959,7 @@ def test_a_segment_cut_short_under_a_running_store_is_damage_not_a_crash(
         assert cut
         # (A GET of them hands the map to the kernel, which answers EFAULT: in a daemon the
         # connection closes. Read here by this process, it would be the SIGBUS.)
-        scrubber = Scrubber(store, rate_bytes=1 << 30, interval_s=3600, clock=clock)
-        scrubber.start_now()
-        for _ in range(100):
-            clock.step(1)
-            scrubber.step()
-            if not scrubber.running:
-                break
+        scrubber = scrub_a_pass(store, clock)
         assert not scrubber.running and scrubber.shards_deleted == len(cut_keys)
         assert store.counters["rows_unreadable"] >= len(cut_keys)
         assert_blocks(store, {n: blocks[n] for n in blocks}, cut)
@@ -980,7 +973,6 @@ def test_a_row_naming_a_segment_there_is_not_fails_that_item_only(
     import dataclasses
 
     from kvcache.server.records import Row
-    from kvcache.server.scrub import Scrubber
 
     with open_store(tmp_path / "db", clock) as store:
         shards = block_records(key(7), body_len=640)
@@ -997,12 +989,18 @@ def test_a_row_naming_a_segment_there_is_not_fails_that_item_only(
         status, data, _ = read(store, [(key(7), i) for i in range(12)])
         assert status == [Status.OK] * 4 + [Status.NOT_FOUND] + [Status.OK] * 7
         assert data == b"".join(r for _, i, r in shards if i != 4)
-        scrubber = Scrubber(store, rate_bytes=1 << 30, interval_s=3600, clock=clock)
-        scrubber.start_now()
-        for _ in range(100):
-            clock.step(1)
-            scrubber.step()
-            if not scrubber.running:
-                break
+        scrubber = scrub_a_pass(store, clock)
         assert not scrubber.running and scrubber.shards_deleted == 1
         assert read(store, [(key(7), 4)])[0] == [Status.NOT_FOUND]
+
+
+def scrub_a_pass(store: ShardStore, clock: FakeClock) -> Scrubber:
+    """A scrubber of ``store`` that has run one whole pass (or 100 steps of a second)."""
+    scrubber = Scrubber(store, rate_bytes=1 << 30, interval_s=3600, clock=clock)
+    scrubber.start_now()
+    for _ in range(100):
+        clock.step(1)
+        scrubber.step()
+        if not scrubber.running:
+            break
+    return scrubber
