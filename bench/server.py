@@ -425,9 +425,13 @@ class DaemonPeer:
         entry = self.daemon.credentials.tenant("default")
         assert entry is not None
         context = client_tls_context(tls[0]) if tls is not None else None
-        self.probe = Probe(
-            self.daemon.data, tenant="default", secret=entry.secret, timeout_s=60, tls=context
-        )
+        try:
+            self.probe = Probe(
+                self.daemon.data, tenant="default", secret=entry.secret, timeout_s=60, tls=context
+            )
+        except BaseException:  # a daemon that refuses the handshake is not left running
+            self.daemon.stop()
+            raise
         self.ids = itertools.count(1)
         self.sent: collections.deque[tuple[Op, int]] = collections.deque()
 
@@ -599,13 +603,15 @@ def bench_window(
 ) -> dict[str, float]:
     """First fill, steady PUT and GET through new daemons at ``window``, raw peers alongside."""
     sfx = f"_w{window}"
-    daemons = [DaemonPeer("daemon", tmp / f"plain{sfx}", work, plan.capacity)]
-    if baseline is not None:
-        daemons.append(DaemonPeer("base", tmp / f"base{sfx}", work, plan.capacity, None, baseline))
-    if tls is not None:
-        daemons.append(DaemonPeer("tls", tmp / f"tls{sfx}", work, plan.capacity, tls))
-    peers: list[Peer] = [*raw, *daemons]
+    daemons: list[DaemonPeer] = []
     try:
+        daemons.append(DaemonPeer("daemon", tmp / f"plain{sfx}", work, plan.capacity))
+        if baseline is not None:
+            base = DaemonPeer("base", tmp / f"base{sfx}", work, plan.capacity, None, baseline)
+            daemons.append(base)
+        if tls is not None:
+            daemons.append(DaemonPeer("tls", tmp / f"tls{sfx}", work, plan.capacity, tls))
+        peers: list[Peer] = [*raw, *daemons]
         fresh = interleaved(peers, Op.PUT, range(plan.fill), window, plan.chunks)
         steady_rounds = range(plan.fill, plan.fill + plan.steady)
         steady = interleaved(peers, Op.PUT, steady_rounds, window, plan.chunks)
