@@ -140,16 +140,18 @@ class Registrar:
         if holder is None or holder.data == self.registration.data:
             return False  # free, or this node's own, left by a restart within the lease
         self.last_error = f"node id held by the daemon at {holder.data} (pid {holder.pid})"
+        self._warn_once(
+            holder,
+            "%s: this node id is live at %s (pid %d, another daemon): not registering "
+            "until that registration ends; give each daemon its own node_id",
+        )
+        return True
+
+    def _warn_once(self, holder: Registration, message: str) -> None:
+        """Log ``message`` (id, address, pid) once for each other daemon holding the id."""
         if self._waiting_for != holder:
             self._waiting_for = holder
-            log.warning(
-                "%s: this node id is live at %s (pid %d, another daemon): not registering "
-                "until that registration ends; give each daemon its own node_id",
-                self.registration.id,
-                holder.data,
-                holder.pid,
-            )
-        return True
+            log.warning(message, self.registration.id, holder.data, holder.pid)
 
     async def _check_still_ours(self) -> None:
         """The live key must still be this daemon's: another daemon that registered the same
@@ -159,15 +161,11 @@ class Registrar:
         if holder == self.registration:
             return
         if holder is not None and holder.data != self.registration.data:
-            if self._waiting_for != holder:
-                self._waiting_for = holder
-                log.warning(
-                    "%s: another daemon (%s, pid %d) registered this node id; this one is "
-                    "out of the map until it goes",
-                    self.registration.id,
-                    holder.data,
-                    holder.pid,
-                )
+            self._warn_once(
+                holder,
+                "%s: another daemon (%s, pid %d) registered this node id; this one is "
+                "out of the map until it goes",
+            )
             return
         log.warning("%s: its registration was gone or replaced; publishing it again",
                     self.registration.id)  # fmt: skip
