@@ -209,6 +209,63 @@ def test_malformed_and_foreign_requests_are_refused(peer: PeerServer) -> None:
     assert peer.counters["bad_requests"] == 2
 
 
+def test_a_request_with_a_data_section_is_refused_unread(peer: PeerServer) -> None:
+    sock = open_session(peer.endpoint, tenant="default", secret=SECRET, timeout_s=5, node="p")
+    sock.settimeout(5)
+    reader = MessageReader(limits=Limits(), replies=True)
+    # An SWA_GET announcing 250 MiB of data (a request carries none): refused at its header.
+    sock.sendall(Header(op=Op.SWA_GET, request_id=7, count=0, data_len=250 << 20).pack())
+    while (message := reader.next_message()) is None:
+        n = sock.recv_into(reader.recv_buffer())
+        assert n, "peer closed before answering"
+        reader.commit(n)
+    assert message.header.status is Status.BAD_REQUEST
+    assert sock.recv(1) == b""
+    sock.close()
+    assert peer.counters["bad_requests"] == 1
+    # It keeps serving.
+    peer.store.put(skey(1), blob(1))
+    with TcpPeerTransport(tenant="default", secret=SECRET) as t:
+        (got,) = t.fetch(peer.endpoint, [Wanted(skey(1), 42)], deadline=soon())
+    assert got is not None and bytes(got) == blob(1)
+
+
+def test_a_request_that_stalls_half_sent_is_cut_off() -> None:
+    store = SwaStore(max_bytes=1 << 20)
+    with PeerServer(store, tenant=TENANT, incarnation=42, request_timeout_s=0.3) as server:
+        server.start()
+        sock = open_session(server.endpoint, tenant="default", secret=SECRET, timeout_s=5, node="p")
+        sock.settimeout(10)
+        # The header of a 1,000-item SWA_GET, and then nothing.
+        sock.sendall(Header(op=Op.SWA_GET, request_id=1, count=1000).pack())
+        started = time.monotonic()
+        assert sock.recv(1) == b""  # closed by the server, not by this 10 s timeout
+        assert time.monotonic() - started < 5
+        sock.close()
+        assert server.counters["requests_cut_off"] == 1
+
+
+def test_sockets_without_credentials_cannot_lock_the_tenant_out() -> None:
+    store = SwaStore(max_bytes=1 << 20)
+    store.put(skey(1), blob(1))
+    idle: list[socket.socket] = []
+    bounds = {"max_connections": 4, "max_preauth": 8, "max_preauth_per_peer": 8}
+    with PeerServer(store, tenant=TENANT, incarnation=42, **bounds) as server:
+        server.start()
+        host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        try:
+            for _ in range(40):  # far more than every bound: they never say a word
+                idle.append(socket.create_connection((host, int(port))))
+            for n in range(3):  # the tenant's own peers still get through, each a new session
+                with TcpPeerTransport(tenant="default", secret=SECRET) as t:
+                    (got,) = t.fetch(server.endpoint, [Wanted(skey(1), 42)], deadline=soon())
+                assert got is not None and bytes(got) == blob(1), n
+        finally:
+            for sock in idle:
+                sock.close()
+        assert server.counters["handshakes_displaced"] >= 30
+
+
 def test_many_fetches_in_flight_share_a_few_connections(
     peer: PeerServer, transport: TcpPeerTransport
 ) -> None:
@@ -318,9 +375,9 @@ def test_dead_and_restarted_workers_resolve_to_clean_misses(cluster: LocalCluste
 
 
 def test_split_and_pipelined_requests_are_answered_in_order(peer: PeerServer) -> None:
-    """A request that arrives in pieces, two in one send, and one with a data section all
-    take the generic reader; a whole request takes the peer's short path; the replies are
-    the same."""
+    """A request that arrives in pieces and two in one send take the generic reader; a
+    whole request takes the peer's short path; the replies are the same. One with a data
+    section (a request carries none) is refused."""
     for n in (1, 2):
         peer.store.put(skey(n), blob(n))
     sock = open_session(peer.endpoint, tenant="default", secret=SECRET, timeout_s=5, node="p")
@@ -343,12 +400,12 @@ def test_split_and_pipelined_requests_are_answered_in_order(peer: PeerServer) ->
     assert reply() == (7, Status.OK, blob(1))
     sock.sendall(one + two)  # two at once
     assert [reply(), reply()] == [(7, Status.OK, blob(1)), (8, Status.OK, blob(2))]
-    header = Header.unpack(two[:HEADER_BYTES])  # with a 3-byte data section, ignored
+    header = Header.unpack(two[:HEADER_BYTES])  # with a 3-byte data section: refused
     padded = Header(op=Op.SWA_GET, request_id=9, count=header.count, data_len=3)
     sock.sendall(padded.pack() + two[HEADER_BYTES:] + b"abc")
-    assert reply() == (9, Status.OK, blob(2))
+    assert reply()[1] is Status.BAD_REQUEST
     sock.close()
-    assert peer.counters["requests"] == 5 and peer.counters["bad_requests"] == 0
+    assert peer.counters["requests"] == 4 and peer.counters["bad_requests"] == 1
 
 
 def test_thousands_of_pipelined_requests_are_answered_one_after_another(

@@ -16,7 +16,15 @@ bounds, and ``bench/swa.py`` checks the fetch against raw pyzmq in one run.
 
 Each connection is read, answered and read again (replies in order, one at a
 time); a connection whose reply makes no progress for ``send_timeout_s`` is
-closed, and a handshake must finish within ``handshake_timeout_s``.
+closed. Who may hold a connection follows the daemon's admission rules
+(:mod:`kvcache.server.admission`): connections still in their handshake have
+bounds of their own (``max_preauth``, ``max_preauth_per_peer``; when full, the
+oldest waiting one makes room) and must finish it within
+``handshake_timeout_s``, so sockets opened without credentials never lock the
+tenant's own peers out; ``max_connections`` bounds authenticated ones. A
+request carries no data section (refused unread), and one still arriving after
+``request_timeout_s``, or slower than ``min_request_rate`` bytes/s after its
+grace, is cut off.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 from kvcache.credentials import TenantCredentials
 from kvcache.errors import KVCacheError, ProtocolError
 from kvcache.net_loop import SendQueue, WakePipe, accept_ready, bind_listener, watch
+from kvcache.server.admission import Admission, AdmissionLimits
 from kvcache.session import AUTH_BYTES, ServerHandshake
 from kvcache.swa_local.protocol import GET_ITEM, get_reply, parse_get_request
 from kvcache.swa_local.state import StateKey
@@ -75,6 +84,8 @@ class _Conn:
     events: int = 0
     #: Its buffered requests are being answered (see PeerServer._answer_buffered).
     answering: bool = False
+    #: When the request now arriving began to (0: none is half received).
+    request_started: float = 0.0
 
 
 class PeerServer:
@@ -89,7 +100,10 @@ class PeerServer:
         listen: str = "tcp://127.0.0.1:0",
         limits: Limits | None = None,
         max_connections: int = 256,
+        max_preauth: int = 256,
+        max_preauth_per_peer: int = 64,
         handshake_timeout_s: float = 10.0,
+        request_timeout_s: float = 10.0,
         send_timeout_s: float = 30.0,
     ) -> None:
         self.store = store
@@ -97,9 +111,24 @@ class PeerServer:
         self.incarnation = incarnation
         self.listen = listen
         self.limits = limits or Limits()
+        #: What a request may carry: its items, and no data section.
+        self._request_limits = Limits(max_items=self.limits.max_items, max_data_bytes=0)
         self.max_connections = max_connections
         self.handshake_timeout_s = handshake_timeout_s
         self.send_timeout_s = send_timeout_s
+        self._admission: Admission[int] = Admission(
+            AdmissionLimits(
+                max_connections=max_connections,
+                tenant_connections=max_connections,
+                max_preauth=max_preauth,
+                max_preauth_per_peer=max_preauth_per_peer,
+                handshake_timeout_s=handshake_timeout_s,
+                request_timeout_s=request_timeout_s,
+                request_grace_s=min(2.0, request_timeout_s),
+            )
+        )
+        #: Connections past their handshake.
+        self._authenticated = 0
         self.endpoint = ""
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -111,6 +140,9 @@ class PeerServer:
                 "not_found",
                 "stale_incarnation",
                 "bad_requests",
+                "handshakes_displaced",
+                "handshakes_timed_out",
+                "requests_cut_off",
             ),
             0,
         )
@@ -182,17 +214,19 @@ class PeerServer:
         except OSError as exc:
             log.warning("SWA peer accept failed: %s", exc)
         for sock, addr in ready:
-            if len(self._conns) >= self.max_connections:
-                self.counters["refused"] += 1
-                sock.close()
-                continue
             # A state (1.4 MB in the reference) leaves in one or two sends, not a selector
             # round per 200 KB: measured 0.5 -> 0.4 ms per fetch on loopback.
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
             now = time.monotonic()
-            conn = _Conn(sock, addr, MessageReader(limits=self.limits), now, last_progress=now)
-            self._conns[sock.fileno()] = conn
+            reader = MessageReader(limits=self._request_limits)
+            conn = _Conn(sock, addr, reader, now, last_progress=now)
+            fd = sock.fileno()
+            peer = addr[0] if isinstance(addr, tuple) and addr else str(addr)
+            for displaced in self._admission.preauth_open(fd, str(peer), now):
+                self.counters["handshakes_displaced"] += 1
+                self._close(self._conns[displaced])
+            self._conns[fd] = conn
             self.counters["connections"] += 1
             conn.handshake = ServerHandshake(self._lookup)
             self._send(conn, [conn.handshake.hello()])
@@ -232,8 +266,12 @@ class PeerServer:
                 continue
             if idle and self._answer_whole_get(conn, buf, n):
                 continue  # the reader never saw it, and stays idle
+            if idle:
+                conn.request_started = conn.last_progress
             conn.reader.commit(n)
             self._answer_buffered(conn)
+            if conn.reader.idle:
+                conn.request_started = 0.0
             if n < buf.nbytes:
                 return  # the socket is drained: the selector says when more arrives
 
@@ -241,12 +279,22 @@ class PeerServer:
         assert conn.handshake is not None
         result, tenant = conn.handshake.answer(bytes(conn.auth))
         conn.auth = bytearray()
+        self._admission.preauth_close(conn.sock.fileno())
         if tenant is None:
             self.counters["refused"] += 1
             log.info("refused an SWA peer connection from %s: bad credentials", conn.addr)
             conn.state = _CLOSING
+        elif self._authenticated >= self.max_connections:
+            self.counters["refused"] += 1
+            log.warning(
+                "refused an SWA peer connection from %s: %d connections open (max_connections)",
+                conn.addr,
+                self._authenticated,
+            )
+            conn.state = _CLOSING
         else:
             conn.state = _READY
+            self._authenticated += 1
         self._send(conn, [result])
 
     def _answer_whole_get(self, conn: _Conn, buf: memoryview, n: int) -> bool:
@@ -404,7 +452,10 @@ class PeerServer:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(conn.sock)
                 conn.events = 0
-            self._conns.pop(fd, None)
+            if self._conns.pop(fd, None) is conn:
+                self._admission.preauth_close(fd)
+                if conn.state == _READY:
+                    self._authenticated -= 1
         with contextlib.suppress(OSError):
             conn.sock.close()
         conn.state = _CLOSING
@@ -413,9 +464,20 @@ class PeerServer:
         if now - self._last_expire < 0.1:  # a pass visits every connection
             return
         self._last_expire = now
+        for fd in self._admission.handshakes_overdue(now):
+            self.counters["handshakes_timed_out"] += 1
+            self._close(self._conns[fd])
         for conn in list(self._conns.values()):
             if conn.state != _READY and now - conn.opened > self.handshake_timeout_s:
-                self._close(conn)
+                self._close(conn)  # refused, its answer still going out
             elif conn.out and now - conn.last_progress > self.send_timeout_s:
                 log.warning("closing SWA peer %s: its reply made no progress", conn.addr)
                 self._close(conn)
+            elif conn.request_started and not conn.out:
+                received = conn.reader.buffered_bytes
+                why = self._admission.request_overdue(conn.request_started, received, now)
+                if why is not None:
+                    self.counters["requests_cut_off"] += 1
+                    log.warning("closing SWA peer %s: its request is too slow (%s)",
+                                conn.addr, why)  # fmt: skip
+                    self._close(conn)
