@@ -3,10 +3,13 @@ loads and stores between the daemons and shared-memory buffers from ``alloc_buff
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +280,125 @@ def test_a_store_whose_encoder_is_shut_down_is_a_closed_error() -> None:
     pool.shutdown()
     with pytest.raises(ClosedError, match="closed during the store"):
         _submit(pool, abs, -3)
+
+
+def _fill(buffer: np.ndarray, ns: Namespace, tokens: np.ndarray) -> None:
+    for b, key in enumerate(block_keys(ns, tokens)):
+        buffer[b] = payload_for_key(key, P)
+
+
+def test_a_forked_child_neither_uses_nor_frees_the_parents_pool(
+    shared_cluster: LocalCluster,
+) -> None:
+    """A child forked from a process with a pooled client: its calls are ClosedErrors (its
+    requests went down the parent's worker sockets, and their replies to the parent's calls
+    of the same id: wrong bytes), and neither its buffer finalizers nor its close() free
+    the parent's buffers or workers (they unlinked them: the parent's loads found nothing)."""
+    ns, tokens = space("pool-fork"), prompt(16, 8)
+    with Client(shared_cluster.client_config(io_processes=2, chunk_bytes=CHUNK)) as client:
+        src = client.alloc_buffer(16, P)
+        _fill(src, ns, tokens)
+        assert client.store(ns, tokens, src).written == 16
+        match = client.match_prefix(ns, tokens)
+        out = client.alloc_buffer(16, P)  # no worker has mapped it yet
+        names = set(os.listdir("/dev/shm"))
+        verdict_r, verdict_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: every use of the inherited client is refused
+            verdict = b"ok"
+            try:
+                for call in ("load", "alloc", "store", "match"):
+                    try:
+                        if call == "load":
+                            client.load(ns, match, out=out)
+                        elif call == "alloc":
+                            client.alloc_buffer(2, P)
+                        elif call == "store":
+                            client.store(ns, tokens, src)
+                        else:
+                            client.match_prefix(ns, tokens)
+                        verdict = f"{call} ran in the child".encode()
+                    except ClosedError:
+                        pass
+                del out, src  # their finalizers run here, in the child
+                gc.collect()
+                client.close()
+            except BaseException as exc:
+                verdict = repr(exc).encode()
+            os.write(verdict_w, verdict)
+            os._exit(0)
+        os.close(verdict_w)
+        os.waitpid(pid, 0)
+        with os.fdopen(verdict_r, "rb") as fh:
+            assert fh.read() == b"ok"
+        assert names <= set(os.listdir("/dev/shm"))
+        result = client.load(ns, match, out=out)
+        assert result.blocks == 16 and np.array_equal(out, src)
+        pool = client._pool
+        assert pool is not None and pool.broken is None
+
+
+def test_buffers_outlive_the_client_and_workers_unmap_released_ones(
+    shared_cluster: LocalCluster,
+) -> None:
+    """close() left the caller's arrays pointing at unmapped memory (a crash on the next
+    read, or writes landing in a buffer mapped later at the same address), and each worker
+    kept every buffer it had ever mapped (memory and descriptors without bound)."""
+    ns, tokens = space("pool-release"), prompt(16, 9)
+    config = shared_cluster.client_config(io_processes=2, chunk_bytes=CHUNK)
+    with Client(config) as client:
+        src = client.alloc_buffer(16, P)
+        _fill(src, ns, tokens)
+        assert client.store(ns, tokens, src).written == 16
+        match = client.match_prefix(ns, tokens)
+        for _ in range(8):  # each load without `out` gets a shared buffer of its own
+            result = client.load(ns, match)
+            assert result.blocks == 16 and np.array_equal(result.payloads[5], src[5])
+            del result
+            gc.collect()
+        for pid in client.io_pids:
+            with open(f"/proc/{pid}/maps") as fh:
+                mapped = {line.split()[-2] for line in fh if "/dev/shm/" in line}
+            assert len(mapped) <= 3, mapped  # src, the last load's buffer, maybe one more
+        kept = client.alloc_buffer(4, P)
+        kept.fill(7)
+    assert int(kept[3, -1]) == 7  # still mapped after close()
+    with Client(config) as other:
+        fresh = other.alloc_buffer(4, P)
+        fresh.fill(1)
+        kept.fill(5)  # a write through the old array lands in the old array alone
+        assert kept.ctypes.data != fresh.ctypes.data
+        assert (fresh == 1).all() and (kept == 5).all()
+
+
+def test_a_stopped_io_worker_is_killed_and_the_load_goes_on(
+    shared_cluster: LocalCluster,
+) -> None:
+    """A SIGSTOPped worker held a pooled load for as long as it stayed stopped. Now it is
+    killed after io_stall_s, its range fails as a dead worker's does, and the next loads
+    run in this process."""
+    ns, tokens = space("pool-stall"), prompt(24, 10)
+    config = shared_cluster.client_config(
+        io_processes=2, chunk_bytes=CHUNK, io_stall_s=0.5, timeout_s=0.1
+    )
+    with Client(config) as client:
+        src = client.alloc_buffer(24, P)
+        _fill(src, ns, tokens)
+        assert client.store(ns, tokens, src).written == 24
+        match = client.match_prefix(ns, tokens)
+        stopped = client.io_pids[1]  # the second range's worker
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            out = client.alloc_buffer(24, P)
+            started = time.monotonic()
+            result = client.load(ns, match, out=out)
+            assert time.monotonic() - started < 20
+            assert result.blocks < 24 and np.array_equal(out[: result.blocks], src[: result.blocks])
+            pool = client._pool
+            assert pool is not None and pool.broken is not None
+            out.fill(0)
+            assert client.load(ns, match, out=out).blocks == 24
+            assert np.array_equal(out, src)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)

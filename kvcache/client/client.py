@@ -53,6 +53,12 @@ def _data_call(method: Callable[Concatenate[Client, P], T]) -> Callable[Concaten
     def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
         if self._closed:
             raise ClosedError(f"Client.{method.__name__} called after close(); open a new Client")
+        if os.getpid() != self._pid:
+            raise ClosedError(
+                f"Client.{method.__name__} called in a forked child: this client belongs to "
+                f"process {self._pid} (its connections and I/O workers are that process's); "
+                "open a Client of its own in the child"
+            )
         with gc_paused(self._core.config.pause_gc):
             return method(self, *args, **kwargs)
 
@@ -127,6 +133,8 @@ class Client:
             raise ArgumentError(f"config must be a ClientConfig, got {type(config).__name__}")
         self._core = ClientCore(config, cluster=cluster, transport=transport, clock=clock)
         self._closed = False
+        #: The process that opened it: a forked child's copy shares its sockets and workers.
+        self._pid = os.getpid()
         self._watchdog: Watchdog | None = None
         self._reviver: Reviver | None = None
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
@@ -585,6 +593,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: what it would close is the parent's
         if self._pool is not None:
             self._pool.close()
         if self._watchdog is not None:

@@ -63,6 +63,10 @@ class ClientConfig:
     #: With N > 0, buffers from ``Client.alloc_buffer`` are written and read by the workers
     #: directly (shared memory); see kvcache.client.pool.
     io_processes: int = 0
+    #: An I/O worker silent this long while a request waits on it is taken for hung
+    #: (stopped, deadlocked) and killed; its requests fail as a dead worker's do. At least
+    #: 5x ``timeout_s``.
+    io_stall_s: float = 10.0
     #: Put back shards a load found bad or missing on their holders (read repair; see
     #: repair_down_after_s for holders that are down), and drop a stripe that no k of its
     #: shards rebuild, so that any client's next store rewrites it.
@@ -109,6 +113,8 @@ class ClientConfig:
             raise ConfigError("chunk_bytes must be >= 1 and window in 1..64")
         if not 0 <= self.io_processes <= 64:
             raise ConfigError("io_processes must lie in 0..64")
+        if not 0 < self.io_stall_s <= 86_400:
+            raise ConfigError(f"io_stall_s must lie in (0, 86400], got {self.io_stall_s!r}")
         if self.scratch_cache_bytes < 0:
             raise ConfigError(f"scratch_cache_bytes must be >= 0, got {self.scratch_cache_bytes!r}")
         if not 1 <= self.connections_per_node <= 16:

@@ -83,6 +83,7 @@ class SharedBuffer:
 _START_TIMEOUT_S = 60.0
 
 
+
 @dataclass(frozen=True, slots=True)
 class _Region:
     """Where an array of the caller lies inside a shared buffer."""
@@ -107,6 +108,16 @@ class ClientPool:
         self._buffers: dict[str, shared_memory.SharedMemory] = {}
         self._buffers_lock = threading.Lock()
         self._closed = False
+        #: The process that started the workers: a forked child shares its sockets and
+        #: shared memory, and must neither post on them nor free them (ClosedError there).
+        self._pid = os.getpid()
+        #: Per worker, when it last said something or was given work while idle.
+        self._heard: list[float] = []
+        #: A worker that says nothing this long while a request waits on it is taken for
+        #: hung (stopped, deadlocked): killed, its requests fail as a dead worker's do. A
+        #: load reports each verified chunk; each exchange of a worker's is bounded by
+        #: ``timeout_s``, so a live worker speaks well within 5x that.
+        self._stall_s = max(config.io_stall_s, 5 * config.timeout_s)
         #: Why the pool takes no more work (a worker died), or None: the client then moves
         #: the bytes in its own process (Client falls back), and nothing waits on the pool.
         self.broken: str | None = None
@@ -138,6 +149,7 @@ class ClientPool:
             conn = multiprocessing.connection.Connection(ours.detach())
             self._conns.append(conn)
             self._procs.append(proc)
+            self._heard.append(time.monotonic())
             try:
                 conn.send(self.config)
             except OSError as exc:
@@ -175,7 +187,13 @@ class ClientPool:
     # -------------------------------------------------------------- buffers
 
     def alloc(self, rows: int, row_bytes: int) -> SharedBuffer:
-        """A (rows, row_bytes) uint8 array in shared memory the workers can write into."""
+        """A (rows, row_bytes) uint8 array in shared memory the workers can write into.
+
+        Its pages are allocated now: a tmpfs that cannot hold it is an error here, not a
+        SIGBUS when a row is first written. The mapping lives as long as the array (or a
+        view of it) does, after :meth:`close` too; its name is removed when the array goes
+        or at :meth:`close`, whichever comes first."""
+        self._check_owner()
         size = max(1, rows * row_bytes)
         try:
             stat = os.statvfs("/dev/shm")
@@ -192,10 +210,21 @@ class ClientPool:
             shm = shared_memory.SharedMemory(create=True, size=size)
         except (OSError, ValueError) as exc:
             raise ArgumentError(f"cannot allocate a shared buffer of {size} bytes: {exc}") from None
+        try:
+            # Several buffers that each fit the free space can together exceed it: the
+            # statvfs check above cannot see what is promised and not yet touched.
+            os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
+        except OSError as exc:
+            shm.close()
+            shm.unlink()
+            raise ClusterError(
+                f"/dev/shm cannot hold a buffer of {size} bytes ({exc.strerror}): enlarge "
+                "/dev/shm, free buffers, or use io_processes = 0"
+            ) from None
         with self._buffers_lock:
             self._buffers[shm.name] = shm
         array: npt.NDArray[np.uint8] = np.ndarray((rows, row_bytes), np.uint8, buffer=shm.buf)
-        weakref.finalize(array, _release, self._buffers, self._buffers_lock, shm.name)
+        weakref.finalize(array, _release, self._buffers, self._buffers_lock, shm, self._pid)
         return SharedBuffer(shm.name, array)
 
     def region(self, array: npt.NDArray[np.uint8]) -> _Region | None:
@@ -392,10 +421,16 @@ class ClientPool:
         return total
 
     def close(self) -> None:
-        """Stop the workers and free the shared buffers (idempotent)."""
+        """Stop the workers and remove the shared buffers' names (idempotent). Arrays the
+        caller still holds stay mapped until they go (unmapping them under the caller was
+        a crash, or writes landing in a later buffer mapped at the same address)."""
         if not self._conns and not self._procs:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            # A forked child's copy: the workers and the buffers are the parent's.
+            self._conns, self._procs = [], []
+            return
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.send(Close())
@@ -412,8 +447,12 @@ class ClientPool:
             conn.close()
         self._conns = []
         self._procs = []
-        for name in list(self._buffers):
-            _release(self._buffers, self._buffers_lock, name)
+        with self._buffers_lock:
+            buffers = list(self._buffers.values())
+            self._buffers.clear()
+        for shm in buffers:
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
 
     # -------------------------------------------------------------- internals
 
@@ -433,11 +472,14 @@ class ClientPool:
         *,
         worker: int | None = None,
     ) -> None:
+        self._check_owner()
         if self._closed:
             raise ClosedError("the client was closed: its I/O pool takes no work")
         if self.broken is not None:
             raise ClusterError(f"the client's I/O pool takes no work: {self.broken}")
         index = next(self._next_worker) % self.size if worker is None else worker
+        if all(w != index for _, w in self._waiting.values()):
+            self._heard[index] = time.monotonic()  # idle until now: its clock starts here
         self._waiting[request_id] = (replies, index)
         try:
             with self._send_lock:
@@ -447,10 +489,18 @@ class ClientPool:
             # workers that are alive, finish as they would), and so does what it had.
             self._worker_gone(index, f"I/O worker {self._procs[index].pid} is gone ({exc})")
 
+    def _check_owner(self) -> None:
+        if os.getpid() != self._pid:
+            raise ClosedError(
+                f"this client's I/O pool belongs to process {self._pid}: a forked child must "
+                "open a Client of its own (the workers and buffers are the parent's)"
+            )
+
     def _next_reply(self, replies: queue.SimpleQueue[RequestReply]) -> RequestReply:
         """The next reply for a call, never waiting forever: a dead worker's requests are
-        failed when it goes (_worker_gone), and close() fails what still waits once the
-        workers are gone; this is the guard should the dispatcher stop otherwise."""
+        failed when it goes (_worker_gone), a hung one is killed (_kill_stalled), and
+        close() fails what still waits once the workers are gone; this is the guard should
+        the dispatcher stop otherwise."""
         while True:
             try:
                 return replies.get(timeout=0.5)
@@ -459,6 +509,23 @@ class ClientPool:
                     raise ClusterError(
                         f"the client's I/O pool stopped: {self.broken or 'its dispatcher ended'}"
                     ) from None
+                self._kill_stalled(time.monotonic())
+
+    def _kill_stalled(self, now: float) -> None:
+        """Kill the workers that said nothing for ``_stall_s`` while requests wait on them:
+        the dispatcher then sees them gone, and their requests fail."""
+        busy = {worker for _, worker in list(self._waiting.values())}
+        for index in busy:
+            proc = self._procs[index] if index < len(self._procs) else None
+            if proc is None or proc.poll() is not None or now - self._heard[index] < self._stall_s:
+                continue
+            log.error(
+                "I/O worker %d said nothing for %.0f s with requests waiting: killing it",
+                proc.pid,
+                now - self._heard[index],
+            )
+            with contextlib.suppress(OSError):
+                proc.kill()
 
     def _worker_gone(self, index: int, why: str) -> None:
         """Worker ``index`` died: its requests fail, the others' go on to the end (a call
@@ -494,6 +561,7 @@ class ClientPool:
                     index = conns.index(conn)
                     self._worker_gone(index, f"I/O worker {self._procs[index].pid} died")
                     continue
+                self._heard[conns.index(conn)] = time.monotonic()
                 if isinstance(message, Started):
                     continue
                 target = self._waiting.get(message.request_id)
@@ -502,13 +570,19 @@ class ClientPool:
 
 
 def _release(
-    buffers: dict[str, shared_memory.SharedMemory], lock: threading.Lock, name: str
+    buffers: dict[str, shared_memory.SharedMemory],
+    lock: threading.Lock,
+    shm: shared_memory.SharedMemory,
+    owner: int,
 ) -> None:
-    with lock:
-        shm = buffers.pop(name, None)
-    if shm is None:
+    """A buffer's array is gone: unmap it and remove its name (the workers then drop their
+    own mappings of it). In a forked child, whose exit runs this too, nothing: the buffer
+    is the parent's."""
+    if os.getpid() != owner:
         return
-    with contextlib.suppress(BufferError):  # views still exported: unmapped at exit
+    with lock:
+        buffers.pop(shm.name, None)
+    with contextlib.suppress(BufferError):
         shm.close()
     with contextlib.suppress(FileNotFoundError):
         shm.unlink()

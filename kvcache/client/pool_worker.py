@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
+import os
 import sys
 from multiprocessing import shared_memory
 
@@ -77,6 +78,15 @@ class _Buffers:
             (count, row_bytes), np.uint8, buffer=shm.buf, offset=offset
         )
         return array
+
+    def forget_released(self) -> None:
+        """Unmap the buffers the parent has released (their names are gone): a worker that
+        kept every buffer it ever mapped grew by each one, and ran out of descriptors."""
+        for name, shm in list(self._mapped.items()):
+            if not os.path.exists(f"/dev/shm/{name.lstrip('/')}"):
+                del self._mapped[name]
+                with contextlib.suppress(BufferError):
+                    shm.close()
 
     def close(self) -> None:
         for shm in self._mapped.values():
@@ -157,6 +167,7 @@ def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfi
             except Exception as exc:  # one failed request must not kill the worker
                 log.warning("I/O worker request failed", exc_info=True)
                 conn.send(Failed(request_id=request.request_id, error=repr(exc)))
+            buffers.forget_released()
     except (EOFError, OSError, KeyboardInterrupt):
         return
     finally:
