@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,21 @@ def test_bad_inputs_raise_config_error() -> None:
         PagedKVAdapter([caches[0], caches[1][:5]], page_tokens=4)
     with pytest.raises(ConfigError):
         PagedKVAdapter([], page_tokens=4)
+
+
+def test_float_ids_read_only_hosts_and_empty_caches_are_refused() -> None:
+    """Each was accepted: float page ids were truncated to other pages, a gather wrote into
+    a read-only array (an immutable bytes object among them), and caches without pages
+    raised a bare ZeroDivisionError."""
+    caches = make_caches(2, (10, 4, 8), torch.float32, seed=5)
+    a = PagedKVAdapter(caches, page_tokens=4)
+    for ids in ([[2.7]], np.array([[5.99]]), torch.tensor([[1.0]]), [[True]]):
+        with pytest.raises(ConfigError, match="integers"):
+            a.gather(ids)
+    assert a.gather(np.array([[3]], np.int32)).host.shape == (1, a.payload_bytes)
+    frozen = np.frombuffer(bytes(2 * a.payload_bytes), np.uint8).reshape(2, a.payload_bytes)
+    with pytest.raises(ConfigError, match="read-only"):
+        a.pin_host(frozen)
+    for shape in ((0, 4, 8), (10, 0, 8)):
+        with pytest.raises(ConfigError, match="no pages"):
+            PagedKVAdapter([torch.zeros(shape), torch.zeros(shape)], page_tokens=4)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcache.errors import ConfigError
@@ -136,6 +137,11 @@ class PagedKVAdapter:
         self.page_tokens = page_tokens
         self.pages_per_block = pages_per_block
         self.num_pages = first.shape[block_dim]
+        if self.num_pages < 1 or first.numel() == 0:
+            raise ConfigError(
+                f"the layer caches hold no pages ({tuple(first.shape)}, block_dim {block_dim}): "
+                "give caches of at least one non-empty page"
+            )
         self.num_layers = len(caches)
         # A page tile: the tensor indexed at one page, with the block dim removed.
         per_page_elems = first.numel() // self.num_pages
@@ -181,6 +187,8 @@ class PagedKVAdapter:
         """A (blocks, payload_bytes) uint8 tensor over a host array the caller allocated
         (e.g. a kvcache client's shared buffer), page-locked for DMA on CUDA
         (``cudaHostRegister``; released with :meth:`unpin_host`)."""
+        if isinstance(array, np.ndarray) and not array.flags.writeable:
+            raise ConfigError("the host array is read-only: gathers write into it")
         host = torch.from_numpy(array)
         self._check_host(host, 0)
         if self.device.type == "cuda" and host.numel() and not host.is_pinned():
@@ -203,6 +211,8 @@ class PagedKVAdapter:
         )
 
     def _page_ids(self, page_ids: Any) -> torch.Tensor:
+        if not _integer_ids(page_ids):
+            raise ConfigError(f"page ids must be integers, got {page_ids!r:.80}")
         ids = torch.as_tensor(page_ids, dtype=torch.long)
         if ids.dim() != 2 or ids.shape[1] != self.pages_per_block:
             raise ConfigError(
@@ -357,3 +367,13 @@ class PagedKVAdapter:
         ev = self._module.Event()
         ev.record(stream)
         return ev
+
+
+def _integer_ids(page_ids: Any) -> bool:
+    """Whether ``page_ids`` holds integers (float ids were truncated to other pages)."""
+    if isinstance(page_ids, torch.Tensor):
+        return page_ids.numel() == 0 or not (
+            page_ids.dtype == torch.bool or page_ids.is_floating_point() or page_ids.is_complex()
+        )
+    array = np.asarray(page_ids)
+    return array.size == 0 or array.dtype.kind in "iu"
