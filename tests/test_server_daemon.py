@@ -787,3 +787,60 @@ def test_healthz_says_unhealthy_while_writes_fail_with_io_errors(tmp_path: Path)
             assert probe.put(block_records(key(999), body_len=1024)).tolist() == [Status.OK] * 12
             assert _healthz(daemon)[0] == 200
         assert daemon.stop() == 0
+
+
+def test_slow_admin_clients_cannot_take_the_data_path_down(daemon: DaemonProcess) -> None:
+    """Admin connections that send half a header and wait were held for ever; enough of
+    them used up the daemon's descriptors and the data path stopped taking sessions. They
+    are bounded now: past MAX_ADMIN_CONNECTIONS they are closed as they arrive."""
+    from kvcache.server.admin import MAX_ADMIN_CONNECTIONS
+
+    host, port = daemon.admin.removeprefix("http://").rsplit(":", 1)
+    slow: list[socket.socket] = []
+    try:
+        for _ in range(MAX_ADMIN_CONNECTIONS + 64):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the end
+            slow.append(sock)
+        closed = 0
+        for sock in slow[MAX_ADMIN_CONNECTIONS:]:  # those past the bound: closed on arrival
+            try:
+                closed += sock.recv(1) == b""
+            except ConnectionResetError:  # closed with its half header unread
+                closed += 1
+        assert closed == 64
+        good_client_served(daemon, n=8)
+    finally:
+        for sock in slow:
+            sock.close()
+    wait_until(
+        lambda: http("GET", daemon.admin + "/healthz")[0] == 200, what="/healthz to answer again"
+    )
+
+
+def test_an_admin_connection_is_cut_at_its_age() -> None:
+    from aiohttp import web
+
+    from kvcache.server.admin import AdminServer
+
+    async def handler(_request: web.Request) -> web.Response:
+        return web.Response(text="x")
+
+    app = web.Application()
+    app.router.add_get("/x", handler)
+    server = AdminServer(app, "127.0.0.1:0", max_connections=4, connection_max_s=0.5)
+    url = server.start()
+    try:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n")  # half a request, then nothing
+        started = time.monotonic()
+        assert sock.recv(1) == b""
+        assert time.monotonic() - started < 5
+        sock.close()
+        assert server.counters["aged_out"] == 1
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # and it serves
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()

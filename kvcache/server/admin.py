@@ -14,6 +14,12 @@ scrub pass now: :mod:`kvcache.server.scrub`) and, only with
 
 The admin thread never touches LMDB: reads use the store's thread-safe
 snapshots, writes run on the loop thread through ``DataServer.submit``.
+
+Admin connections share the daemon's file descriptors with the data path, so
+they are bounded: at most ``MAX_ADMIN_CONNECTIONS`` open at once (more are
+closed as they arrive), each for at most ``ADMIN_CONNECTION_MAX_S`` (a client
+that sent half a header and waited held its connection for ever: 4,200 of them
+used up the descriptors, and the data path stopped taking sessions).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import hmac
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +57,11 @@ _JSON_LIMIT = 64 << 10
 _MAX_OFFSET_S = 1e9
 _MAX_HELD_S = 3.7e9
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Admin HTTP connections open at once, and the longest one may stay open (seconds).
+MAX_ADMIN_CONNECTIONS = 128
+ADMIN_CONNECTION_MAX_S = 60.0
+#: Seconds between two log lines about failed accepts (out of descriptors, say).
+_ACCEPT_WARN_EVERY_S = 10.0
 
 
 class OffsetClock:
@@ -245,14 +257,29 @@ def _local_node(config: ServerConfig) -> NodeInfo:
 class AdminServer:
     """Runs the admin app on its own thread and event loop."""
 
-    def __init__(self, app: web.Application, listen: str) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        listen: str,
+        *,
+        max_connections: int = MAX_ADMIN_CONNECTIONS,
+        connection_max_s: float = ADMIN_CONNECTION_MAX_S,
+    ) -> None:
         self._app = app
+        self._max_connections = max_connections
+        self._connection_max_s = connection_max_s
         self._host, self._port = parse_admin_listen(listen)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="kvcache-admin", daemon=True)
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
         self._error: BaseException | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._open: set[asyncio.BaseTransport] = set()
+        self._warned_at = -math.inf
+        #: Connections closed on arrival (too many open), cut at their age, failed accepts.
+        self.counters = {"refused": 0, "aged_out": 0, "accept_errors": 0}
         self.url = ""
 
     def start(self, timeout_s: float = 10.0) -> str:
@@ -284,6 +311,10 @@ class AdminServer:
         try:
             self._loop.run_forever()
         finally:
+            if self._accepting is not None:
+                self._accepting.cancel()
+            if self._listener is not None:
+                self._listener.close()
             if self._runner is not None:
                 self._loop.run_until_complete(self._runner.cleanup())
             self._loop.close()
@@ -292,10 +323,56 @@ class AdminServer:
         runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
         await runner.setup()
         self._runner = runner
-        site = web.TCPSite(runner, self._host, self._port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        host, port = listener.getsockname()[:2]
         self.url = f"http://{_url_host(host)}:{port}"
+        self._accepting = self._loop.create_task(self._accept(listener, runner))
+
+    async def _accept(self, listener: socket.socket, runner: web.AppRunner) -> None:
+        """Hand accepted connections to aiohttp, within the bounds (module docstring)."""
+        loop = self._loop
+        server = runner.server
+        assert server is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, say: the data path needs them more
+                self.counters["accept_errors"] += 1
+                now = time.monotonic()
+                if now - self._warned_at >= _ACCEPT_WARN_EVERY_S:
+                    self._warned_at = now
+                    log.warning("admin HTTP: accept failed (%s); %d open", exc, len(self._open))
+                await asyncio.sleep(0.05)
+                continue
+            self._open = {t for t in self._open if not t.is_closing()}
+            if len(self._open) >= self._max_connections:
+                self.counters["refused"] += 1
+                conn.close()
+                continue
+            try:
+                transport, _ = await loop.connect_accepted_socket(server, conn)
+            except OSError:
+                conn.close()
+                continue
+            self._open.add(transport)
+            loop.call_later(self._connection_max_s, self._age_out, transport)
+
+    def _age_out(self, transport: asyncio.BaseTransport) -> None:
+        if not transport.is_closing():
+            self.counters["aged_out"] += 1
+            transport.abort()  # type: ignore[attr-defined]
 
 
 def _url_host(host: str) -> str:
