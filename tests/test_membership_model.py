@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -128,6 +129,43 @@ def test_node_command_edits_a_static_file(
     assert "no node 'n9'" in capsys.readouterr().err
     assert kvcache_main(["node", "list", "--cluster-file", str(path), "--json"]) == 0
     assert '"n2"' in capsys.readouterr().out
+
+
+def _drain_at_once(path: str, node: str, barrier: Any, results: Any) -> None:
+    barrier.wait()
+    try:
+        results.put((node, change_node(Path(path), node, Action.DRAIN)))
+    except Exception as exc:
+        results.put((node, repr(exc)))
+
+
+def test_concurrent_changes_of_one_file_are_each_kept(tmp_path: Path) -> None:
+    """Six processes draining six nodes of one file at the same moment: each read the map
+    and the last replace won (changes reported done were lost, epochs reused), and writers
+    sharing one temporary file name died with FileNotFoundError."""
+    import multiprocessing
+
+    nodes = tuple(NodeInfo(id=f"n{i}", data=f"tcp://127.0.0.1:{7400 + i}") for i in range(6))
+    path = tmp_path / "cluster.toml"
+    path.write_text(ClusterMap(epoch=1, nodes=nodes).to_toml())
+    path.chmod(0o640)
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(6), context.Queue()
+    workers = [
+        context.Process(target=_drain_at_once, args=(str(path), n.id, barrier, results))
+        for n in nodes
+    ]
+    for worker in workers:
+        worker.start()
+    answers = dict(results.get(timeout=60) for _ in workers)
+    for worker in workers:
+        worker.join(60)
+    assert sorted(answers.values()) == [2, 3, 4, 5, 6, 7]  # one epoch each, none reused
+    cluster = ClusterMap.load(path)
+    assert cluster.epoch == 7
+    assert all(n.state is NodeState.DRAIN for n in cluster.nodes)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.toml", "cluster.toml.lock"]
 
 
 def test_cluster_file_with_etcd_table(tmp_path: Path) -> None:

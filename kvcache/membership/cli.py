@@ -9,9 +9,13 @@ atomically with the epoch bumped (clients re-read it when it changes).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +108,28 @@ def change_node(cluster_file: Path, node_id: str, action: Action, *, force: bool
     static, etcd = read_cluster_file(cluster_file)
     if etcd is not None:
         return _change_in_etcd(etcd, node_id, action, force=force)
-    assert static is not None
-    return _change_in_file(cluster_file, static, node_id, action, force=force)
+    # Concurrent changes of one file are serialised (each read the map, and the last
+    # replace won: changes reported done were lost, and epochs reused).
+    with _file_lock(cluster_file):
+        static, _ = read_cluster_file(cluster_file)
+        assert static is not None
+        return _change_in_file(cluster_file, static, node_id, action, force=force)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock for changes of the map in ``path`` (on ``<path>.lock`` beside it:
+    the map itself is replaced, not rewritten, so its own inode cannot carry the lock)."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot lock {path} for a change ({lock}: {exc.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _change_in_etcd(etcd: EtcdSettings, node_id: str, action: Action, *, force: bool) -> int:
@@ -150,7 +174,16 @@ def _change_in_file(
     if not nodes:
         raise ConfigError(f"removing {node_id} would leave the cluster map empty")
     updated = ClusterMap(epoch=cluster.epoch + 1, nodes=tuple(nodes))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(updated.to_toml())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(updated.to_toml())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     return updated.epoch
