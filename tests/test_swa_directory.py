@@ -96,6 +96,26 @@ def test_records_expire_with_the_ttl_their_worker_asked_for() -> None:
     assert len(answers(directory, T, [bkey(2)])) == 1
 
 
+def test_a_long_lived_record_does_not_keep_shorter_ones_after_it() -> None:
+    """Records were swept from the oldest write and the sweep stopped at the first live
+    one: one tenant's 1-hour record kept every later 1 s record of any tenant in RAM (held,
+    counted, never reported expired), and a router kept sending turns to them."""
+    clock = FakeClock()
+    directory = SwaDirectory(clock=clock)
+    dropped: list[str | None] = []
+    directory.listener = lambda _tenant, _raw, cause: dropped.append(cause)
+    directory.put(T, record_items([record(0, ttl_s=3600)]))  # type: ignore[arg-type]
+    short = [record(n, ttl_s=1) for n in range(1, 1001)]
+    directory.put(OTHER, record_items(short))  # type: ignore[arg-type]
+    directory.put(T, record_items([record(5000, ttl_s=1), record(5000, ttl_s=2)]))  # type: ignore[arg-type]
+    clock.step(5)
+    directory.expire()
+    assert directory.held_by(OTHER) == 0 and directory.held_by(T) == 1
+    assert directory.stats()["records"] == 1
+    assert dropped.count("expired") == 1001  # the replaced 1 s record is not counted twice
+    assert len(answers(directory, T, [bkey(0)])) == 1
+
+
 def test_tenants_never_see_each_others_records() -> None:
     directory = SwaDirectory(clock=FakeClock())
     directory.put(T, record_items([record(1)]))  # type: ignore[arg-type]

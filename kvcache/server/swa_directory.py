@@ -25,6 +25,8 @@ Time is passed in (``clock``, seconds, monotonic).
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +80,12 @@ class SwaDirectory:
             collections.OrderedDict()
         )
         self._by_key: dict[bytes, dict[bytes, _Record]] = {}
+        # The records by expiry, soonest first: (expiry, seq, slot, holder, record). TTLs
+        # differ by record, so write order is not expiry order (a sweep from the oldest
+        # write stopped at one long-lived record and kept every shorter one behind it).
+        # Entries of records dropped or replaced since stay until popped (or a rebuild).
+        self._expiries: list[tuple[float, int, bytes, bytes, _Record]] = []
+        self._seq = itertools.count()
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "withdrawn", "rejected", "lookups", "answered", "expired", "evicted"), 0
         )
@@ -122,6 +130,7 @@ class SwaDirectory:
                 per_key = self._by_key.setdefault(slot, {})
             per_key[holder] = entry
             self._order[(slot, holder)] = entry
+            heapq.heappush(self._expiries, (entry.expiry, next(self._seq), slot, holder, entry))
             own = self._tenants.setdefault(bytes(tenant), collections.OrderedDict())
             own[(slot, holder)] = entry
             self.counters["puts"] += 1
@@ -169,7 +178,7 @@ class SwaDirectory:
 
     def expire(self) -> None:
         """Drop the records whose TTL passed (lookups and writes do it too, as they go)."""
-        self._sweep(self._clock(), limit=max(256, len(self._order)))
+        self._sweep(self._clock(), limit=max(256, len(self._expiries)))
 
     def held_by(self, tenant: TenantId) -> int:
         """Records ``tenant`` holds."""
@@ -178,15 +187,18 @@ class SwaDirectory:
     # ------------------------------------------------------------------ internals
 
     def _sweep(self, now: float, limit: int = 256) -> None:
-        """Drop expired records from the oldest end (bounded work per call)."""
+        """Drop the records whose expiry passed, soonest first (bounded work per call)."""
+        heap = self._expiries
+        if len(heap) > 2 * len(self._order) + 4096:  # mostly records gone since
+            heap[:] = [e for e in heap if self._order.get((e[2], e[3])) is e[4]]
+            heapq.heapify(heap)
         for _ in range(limit):
-            if not self._order:
+            if not heap or heap[0][0] > now:
                 return
-            (slot, holder), record = next(iter(self._order.items()))
-            if record.expiry > now:
-                return
-            self._drop(slot, holder, "expired")
-            self.counters["expired"] += 1
+            _expiry, _seq, slot, holder, record = heapq.heappop(heap)
+            if self._order.get((slot, holder)) is record:
+                self._drop(slot, holder, "expired")
+                self.counters["expired"] += 1
 
     def _drop(self, slot: bytes, holder: bytes, cause: str | None = None) -> _Record | None:
         """Forget one record; ``cause`` (expired, withdrawn, evicted) tells the listener
