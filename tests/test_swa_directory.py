@@ -248,6 +248,19 @@ def test_lookup_rides_on_the_match_and_survives_a_dead_daemon(cluster: LocalClus
         assert sorted(holders) == [1, 3]
         assert holders[3][0].key == records[1].key and holders[3][0].incarnation == 99
         assert 59 < holders[3][0].ttl_s <= 60
+        # One worker's states at two positions after one block are two records, both found
+        # (the lookup took them for one replica's copy of the other).
+        second = HolderRecord(
+            key=StateKey(namespace=NS, block=keys[3], position=4 * 16 + 6),
+            endpoint="tcp://127.0.0.1:1",
+            incarnation=99,
+            nbytes=4096,
+            digest=state_digest(b"x"),
+            ttl_s=50,
+        )
+        assert directory.publish([second]) == 1
+        _, holders = directory.lookup(MAIN_NS, tokens)
+        assert sorted(r.key.position for r in holders[3]) == [64, 70]
         # Another tenant sees nothing, even with the same keys.
         other = cluster.client_config(tenant="other", timeout_s=2.0)
     with Client(other) as client:

@@ -90,7 +90,7 @@ class Directory:
         match, answers = self._client.match_with_directory(keys, tokens_per_block=tokens_per_block)
         self.counters["lookups"] += 1
         holders: Holders = {}
-        seen: set[tuple[int, bytes, str, int]] = set()
+        seen: set[tuple[int, bytes, int, str, int]] = set()
         for blocks, data in answers:
             try:
                 parsed = parse_answers(data, keys, blocks)
@@ -99,9 +99,10 @@ class Directory:
                 log.warning("a node sent a malformed SWA directory answer: %s", exc)
                 continue
             for block, record in parsed:
-                ident = (block, record.key.namespace, record.endpoint, record.incarnation)
-                if ident in seen:  # the same record from another replica
-                    continue
+                key = record.key
+                ident = (block, key.namespace, key.position, record.endpoint, record.incarnation)
+                if ident in seen:  # the same record from another replica (a worker's states
+                    continue  # at two positions after one block are two records)
                 seen.add(ident)
                 holders.setdefault(block, []).append(record)
                 self.counters["records_seen"] += 1
