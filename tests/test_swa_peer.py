@@ -3,10 +3,11 @@ authentication, deadlines, and the whole tier against a real cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -521,3 +522,84 @@ def test_the_tiers_api_refuses_wrong_arguments_and_a_second_life(cluster: LocalC
         client.close()
     with pytest.raises(ClosedError):
         tier.start()
+
+
+def _scripted_holder(
+    answer: list[tuple[float, float]], state: bytes
+) -> tuple[str, Callable[[], None]]:
+    """A holder with the tenant's secret that answers each request with ``state`` after a
+    pause, in pieces of 64 KiB each followed by a pause: ``answer[i]`` = (pause first,
+    pause per piece). Returns its endpoint and a stop function."""
+    tenant_lookup = {TENANT.name: TENANT}.get
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    stop = threading.Event()
+
+    def holder() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            handshake = ServerHandshake(tenant_lookup)
+            conn.sendall(handshake.hello())
+            auth = b""
+            while len(auth) < AUTH_BYTES:
+                auth += conn.recv(AUTH_BYTES - len(auth))
+            conn.sendall(handshake.answer(auth)[0])
+            reader = MessageReader(limits=Limits())
+            with contextlib.suppress(OSError):
+                for first, per_piece in answer:
+                    while (message := reader.next_message()) is None:
+                        reader.commit(conn.recv_into(reader.recv_buffer()))
+                    stop.wait(first)
+                    reply = get_reply(
+                        message.header.request_id, [(Status.OK, len(state), state_digest(state))]
+                    )
+                    data = reply + state
+                    for at in range(0, len(data), 64 << 10):
+                        conn.sendall(data[at : at + (64 << 10)])
+                        if stop.wait(per_piece):
+                            return
+            stop.wait(30)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join(10)
+        listener.close()
+
+    return endpoint, close
+
+
+def test_a_trickling_holder_costs_the_deadline_and_not_twice_it(
+    transport: TcpPeerTransport,
+) -> None:
+    """A holder sending a piece per 0.45 s kept a 0.5 s fetch for about 0.95 s: each receive
+    of the native loop could wait the whole bound armed at the fetch's start."""
+    state = blob(3, 1 << 20)
+    endpoint, close = _scripted_holder([(0.0, 0.45)], state)
+    try:
+        started = time.monotonic()
+        got = transport.fetch(endpoint, [Wanted(skey(1), 1)], deadline=started + 0.5)
+        elapsed = time.monotonic() - started
+    finally:
+        close()
+    assert got == [None]
+    assert 0.49 <= elapsed < 0.5 * 1.1 + 0.1
+
+
+def test_a_slow_fetch_leaves_no_short_bound_to_the_next_on_its_connection(
+    transport: TcpPeerTransport,
+) -> None:
+    """A fetch that finishes late arms its connection's receive bound to the little time it
+    had left; the next fetch on the connection arms its own again (else a holder pausing
+    longer than that first bound, with the same timeout, was a spurious miss)."""
+    state = blob(4, 1 << 20)
+    endpoint, close = _scripted_holder([(0.0, 0.06), (1.0, 0.0)], state)
+    try:
+        first = transport.fetch(endpoint, [Wanted(skey(1), 1)], deadline=soon(1.5))
+        assert first[0] is not None and bytes(first[0]) == state
+        second = transport.fetch(endpoint, [Wanted(skey(1), 1)], deadline=soon(1.5))
+        assert second[0] is not None and bytes(second[0]) == state
+    finally:
+        close()

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/types.h>
 #include <time.h>
 
@@ -55,8 +56,10 @@ void KV_CAT(kv_chain_keys, KV_SUFFIX)(const uint8_t *seed, const uint8_t *tag, s
 /* Receive len bytes from the blocking socket fd into buf, at most piece bytes a recv
  * (MSG_WAITALL), and with digest, hash each piece as soon as it is in (still in cache,
  * while the sender sends the next): digest = canonical XXH3-128 of the prefix bytes, then
- * buf. The socket's SO_RCVTIMEO bounds each recv; the CLOCK_MONOTONIC deadline (seconds)
- * is checked between receives. *got is the bytes received. Returns 0 when all arrived,
+ * buf. The socket's SO_RCVTIMEO bounds each recv, and is armed again (to 1.05 x the time
+ * left) before a recv whenever it exceeds 1.1 x the time left to the CLOCK_MONOTONIC
+ * deadline (seconds): a holder trickling a piece per timeout otherwise kept a fetch up to
+ * twice its deadline. *got is the bytes received. Returns 0 when all arrived,
  * 1 when the peer closed first, 2 when the deadline passed, or -errno (-EAGAIN: the
  * socket's receive timeout passed). */
 int KV_CAT(kv_recv_hashed, KV_SUFFIX)(int fd, uint8_t *buf, uint64_t len, uint64_t piece,
@@ -71,12 +74,29 @@ int KV_CAT(kv_recv_hashed, KV_SUFFIX)(int fd, uint8_t *buf, uint64_t len, uint64
     int status = 0;
     *got = 0;
     if (piece == 0) piece = len;
+    struct timeval bound;
+    socklen_t bound_len = sizeof bound;
+    double armed = 0.0; /* seconds one recv may block (0: without end) */
+    if (getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &bound, &bound_len) == 0)
+        armed = (double)bound.tv_sec + (double)bound.tv_usec * 1e-6;
     while (done < len) {
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
-        if ((double)now.tv_sec + (double)now.tv_nsec * 1e-9 >= deadline) {
+        double left = deadline - ((double)now.tv_sec + (double)now.tv_nsec * 1e-9);
+        if (left <= 0) {
             status = 2;
             break;
+        }
+        if (armed <= 0.0 || armed > left * 1.1) {
+            double arm = left * 1.05;
+            bound.tv_sec = (time_t)arm;
+            bound.tv_usec = (suseconds_t)((arm - (double)bound.tv_sec) * 1e6);
+            if (bound.tv_sec == 0 && bound.tv_usec == 0) bound.tv_usec = 1;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof bound) != 0) {
+                status = -errno;
+                break;
+            }
+            armed = arm;
         }
         uint64_t want = len - done < piece ? len - done : piece;
         ssize_t n = recv(fd, buf + done, (size_t)want, MSG_WAITALL);

@@ -415,6 +415,13 @@ class _Bound:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
         self._armed = arm
 
+    def after_native_receive(self) -> None:
+        """The native receive arms a shorter receive bound itself once the time left falls
+        below a tenth under the one armed: if it may have, the next check arms both bounds
+        again (a later fetch on this connection would otherwise inherit the short one)."""
+        if (self._deadline - self._clock()) * 1.1 < self._armed:
+            self._armed = -1.0  # not 0: the socket is blocking already
+
     @property
     def waitall(self) -> int:
         """The receive flags: MSG_WAITALL, which TLS sockets do not take."""
@@ -466,6 +473,7 @@ def _recv_hashed(
         status, _got, digest = native.recv_hashed(
             sock.fileno(), view, piece=_PIECE, deadline=bound.deadline, prefix=tag
         )
+        bound.after_native_receive()
         if status == native.RECV_DONE:
             return digest
         if status == native.RECV_CLOSED:
