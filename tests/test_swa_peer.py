@@ -15,7 +15,7 @@ import pytest
 from kvcache import DType, KVLayout, Namespace, block_keys
 from kvcache.client import Client
 from kvcache.credentials import TenantCredentials
-from kvcache.errors import ArgumentError, ClosedError
+from kvcache.errors import ArgumentError, ClosedError, ConfigError
 from kvcache.keys import BlockKey
 from kvcache.net import open_session
 from kvcache.session import AUTH_BYTES, ServerHandshake
@@ -506,6 +506,11 @@ def test_the_tiers_api_refuses_wrong_arguments_and_a_second_life(cluster: LocalC
                 tier.fetch(key, bad_holders)  # type: ignore[arg-type]
         with pytest.raises(ArgumentError, match="writable"):
             tier.fetch(key, out=bytes(1000))  # type: ignore[arg-type]
+        strided = memoryview(bytearray(2000))[::2]  # held here: a local hit (was TypeError)
+        with pytest.raises(ArgumentError, match="contiguous"):
+            tier.fetch(key, out=strided)
+        with pytest.raises(ArgumentError, match="writable"):
+            tier.fetch(key, out=12)  # type: ignore[arg-type]
         for bad_time in ("x", float("nan"), -1.0):
             with pytest.raises(ArgumentError, match="seconds"):
                 tier.fetch(key, timeout_s=bad_time)  # type: ignore[arg-type]
@@ -603,3 +608,67 @@ def test_a_slow_fetch_leaves_no_short_bound_to_the_next_on_its_connection(
         assert second[0] is not None and bytes(second[0]) == state
     finally:
         close()
+
+
+def test_a_peers_refusal_keeps_its_reason_and_big_batches_are_split(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer refusing a request it could not read answers with an op of its own, and the
+    fetcher dropped its reason ("answered STATS, not SWA_GET"); a batch over the items limit
+    is now cut to fit it."""
+    store = SwaStore(max_bytes=1 << 20)
+    for n in range(10):
+        store.put(skey(n), blob(n, 1000))
+    wanted = [Wanted(skey(n), 42) for n in range(10)]
+    with PeerServer(store, tenant=TENANT, incarnation=42, limits=Limits(max_items=4)) as server:
+        server.start()
+        with TcpPeerTransport(tenant="default", secret=SECRET) as t, caplog.at_level("INFO"):
+            assert t.fetch(server.endpoint, wanted, deadline=soon()) == [None] * 10
+            assert t.counters["errors"] == 1
+        assert "exceed the limit of 4" in caplog.text
+        with TcpPeerTransport(tenant="default", secret=SECRET, limits=Limits(max_items=4)) as t:
+            got = t.fetch(server.endpoint, wanted, deadline=soon())
+        assert [None if g is None else bytes(g) for g in got] == [blob(n, 1000) for n in range(10)]
+        assert server.counters["states_served"] == 10
+
+
+def test_a_closed_transport_starts_no_threads() -> None:
+    t = TcpPeerTransport(tenant="default", secret=SECRET)
+    t.close()
+    before = {thread.name for thread in threading.enumerate()}
+    requests = [
+        ("tcp://127.0.0.1:1", Wanted(skey(1), 1)),
+        ("tcp://127.0.0.1:2", Wanted(skey(2), 1)),
+    ]
+    assert t.fetch_many(requests, deadline=soon()) == [None, None]
+    assert {thread.name for thread in threading.enumerate()} == before
+
+
+def test_a_wildcard_listen_needs_an_advertised_endpoint() -> None:
+    for listen in ("tcp://0.0.0.0:0", "tcp://[::]:7000"):
+        with pytest.raises(ConfigError, match="advertise"):
+            SwaConfig(listen=listen)
+    assert SwaConfig(listen="tcp://0.0.0.0:0", advertise="tcp://10.0.0.5:7100").advertise
+    with pytest.raises(ConfigError, match="not reachable"):
+        SwaConfig(listen="tcp://0.0.0.0:0", advertise="tcp://0.0.0.0:7100")
+
+
+def test_a_state_over_the_reply_limit_is_held_but_not_advertised(cluster: LocalCluster) -> None:
+    """A state no peer could fetch (its reply would pass the wire's data limit) was
+    advertised, and every peer that found the record paid a round trip for a sure miss."""
+    client, tier = _tier(cluster)
+    try:
+        tier.start()
+        tier.server.limits = Limits(max_data_bytes=50_000)  # the wire limit, made small
+        big, small = skey(80), skey(81)
+        assert tier.put(big, blob(80, 60_000)) is not None
+        assert tier.put(small, blob(81, 1000)) is not None
+        assert tier.flush(10)
+        assert tier.counters["unpublished_too_large"] == 1
+        got = tier.fetch(big)  # still served here
+        assert got is not None and bytes(got) == blob(80, 60_000)
+        _, holders = tier.directory.lookup_keys([big.block, small.block])
+        assert sorted(holders) == [1]  # only the small state's record
+    finally:
+        tier.close()
+        client.close()

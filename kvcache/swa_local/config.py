@@ -63,6 +63,16 @@ class SwaConfig:
                 raise ConfigError(f"SwaConfig.{name}: {exc}") from None
             if len(value) > 64:
                 raise ConfigError(f"SwaConfig.{name} is longer than 64 characters: {value!r}")
+        wildcard = parse_endpoint(self.listen)[0] in ("0.0.0.0", "::", "*")
+        if wildcard and self.advertise is None:
+            # Peers would dial the wildcard address itself, i.e. themselves: every remote
+            # fetch of this worker's states a miss.
+            raise ConfigError(
+                f"SwaConfig.listen {self.listen!r} is a wildcard address: set advertise to "
+                "the endpoint peers reach this worker at (tcp://host:port)"
+            )
+        if self.advertise is not None and parse_endpoint(self.advertise)[0] in ("0.0.0.0", "::"):
+            raise ConfigError(f"SwaConfig.advertise {self.advertise!r} is not reachable by peers")
 
     @classmethod
     def load(

@@ -44,7 +44,7 @@ from kvcache.swa_local.protocol import GET_REPLY_ITEM, get_request, parse_get_re
 from kvcache.swa_local.state import STATE_DIGEST_TAG, StateKey
 from kvcache.wire import HEADER_BYTES, Header, Limits, Op, Status
 
-__all__ = ["PeerTransport", "TcpPeerTransport", "Wanted"]
+__all__ = ["PeerTransport", "TcpPeerTransport", "Wanted", "writable_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,16 @@ class TcpPeerTransport:
         if out is not None:
             if len(out) != len(wanted):
                 raise ArgumentError(f"out has {len(out)} buffers for {len(wanted)} states")
-            out = [None if b is None else _writable(b) for b in out]
+            out = [None if b is None else writable_bytes(b) for b in out]
         if not wanted:
             return []
+        step = self._limits.max_items
+        if len(wanted) > step:  # a peer refuses more items than its limit in one request
+            results: list[memoryview | None] = []
+            for at in range(0, len(wanted), step):
+                part = None if out is None else out[at : at + step]
+                results += self.fetch(endpoint, wanted[at : at + step], deadline=deadline, out=part)
+            return results
         sock: socket.socket | None = None
         try:
             sock, armed = self._checkout(endpoint, deadline)
@@ -175,6 +182,8 @@ class TcpPeerTransport:
             one(endpoint, positions)
             return out
         with self._lock:
+            if self._closed:  # no thread is started for a closed transport: all misses
+                return out
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     8, thread_name_prefix="kvcache-swa-fetch"
@@ -206,8 +215,10 @@ class TcpPeerTransport:
         view = memoryview(head)
         got = _recv_some(sock, view, HEADER_BYTES, bound, endpoint)
         reply = Header.unpack(view[:HEADER_BYTES], self._limits)
-        if not reply.is_reply or reply.op is not Op.SWA_GET:
-            raise ProtocolError(f"SWA peer {endpoint} answered {reply.op.name}, not SWA_GET")
+        if not reply.is_reply:
+            raise ProtocolError(f"SWA peer {endpoint} sent a request, not a reply")
+        # An error is read before the op: a peer that could not read the request answers
+        # with an op of its own (STATS), and its reason was lost.
         if reply.status != Status.OK:
             # An error reply has no items: what came after its header is its text.
             text = bytearray(reply.data_len)
@@ -218,6 +229,8 @@ class TcpPeerTransport:
                 f"SWA peer {endpoint} refused: {reply.status.name}: {text.decode(errors='replace')}",
                 node=endpoint,
             )
+        if reply.op is not Op.SWA_GET:
+            raise ProtocolError(f"SWA peer {endpoint} answered {reply.op.name}, not SWA_GET")
         if reply.request_id != request_id:
             raise ProtocolError(f"SWA peer {endpoint} answered request {reply.request_id}")
         if reply.count != count:
@@ -340,7 +353,8 @@ class TcpPeerTransport:
         self.close()
 
 
-def _writable(buf: memoryview) -> memoryview:
+def writable_bytes(buf: memoryview) -> memoryview:
+    """``buf`` as a flat byte view to receive into (ArgumentError: read-only or not contiguous)."""
     view = memoryview(buf)
     if view.readonly or not view.c_contiguous:
         raise ArgumentError("each out buffer must be writable and contiguous")

@@ -33,7 +33,7 @@ from kvcache.errors import ArgumentError, ClosedError
 from kvcache.keys import BlockKey, Namespace
 from kvcache.swa_local.config import SwaConfig
 from kvcache.swa_local.directory import Directory, Holders
-from kvcache.swa_local.fetch import PeerTransport, TcpPeerTransport, Wanted
+from kvcache.swa_local.fetch import PeerTransport, TcpPeerTransport, Wanted, writable_bytes
 from kvcache.swa_local.protocol import HolderRecord
 from kvcache.swa_local.server import PeerServer
 from kvcache.swa_local.state import StateKey
@@ -84,7 +84,7 @@ class SwaTier:
         self._pending = 0
         self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
-            ("local_hits", "remote_hits", "misses", "puts"), 0
+            ("local_hits", "remote_hits", "misses", "puts", "unpublished_too_large"), 0
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -146,6 +146,17 @@ class SwaTier:
         if state is None:
             return None
         self._count("puts")
+        if state.nbytes > self.server.limits.max_data_bytes:
+            # Held for this worker's own use; no peer could fetch it (the reply would pass
+            # the wire's data limit), so it is not advertised.
+            self._count("unpublished_too_large")
+            log.warning(
+                "SWA state of %d bytes is over the peers' reply limit (%d): held here, not "
+                "published",
+                state.nbytes,
+                self.server.limits.max_data_bytes,
+            )
+            return state
         if publish and self.endpoint:
             with self._idle:
                 self._pending += 1
@@ -199,17 +210,17 @@ class SwaTier:
             timeout_s = _seconds(timeout_s, "timeout_s")
         if out is not None:
             try:
-                writable = not memoryview(out).readonly
+                out = writable_bytes(out)
             except TypeError:
-                writable = False
-            if not writable:
-                raise ArgumentError(f"out must be a writable buffer, got {type(out).__name__}")
+                raise ArgumentError(
+                    f"out must be a writable contiguous buffer, got {type(out).__name__}"
+                ) from None
         local = self.store.get(key)
         if local is not None:
             self._count("local_hits")
             if out is None:
                 return local.data
-            view = memoryview(out).cast("B")
+            view = out
             if view.nbytes != local.nbytes:
                 self._count("misses")
                 return None
