@@ -56,8 +56,13 @@ class Request:
     traffic_class: str = "chat"
 
     def __post_init__(self) -> None:
+        if self.input_length < 0:
+            raise ConfigError(
+                f"request at {self.timestamp_ms} ms: input_length must be >= 0, "
+                f"got {self.input_length}"
+            )
         need = math.ceil(self.input_length / TRACE_BLOCK_TOKENS)
-        if self.input_length < 0 or len(self.hash_ids) != need:
+        if len(self.hash_ids) != need:
             raise ConfigError(
                 f"request at {self.timestamp_ms} ms: {self.input_length} tokens need {need} "
                 f"hash ids, got {len(self.hash_ids)}"
@@ -110,7 +115,7 @@ def read_trace(path: str | Path, *, traffic_class: str = "chat") -> Iterator[Req
                     raise ValueError("lengths must be >= 0")
                 if any(not 0 <= h < 2**63 for h in request.hash_ids):
                     raise ValueError("hash ids must be 0 .. 2**63 - 1")
-            except (ValueError, KeyError, TypeError, OverflowError) as exc:
+            except (ValueError, KeyError, TypeError, OverflowError, ConfigError) as exc:
                 raise ConfigError(f"{path}:{lineno}: not a trace record: {exc}") from None
             yield request
 

@@ -107,6 +107,10 @@ def test_cli_simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 BAD_INPUT = {
     "trace timestamp past any integer": (["simulate", "--trace", "{inf}"], "not a trace record"),
     "trace not UTF-8": (["simulate", "--trace", "{binary}"], "not UTF-8"),
+    "trace with a negative input length": (
+        ["simulate", "--trace", "{negative}"],
+        "negative.jsonl:2: not a trace record: request at 5 ms: input_length must be >= 0",
+    ),
     "plan of a trace not UTF-8": (["plan", "--trace", "{binary}"], "not UTF-8"),
     "cluster file not UTF-8": (["show", "--cluster", "{binary}"], "cannot read config file"),
     "high watermark 0": (
@@ -144,6 +148,10 @@ def test_bad_input_is_a_clear_error_never_a_traceback_or_a_hang(tmp_path: Path, 
         '{"timestamp": 1e400, "input_length": 512, "hash_ids": [1]}\n'
     )
     (tmp_path / "binary.bin").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "negative.jsonl").write_text(
+        '{"timestamp": 0, "input_length": 512, "hash_ids": [1]}\n'
+        '{"timestamp": 5, "input_length": -5, "hash_ids": []}\n'
+    )
     (tmp_path / "good.jsonl").write_text(
         '{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\n'
     )
@@ -151,6 +159,7 @@ def test_bad_input_is_a_clear_error_never_a_traceback_or_a_hang(tmp_path: Path, 
     names = {
         "inf": tmp_path / "inf.jsonl",
         "binary": tmp_path / "binary.bin",
+        "negative": tmp_path / "negative.jsonl",
         "good": tmp_path / "good.jsonl",
         "dir": tmp_path / "adir",
         "out": tmp_path / "out.jsonl",

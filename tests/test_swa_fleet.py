@@ -46,3 +46,14 @@ def test_trace_clock_follows_the_trace_and_never_goes_back() -> None:
     assert clock() >= first
     clock.advance(500.0)
     assert clock() >= 500.0
+
+
+def test_demo_refuses_an_swa_ttl_the_tier_refuses_before_it_starts() -> None:
+    """A TTL over an hour was accepted here and failed once the cluster had started, with
+    SwaConfig's message, which does not name the flag."""
+    from kvcache.errors import ConfigError
+
+    for ttl in (0.0, -1.0, 3601.0, float("inf")):
+        with pytest.raises(ConfigError, match=r"--swa-ttl must lie in \(0, 3600\]"):
+            DemoOptions(swa_workers=2, swa_ttl_s=ttl)
+    assert DemoOptions(swa_workers=2, swa_ttl_s=3600.0).swa_ttl_s == 3600.0

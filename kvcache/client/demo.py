@@ -84,9 +84,9 @@ class DemoOptions:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
         if self.swa_workers < 0:
             raise ConfigError(f"--swa-workers must be >= 0, got {self.swa_workers}")
-        if not (math.isfinite(self.swa_ttl_s) and self.swa_ttl_s > 0):
+        if not (math.isfinite(self.swa_ttl_s) and 0 < self.swa_ttl_s <= 3600):
             raise ConfigError(
-                f"--swa-ttl must be a positive number of seconds, got {self.swa_ttl_s}"
+                f"--swa-ttl must lie in (0, 3600] seconds, got {self.swa_ttl_s}"
             )
         if self.swa_state_bytes < 1:
             raise ConfigError(f"--swa-state-bytes must be >= 1, got {self.swa_state_bytes}")
