@@ -85,9 +85,7 @@ class DemoOptions:
         if self.swa_workers < 0:
             raise ConfigError(f"--swa-workers must be >= 0, got {self.swa_workers}")
         if not (math.isfinite(self.swa_ttl_s) and 0 < self.swa_ttl_s <= 3600):
-            raise ConfigError(
-                f"--swa-ttl must lie in (0, 3600] seconds, got {self.swa_ttl_s}"
-            )
+            raise ConfigError(f"--swa-ttl must lie in (0, 3600] seconds, got {self.swa_ttl_s}")
         if self.swa_state_bytes < 1:
             raise ConfigError(f"--swa-state-bytes must be >= 1, got {self.swa_state_bytes}")
         if not (math.isfinite(self.speed) and self.speed >= 0):

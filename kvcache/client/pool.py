@@ -83,7 +83,6 @@ class SharedBuffer:
 _START_TIMEOUT_S = 60.0
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Region:
     """Where an array of the caller lies inside a shared buffer."""
