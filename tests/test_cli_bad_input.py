@@ -215,6 +215,52 @@ CASES: dict[str, tuple[dict[str, str], list[str], dict[str, str], str]] = {
         {},
         "timestamp out of range",
     ),
+    "server: retention not a table": (
+        {"s.toml": 'retention = "agent=3d"\n'},
+        ["server", "--config", "s.toml", "--data-dir", "d"],
+        {},
+        "[retention] must be a table",
+    ),
+    "server: retention an empty list": (
+        {"s.toml": "retention = []\n"},
+        ["server", "--config", "s.toml", "--data-dir", "d"],
+        {},
+        "[retention] must be a table",
+    ),
+    "server: a high-water mark past a C int": (
+        {"s.toml": "[server]\nevents_hwm = 10000000000\n"},
+        ["server", "--config", "s.toml", "--data-dir", "d"],
+        {},
+        "events_hwm must be at most 2147483645",
+    ),
+    "server: a sync interval past any wait": (
+        {"s.toml": "[server]\nsync_interval_s = 1e10\n"},
+        ["server", "--config", "s.toml", "--data-dir", "d"],
+        {},
+        "sync_interval_s must be at most 31536000 s",
+    ),
+    "server: a replay endpoint without a stream": (
+        {},
+        ["server", "--data-dir", "d", "--events-replay-listen", "tcp://127.0.0.1:0"],
+        {},
+        "events_replay_listen is set but events_listen is not",
+    ),
+    "server: a replay port past the last port": (
+        {},
+        [
+            "server",
+            "--data-dir",
+            "d",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--events-listen",
+            "tcp://127.0.0.1:65535",
+        ],
+        {},
+        "cannot bind the replay endpoint tcp://127.0.0.1:65536",
+    ),
     "repair: interval not a number": (
         {"c.toml": NODE},
         [
@@ -252,6 +298,28 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, case: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr
     assert message in proc.stderr, proc.stderr
     assert not (tmp_path / "data.mdb").exists()  # nothing written into the working directory
+
+
+def test_a_config_file_shared_with_the_other_components_starts_the_daemon(
+    tmp_path: Path,
+) -> None:
+    """docs/dashboard.md says one file may hold every component's table; the daemon refused
+    [client], [swa] and [dashboard] (it still refuses a misspelled table)."""
+    shared = tmp_path / "kvcache.toml"
+    shared.write_text(
+        '[server]\nnode_id = "n1"\ncapacity_bytes = "64MiB"\n'
+        '[retention.classes]\nagent = "3d"\n'
+        "[client]\ntimeout_s = 3.0\n[swa]\nttl_s = 60\n[dashboard]\nport = 9000\n"
+    )
+    from kvcache.server.config import load_server_config
+
+    config, policy = load_server_config(shared, environ=False)
+    assert config.node_id == "n1" and policy.ttl_s("agent") == 3 * 86_400
+    (tmp_path / "bad.toml").write_text("[sever]\nnode_id = 'x'\n")
+    from kvcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown table\(s\) \['sever'\]"):
+        load_server_config(tmp_path / "bad.toml", environ=False)
 
 
 def test_a_tenant_named_admin_is_refused_at_the_daemons_start(tmp_path: Path) -> None:

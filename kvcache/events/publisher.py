@@ -161,6 +161,7 @@ class EventPublisher:
         self._streams: dict[str, _Stream] = {}
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
+        binding = f"events_listen {settings.listen}"
         try:
             if settings.auth:
                 self._auth = ThreadAuthenticator(
@@ -183,10 +184,16 @@ class EventPublisher:
             for sock in (self._pub, self._router):
                 sock.plain_server = settings.auth
             self.endpoint = _bind(self._pub, settings.listen)
-            self.replay_endpoint = _bind(self._router, _replay_endpoint(settings, self.endpoint))
+            replay = _replay_endpoint(settings, self.endpoint)
+            binding = f"the replay endpoint {replay}" + (
+                " (events_replay_listen)"
+                if settings.replay_listen
+                else " (events_listen's port + 1; set events_replay_listen to choose it)"
+            )
+            self.replay_endpoint = _bind(self._router, replay)
         except (zmq.ZMQError, OSError) as exc:
             self._close_sockets()
-            raise ConfigError(f"events: cannot bind {settings.listen}: {exc}") from None
+            raise ConfigError(f"events: cannot bind {binding}: {exc}") from None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -498,7 +505,7 @@ def _replay_endpoint(settings: PublisherSettings, bound: str) -> str:
         return settings.replay_listen
     base, _, port = bound.rpartition(":")
     if not bound.startswith("tcp://") or not port.isdigit():
-        raise ConfigError(f"events: set replay_listen (cannot derive it from {bound!r})")
+        raise ConfigError(f"events: set events_replay_listen (cannot derive it from {bound!r})")
     return f"{base}:{int(port) + 1}" if not settings.listen.endswith(":0") else f"{base}:0"
 
 

@@ -79,6 +79,14 @@ def default_map_size(capacity_bytes: int) -> int:
     return int(capacity_bytes * 1.5) + (64 << 20)
 
 
+#: The longest duration setting: a year (threading's waits overflow near 292 years).
+_MAX_DURATION_S = 365 * 86_400.0
+#: ZMQ's high-water marks are C ints (the replay socket's is events_replay_batches + 2).
+_MAX_ZMQ_HWM = (1 << 31) - 3
+#: Top-level tables of a config file shared between the components.
+_SHARED_TABLES = frozenset({"server", "retention", "client", "swa", "dashboard"})
+
+
 def parse_admin_listen(value: str) -> tuple[str, int]:
     """``host:port`` → (host, port); raises ConfigError naming the value."""
     host, sep, port = value.rpartition(":")
@@ -264,6 +272,22 @@ class ServerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (  # a thread's wait past threading.TIMEOUT_MAX is an OverflowError
+            "sync_interval_s",
+            "touch_flush_s",
+            "handshake_timeout_s",
+            "send_timeout_s",
+            "request_timeout_s",
+            "request_grace_s",
+            "replace_after_s",
+            "scrub_interval_s",
+            "touch_resolution_s",
+        ):
+            if getattr(self, name) > _MAX_DURATION_S:
+                raise ConfigError(
+                    f"{name} must be at most {_MAX_DURATION_S:.0f} s (a year), "
+                    f"got {getattr(self, name)}"
+                )
         if self.replace_after_s < 0:
             raise ConfigError(f"replace_after_s must be >= 0, got {self.replace_after_s}")
         if self.swa_directory_per_tenant < 1:
@@ -301,6 +325,16 @@ class ServerConfig:
                      "events_batch_events", "events_hwm"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("events_replay_batches", "events_hwm"):  # ZMQ high-water marks: C ints
+            if getattr(self, name) > _MAX_ZMQ_HWM:
+                raise ConfigError(
+                    f"{name} must be at most {_MAX_ZMQ_HWM}, got {getattr(self, name)}"
+                )
+        if self.events_replay_listen and not self.events_listen:
+            raise ConfigError(
+                "events_replay_listen is set but events_listen is not: set events_listen to "
+                "publish the event stream (the replay endpoint serves it)"
+            )
         if self.events_listen and not self.events_auth:
             for value in (self.events_listen, self.events_replay_listen):
                 if value and not _local_endpoint(value):
@@ -356,9 +390,12 @@ def load_server_config(
     be written ``"64GiB"``. Flags whose value is None are ignored.
     """
     table: dict[str, Any] = load_toml(path) if path is not None else {}
-    unknown = set(table) - {"server", "retention"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; known: server, retention")
+    unknown = set(table) - _SHARED_TABLES
+    if unknown:  # the other components' tables of a shared file are let be
+        raise ConfigError(
+            f"{path}: unknown table(s) {sorted(unknown)}; the daemon reads [server] and "
+            "[retention] (a shared file may also hold [client], [swa] and [dashboard])"
+        )
     layers: list[tuple[str, Mapping[str, Any]]] = [(str(path), table.get("server", {}))]
     if environ:
         layers.append(("environment", env_overrides(ServerConfig, ENV_PREFIX)))
@@ -375,7 +412,13 @@ def load_server_config(
         )
     sources = ", ".join(source for source, layer in layers if layer)
     config = build_config(ServerConfig, *converted, source=sources or "defaults")
-    retention: dict[str, Any] = dict(table.get("retention", {}))
+    raw_retention = table.get("retention", {})
+    if not isinstance(raw_retention, Mapping):
+        raise ConfigError(
+            f'{path}: [retention] must be a table (like [retention.classes] agent = "3d"), '
+            f"got {raw_retention!r}"
+        )
+    retention: dict[str, Any] = dict(raw_retention)
     if environ:
         retention.update(_retention_env())
     policy = RetentionPolicy.from_mapping(retention, source=str(path or "retention"))
