@@ -108,4 +108,6 @@ def load_dashboard_config(
             env["token"] = os.environ["KVCACHE_ADMIN_TOKEN"]
         env.update(env_overrides(DashboardConfig, ENV_PREFIX))
     given = {k: v for k, v in (flags or {}).items() if v is not None}
-    return build_config(DashboardConfig, table, env, given, source=str(path or "flags"))
+    named = ((str(path), table), ("environment", env), ("flags", given))
+    sources = ", ".join(name for name, layer in named if layer) or "defaults"
+    return build_config(DashboardConfig, table, env, given, source=sources)
