@@ -844,3 +844,48 @@ def test_an_admin_connection_is_cut_at_its_age() -> None:
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     finally:
         server.stop()
+
+
+def _listed(probe: Probe) -> list[tuple[int, int, str]]:
+    """(index, expiry_ms, class) of every shard LIST answers, pending hits included."""
+    items = make_items(Op.LIST, 1, reply=False)
+    items["limit"] = 100
+    items["flags"] = 1  # from the start
+    reply = probe.request(Op.LIST, items)
+    return [
+        (
+            int(r["index"]),
+            int(r["expiry_ms"]),
+            bytes(r["traffic_class"]).rstrip(b"\0").decode(),
+        )
+        for r in reply.items
+    ]
+
+
+def test_a_get_refused_too_large_changes_no_expiry(tmp_path: Path) -> None:
+    """The GET's hits recorded their expiry slides before the reply size was checked: a GET
+    refused TOO_LARGE as a whole moved the shards it hit from 10 minutes to 7 days (a
+    message-level failure must not change stored state: docs/spec/wire.md)."""
+    daemon = DaemonProcess(
+        tmp_path,
+        server={"native_plane": False, "max_data_bytes": 4096},
+        retention={"default_class": "short", "classes": {"short": "10m", "long": "7d"}},
+    ).start()
+    try:
+        key = bytes(range(16))
+        records = block_records(key, body_len=640, traffic_class="short", indices=range(8))
+        with daemon.probe() as probe:
+            for at in (0, 4):
+                assert (probe.put(records[at : at + 4]) == Status.OK).all()
+            before = _listed(probe)
+            request = get_items([(key, i) for i in range(8)])  # 8 x 744 bytes > 4096
+            reply = probe.request(Op.GET, request, traffic_class="long")
+            assert reply.header.status is Status.TOO_LARGE
+            assert _listed(probe) == before
+            reply = probe.request(Op.GET, request[:4], traffic_class="long")  # one that fits
+            assert reply.header.status is Status.OK
+            after = {i: expiry for i, expiry, _ in _listed(probe)}
+            assert all(after[i] > before[i][1] + 86_400_000 for i in range(4))  # slid to 7 d
+            assert all(after[i] == before[i][1] for i in range(4, 8))
+    finally:
+        assert daemon.stop() == 0, daemon.log()

@@ -910,6 +910,9 @@ class ShardStore:
             locations: list[bytes] = []
             hits: list[int] = []
             slid: list[int] = []
+            # The hits' expiry slides, recorded only once the reply is known to fit: a GET
+            # refused TOO_LARGE changes no stored state (docs/spec/wire.md, section 4).
+            slides: dict[bytes, tuple[int, str]] = {}
             rows = self._rows_of(txn, keys)
             unpack = ROW.unpack
             segments = self.segments.state
@@ -924,7 +927,7 @@ class ShardStore:
                     self.counters["rows_unreadable"] += 1
                     continue
                 if expiry <= quiet_above:
-                    live = self._alive(key, expiry, cid, size, now, hit, ttl_hint)
+                    live = self._alive(key, expiry, cid, size, now, hit, ttl_hint, slides=slides)
                     if not live:
                         continue
                     if live == _SLID:
@@ -934,6 +937,10 @@ class ShardStore:
         found = np.frombuffer(b"".join(locations), LOCATION)
         sizes = found["len"]
         self._check_reply_size(sizes.tolist(), hits)
+        if slides:
+            if not self._pending:
+                self._pending_since = self._monotonic()
+            self._pending.update(slides)
         if len(hits) < n:
             reply["status"] = Status.NOT_FOUND
             reply["status"][hits] = Status.OK
@@ -1130,7 +1137,7 @@ class ShardStore:
                         if len(record) >= _PAYLOAD_LEN_AT + 4
                         else 0
                     )
-                    classes.append(names[cid].encode())
+                    classes.append(names[cid].encode())  # "+name" for a pinned shard
                     if len(skeys) == limit:
                         break
                 found = cursor.next()
@@ -1608,11 +1615,13 @@ class ShardStore:
         hit: Applied | None,
         ttl_hint: int = 0,
         pin_budget: list[int] | None = None,
+        *,
+        slides: dict[bytes, tuple[int, str]] | None = None,
     ) -> int:
         """Whether the shard (storage key, its row's expiry, class id and size) is live (0:
         not; :data:`_LIVE`; :data:`_SLID`: live, and this hit moved its expiry); if so,
         record the hit's expiry slide (and pin, while ``pin_budget[0]`` bytes of pin quota
-        are left)."""
+        are left): into ``slides`` when given (the caller applies them), else pending."""
         pending_class = ""
         if self._pending:
             pending = self._pending.get(key)
@@ -1640,6 +1649,9 @@ class ShardStore:
         )
         if move is None:
             return _LIVE
+        if slides is not None:
+            slides[key] = move
+            return _SLID
         if not self._pending:
             self._pending_since = self._monotonic()
         self._pending[key] = move
