@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -613,7 +614,13 @@ class Client:
 
 
 class AsyncClient:
-    """:class:`Client` for asyncio code: every call runs on a worker thread, never the loop."""
+    """:class:`Client` for asyncio code: every call runs on a worker thread, never the loop.
+
+    A cancelled call returns (raising CancelledError) only once its thread is done: a load
+    lands shards in the caller's ``out`` and a store reads its payloads until then, so a
+    caller reusing its buffer after the cancellation saw it written to (and a load checking
+    the overwritten bytes took healthy stripes for broken ones). The thread ends within the
+    call's own deadlines (``timeout_s`` a round)."""
 
     def __init__(self, config: ClientConfig, *, cluster: ClusterMap | None = None) -> None:
         self.client = Client(config, cluster=cluster)
@@ -632,7 +639,7 @@ class AsyncClient:
         self, namespace: Namespace, tokens: Tokens, *, max_blocks: int | None = None
     ) -> MatchResult:
         """See :meth:`Client.match_prefix`."""
-        return await asyncio.to_thread(
+        return await _to_thread_whole(
             self.client.match_prefix, namespace, tokens, max_blocks=max_blocks
         )
 
@@ -640,55 +647,70 @@ class AsyncClient:
         self, keys: Sequence[BlockKey], *, tokens_per_block: int = 1
     ) -> MatchResult:
         """See :meth:`Client.match_keys`."""
-        return await asyncio.to_thread(
+        return await _to_thread_whole(
             self.client.match_keys, keys, tokens_per_block=tokens_per_block
         )
 
     async def load(self, namespace: Namespace, match: MatchResult, **kwargs: Any) -> LoadResult:
         """See :meth:`Client.load`."""
-        return await asyncio.to_thread(self.client.load, namespace, match, **kwargs)
+        return await _to_thread_whole(self.client.load, namespace, match, **kwargs)
 
     async def load_keys(self, match: MatchResult | Sequence[BlockKey], **kwargs: Any) -> LoadResult:
         """See :meth:`Client.load_keys`."""
-        return await asyncio.to_thread(self.client.load_keys, match, **kwargs)
+        return await _to_thread_whole(self.client.load_keys, match, **kwargs)
 
     async def load_prefix(self, namespace: Namespace, tokens: Tokens, **kwargs: Any) -> LoadResult:
         """See :meth:`Client.load_prefix`."""
-        return await asyncio.to_thread(self.client.load_prefix, namespace, tokens, **kwargs)
+        return await _to_thread_whole(self.client.load_prefix, namespace, tokens, **kwargs)
 
     async def store(
         self, namespace: Namespace, tokens: Tokens, payloads: Payloads, **kwargs: Any
     ) -> StoreResult:
         """See :meth:`Client.store`."""
-        return await asyncio.to_thread(self.client.store, namespace, tokens, payloads, **kwargs)
+        return await _to_thread_whole(self.client.store, namespace, tokens, payloads, **kwargs)
 
     async def store_keys(
         self, keys: Sequence[BlockKey], payloads: Payloads, **kwargs: Any
     ) -> StoreResult:
         """See :meth:`Client.store_keys`."""
-        return await asyncio.to_thread(self.client.store_keys, keys, payloads, **kwargs)
+        return await _to_thread_whole(self.client.store_keys, keys, payloads, **kwargs)
 
     async def touch(self, namespace: Namespace, tokens: Tokens, **kwargs: Any) -> int:
         """See :meth:`Client.touch`."""
-        return await asyncio.to_thread(self.client.touch, namespace, tokens, **kwargs)
+        return await _to_thread_whole(self.client.touch, namespace, tokens, **kwargs)
 
     async def delete(self, namespace: Namespace, tokens: Tokens) -> int:
         """See :meth:`Client.delete`."""
-        return await asyncio.to_thread(self.client.delete, namespace, tokens)
+        return await _to_thread_whole(self.client.delete, namespace, tokens)
 
     async def stats(self) -> dict[str, Any]:
         """See :meth:`Client.stats`."""
-        return await asyncio.to_thread(self.client.stats)
+        return await _to_thread_whole(self.client.stats)
 
     async def aclose(self) -> None:
         """Close the client."""
-        await asyncio.to_thread(self.client.close)
+        await _to_thread_whole(self.client.close)
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _to_thread_whole(func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``asyncio.to_thread``, except that a cancellation propagates only once the thread
+    is done (see :class:`AsyncClient`)."""
+    task = asyncio.ensure_future(asyncio.to_thread(func, *args, **kwargs))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
+                await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: the call's own outcome goes with the cancellation
+        raise
 
 
 def _hinted(traffic_class: str | None, hint: Hint | None) -> tuple[str | None, Retain]:

@@ -57,6 +57,7 @@ COUNTERS = (
     "write_failures",
     "write_conflicts",
     "blocks_corrupt",
+    "loads_buffer_changed",
     "blocks_other_payload_len",
     "bad_shards_found",
     "shards_repaired",

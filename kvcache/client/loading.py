@@ -80,11 +80,13 @@ def load_keys(
     traffic_class: str | None = None,
     on_ready: OnReady | None = None,
     retain: Retain = NO_RETAIN,
+    repair: bool = True,
 ) -> LoadResult:
     """Load the hit blocks of ``match``; stops at the first block that cannot be rebuilt.
 
     ``retain`` is the request's hint: its TTL goes with each GET (a pin cannot: the
-    caller pins loaded blocks with a TOUCH)."""
+    caller pins loaded blocks with a TOUCH). ``repair`` False: no read repair and no
+    stripe dropped, whatever the config says (a check of a stripe before it is dropped)."""
     if not isinstance(match, MatchResult):
         raise ArgumentError(f"match must be a MatchResult, got {type(match).__name__}")
     if isinstance(payload_len, bool) or not isinstance(payload_len, int) or payload_len < 1:
@@ -265,8 +267,14 @@ def load_keys(
             "bad_shards_found",
             int(assembly.rejected[:good].sum()) + sum(len(v) for b, v in bad.items() if b < good),
         )
-        if core.config.read_repair:
-            if end < total and examined[end]:
+        if core.config.read_repair and repair:
+            if (
+                end < total
+                and examined[end]
+                and _broken_when_loaded_alone(
+                    core, match, end, payload_len, cls, caller_buffer=out is not None
+                )
+            ):
                 rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
                 _drop_broken(core, assembly, match, rows, end)
             gone = core.gone_mask(view)
@@ -466,6 +474,43 @@ def _stored_payload_len(assembly: LoadAssembly, b: int, stripe: int) -> int | No
     values, counts = np.unique(lengths[intact], return_counts=True)
     best = int(np.argmax(counts))
     return int(values[best]) if counts[best] >= assembly.k else None
+
+
+def _broken_when_loaded_alone(
+    core: ClientCore,
+    match: MatchResult,
+    b: int,
+    payload_len: int,
+    traffic_class: str,
+    *,
+    caller_buffer: bool,
+) -> bool:
+    """Whether block ``b``, which did not verify, also fails a load of its own into memory
+    only this call holds, before its stripe is dropped from every holder. The data shards
+    of a load land in the caller's ``out``: a caller that wrote into it meanwhile (an
+    asyncio task cancelled and its buffer reused) made healthy stripes fail to verify, and
+    they were dropped cluster-wide. Loads into this client's own buffers need no check."""
+    if not caller_buffer:
+        return True
+    one = MatchResult(
+        keys=[match.keys[b]],
+        hit_blocks=1,
+        tokens_per_block=match.tokens_per_block,
+        stripe=match.stripe[b : b + 1].copy(),
+        holders=match.holders[b : b + 1].copy(),
+        best_count=match.best_count[b : b + 1].copy(),
+    )
+    alone = load_keys(core, one, payload_len=payload_len, traffic_class=traffic_class, repair=False)
+    if alone.blocks == 0:
+        return True
+    core.count("loads_buffer_changed")
+    log.warning(
+        "block %s did not verify in the caller's buffer but did alone: the buffer was "
+        "written during the load (its blocks from there on are not returned); the stripe "
+        "is kept",
+        match.keys[b].hex(),
+    )
+    return False
 
 
 def _drop_broken(
