@@ -132,6 +132,27 @@ def test_a_store_of_new_blocks_asks_no_has_and_one_of_stored_blocks_touches_them
         assert has_requests(shared_cluster) > before
 
 
+def test_a_stripe_short_of_a_writes_quorum_is_not_taken_for_stored(
+    shared_cluster: LocalCluster,
+) -> None:
+    """A stripe with k shards or more but fewer than a write leaves (min_write_shards), every
+    holder answering, is what a racing writer leaves while it is still at work, and it rolls
+    that back when it misses its quorum: a store touched such a block and reported it stored,
+    and the block was gone. Now it is rewritten (here refused CONFLICT: its shards are younger
+    than replace_after_s, so the store reports the block failed)."""
+    from kvcache.chaos import ShardFault, plant
+
+    space, tokens = ns("short-of-quorum"), prompt(2, 13)
+    with client_for(shared_cluster, ask_before_store=True) as client:
+        assert client.store(space, tokens, payloads_for(space, tokens)).written == 2
+        key = block_keys(space, tokens)[1]
+        for index in (4, 9):  # 10 of 12 shards left: readable, short of min_write_shards
+            plant(shared_cluster, key, index, ShardFault.MISSING)
+        again = client.store(space, tokens, payloads_for(space, tokens))
+        assert (again.touched, again.written + again.failed) == (1, 1)
+        assert again.failed_blocks in ((), (1,))
+
+
 def test_stopped_holders_hold_up_no_store_of_stored_blocks_nor_a_touch_or_delete(
     cluster_factory: Callable[..., LocalCluster],
 ) -> None:

@@ -151,7 +151,7 @@ def _store(
     blocks (indices into ``keys``) that failed with a CONFLICT from some holder, when not
     ``ask``: the caller stores those again, asking first."""
     config = core.config
-    k, n = config.k, config.n
+    n = config.n
     view = core.view()
     up = core.up_mask(view)
     placement_rows, redirected, order = view.targets(keys, up)
@@ -163,7 +163,8 @@ def _store(
         )
         best = best_counts(without_foreign(held, n=n), len(keys), n=n)
         suspects = core.suspects(keys)
-        present = best >= k
+        stored = _stored_blocks(held, best, read_rows, k=config.k, whole=config.min_write_shards)
+        present = stored.copy()
         for i in suspects:
             present[i] = False
         touched = touch_or_delete(
@@ -171,7 +172,7 @@ def _store(
             retain=retain,
         )  # fmt: skip
         todo = np.flatnonzero(~present)
-        expect = _replaceable(held, placement_rows, best, suspects, k=k)
+        expect = _replaceable(held, placement_rows, stored, suspects)
     else:  # nothing asked, nothing named: a holder keeps any live shard it has
         touched = 0
         todo = np.arange(len(keys))
@@ -276,20 +277,43 @@ def _fresh_expect(
         core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
     )
     best = best_counts(without_foreign(held, n=config.n), len(keys), n=config.n)
-    return _replaceable(held, placement_rows, best, core.suspects(keys), k=config.k)
+    stored = _stored_blocks(held, best, read_rows, k=config.k, whole=config.min_write_shards)
+    return _replaceable(held, placement_rows, stored, core.suspects(keys))
+
+
+def _stored_blocks(
+    held: list[HeldShards],
+    best: npt.NDArray[np.int64],
+    asked: npt.NDArray[np.int64],
+    *,
+    k: int,
+    whole: int,
+) -> npt.NDArray[np.bool_]:
+    """Per block: whether its best stripe counts as stored. That needs as many shards as a
+    write leaves (``whole``, min_write_shards), counting those the holders that did not
+    answer may hold (stopped or slow: a stored block must not be rewritten for them), and
+    at least k found. A stripe short of that with every holder answering is one a writer
+    lost shards of, or one still being written: a racing writer's, which rolls back if it
+    misses its quorum (a store touched it and reported the block stored, and it was gone)."""
+    answered = np.zeros(int(asked.max(initial=-1)) + 2, bool)
+    for h in held:
+        if h.node < len(answered):
+            answered[h.node] = True
+    silent = ((asked >= 0) & ~answered[asked]).sum(axis=1)
+    stored: npt.NDArray[np.bool_] = (best >= k) & (best + silent >= whole)
+    return stored
 
 
 def _replaceable(
     held: list[HeldShards],
     placement_rows: npt.NDArray[np.int64],
-    best: npt.NDArray[np.int64],
+    stored: npt.NDArray[np.bool_],
     suspects: dict[int, int],
-    *,
-    k: int,
 ) -> npt.NDArray[np.uint64]:
     """``expect[b, i]``: the stripe a PUT of shard i of block b may replace on its holder.
 
-    Only stripes that cannot be read (fewer than k shards found) or are known
+    Only stripes of blocks that do not count as stored (:func:`_stored_blocks`: too few
+    shards to read, or fewer than a write leaves with every holder answering) or known
     broken; the daemon still refuses if that shard is younger than its
     ``replace_after_s`` (its writer may be at work).
     """
@@ -302,7 +326,7 @@ def _replaceable(
         if not len(h.ordinal):
             continue
         on_holder = placement_rows[h.ordinal, h.index] == h.node
-        weak = best[h.ordinal] < k
+        weak = ~stored[h.ordinal]
         broken = np.array(
             [suspects.get(int(b)) == int(s) for b, s in zip(h.ordinal, h.stripe, strict=True)],
             bool,
