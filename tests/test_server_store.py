@@ -779,6 +779,31 @@ def test_tenants_are_separate_stores_on_one_node(store: ShardStore) -> None:
     assert store.recount()["used_bytes"] == usage["used_bytes"]
 
 
+def test_a_put_refused_conflict_evicts_nothing_for_it(tmp_path: Path, clock: FakeClock) -> None:
+    """Room was made for every byte of a PUT before its conflicts were known: a re-store of
+    stored blocks (every shard refused CONFLICT, nothing written) evicted as many bytes of
+    other blocks, on a full node and under a tenant's quota alike."""
+    body = 64 << 10
+    mib = 1 << 20
+    quota = Quota(total=14 * (body + 104))
+    with open_store(tmp_path / "db", clock, capacity_bytes=mib, quotas={OTHER: quota}) as store:
+        for tenant in (T, OTHER):
+            for n in range(7):  # 14 of 64 KiB: just under the high watermark (0.9 MiB)
+                shard = block_records(key(n), body_len=body, indices=[0])
+                assert put(store, shard, tenant=tenant) == [Status.OK]
+                clock.step(1)
+        used = store.usage()["used_bytes"]
+        for tenant in (T, OTHER):  # the same blocks again, under another stripe id
+            for n in range(7):
+                again = block_records(key(n), body_len=body, indices=[0], seed=1)
+                assert put(store, again, tenant=tenant) == [Status.CONFLICT]
+        assert store.counters["evicted_shards"] == store.counters["quota_evicted_shards"] == 0
+        assert store.usage()["used_bytes"] == used
+        # A new block still makes room, as before.
+        assert put(store, block_records(key(50), body_len=body, indices=[0])) == [Status.OK]
+        assert store.counters["evicted_shards"] == 1
+
+
 def test_a_tenant_at_its_quota_evicts_its_own_blocks(tmp_path: Path, clock: FakeClock) -> None:
     body = 64 << 10
     quota = 8 * (body + 104)

@@ -589,16 +589,18 @@ class ShardStore:
         # tenant's total quota, not its class quota (docs/spec/retention.md, "Hints"); it
         # was charged to the class, evicting the tenant's unpinned blocks or refused QUOTA.
         pins = self._pin_rooms(passed)
-        incoming: dict[bytes, dict[str, int]] = {}
-        for c in passed:
-            per = incoming.setdefault(c.keys[0][:TENANT_LEN], {})
-            pinned = pins.get(id(c), False)
-            for cls, size in _bytes_by_class(c).items():
-                name = self.policy.resolve(cls)
-                if pinned:
-                    name = decide.stored_class(name, pin=True)  # its partition: no class quota
-                per[name] = per.get(name, 0) + size
+        incoming = self._incoming(passed, pins)
         total = sum(sum(v.values()) for v in incoming.values())
+        if self.book.used + total > self._high or any(TenantId(t) in self.quotas for t in incoming):
+            # Room is made only for what will grow the store: a shard that has a row here
+            # is refused CONFLICT (a re-store of stored blocks: every shard of it) or
+            # replaces one of about its size. All counted, a re-store of a conversation's
+            # prefix evicted as many bytes of other blocks as it sent, and wrote none.
+            with self._env.begin() as txn:
+                held = self._rows_of(txn, [k for c in passed for k in c.keys])
+            if held:
+                incoming = self._incoming(passed, pins, held=held)
+                total = sum(sum(v.values()) for v in incoming.values())
         for tenant, per_class in incoming.items():
             self._make_room_for_quota(TenantId(tenant), per_class)
         self._make_room(
@@ -624,6 +626,34 @@ class ShardStore:
         for c, conflicts in status_updates:
             c.status[[c.positions[j] for j in conflicts]] = Status.CONFLICT
             self.counters["put_conflicts"] += len(conflicts)
+
+    def _incoming(
+        self,
+        passed: list[CheckedPut],
+        pins: dict[int, bool],
+        *,
+        held: dict[bytes, bytes] | None = None,
+    ) -> dict[bytes, dict[str, int]]:
+        """Bytes ``passed`` adds per tenant and stored class; with ``held`` (the rows of its
+        keys this node has), a shard with a row counts only what it is larger than it."""
+        incoming: dict[bytes, dict[str, int]] = {}
+        for c in passed:
+            per = incoming.setdefault(c.keys[0][:TENANT_LEN], {})
+            pinned = pins.get(id(c), False)
+            if held is None:
+                by_class = _bytes_by_class(c)
+            else:
+                by_class = {}
+                for skey, record, cls in zip(c.keys, c.records, c.classes, strict=True):
+                    raw = held.get(skey)
+                    grows = len(record) - (0 if raw is None else ROW.unpack(raw)[2])
+                    by_class[cls] = by_class.get(cls, 0) + max(0, grows)
+            for cls, size in by_class.items():
+                name = self.policy.resolve(cls)
+                if pinned:
+                    name = decide.stored_class(name, pin=True)  # its partition: no class quota
+                per[name] = per.get(name, 0) + size
+        return incoming
 
     def _write_attempt(
         self,
