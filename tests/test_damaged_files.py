@@ -96,6 +96,54 @@ def test_truncated_file_is_refused_with_a_log_line_when_configured(
     assert not (daemon.data_dir / QUARANTINE_NAME).exists()
 
 
+def start_refused(daemon: DaemonProcess) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "server", "--config", str(daemon.config_path),
+         "--data-dir", str(daemon.data_dir), "--listen", "tcp://127.0.0.1:0",
+         "--admin-listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["empty", "missing"])
+def test_an_index_lost_beside_its_segments_is_damage_not_a_new_store(
+    tmp_path: Path, how: str
+) -> None:
+    """An empty or missing data.mdb was taken for a new store, and the start removed every
+    segment file its empty index did not name: every record gone, under refuse too."""
+    daemon = filled(tmp_path, damaged_file="refuse")
+    data_file = daemon.data_dir / "data.mdb"
+    segments = sorted((daemon.data_dir / "segments").glob("*.seg"))
+    assert segments
+    if how == "empty":
+        os.truncate(data_file, 0)
+    else:
+        data_file.unlink()
+    done = start_refused(daemon)
+    assert done.returncode == 1, done.stderr
+    assert f"it is {how}, and {len(segments)} segment file(s)" in done.stderr
+    assert sorted((daemon.data_dir / "segments").glob("*.seg")) == segments  # all kept
+
+
+def test_another_applications_lmdb_file_is_refused(tmp_path: Path) -> None:
+    import lmdb
+
+    data_dir = tmp_path / "data"
+    env = lmdb.open(str(data_dir), max_dbs=2, map_size=1 << 20)
+    users = env.open_db(b"users")
+    with env.begin(write=True) as txn:
+        txn.put(b"alice", b"1", db=users)
+    env.close()
+    daemon = DaemonProcess(tmp_path)
+    done = start_refused(daemon)
+    assert done.returncode == 1, done.stderr
+    assert "another application's LMDB file (it holds ['users']" in done.stderr
+    env = lmdb.open(str(data_dir), max_dbs=4, readonly=True)
+    with env.begin() as txn:  # none of the store's databases was written into it
+        assert [bytes(k) for k, _ in txn.cursor()] == [b"users"]
+    env.close()
+
+
 def raw_put(probe: Probe, shards: list[tuple[bytes, int, bytes]]) -> Message:
     """A PUT's whole reply (its message status too, which Probe.put raises on)."""
     items = make_items(Op.PUT, len(shards), reply=False)

@@ -39,6 +39,7 @@ import lmdb
 from kvcache.errors import StorageError
 from kvcache.server.config import DamagedFile, SyncMode
 from kvcache.server.lmdb_check import check_data_file
+from kvcache.server.segments import SEGMENT_DIR
 
 __all__ = ["QUARANTINE_NAME", "LmdbEnvironment", "storage_error"]
 
@@ -155,6 +156,16 @@ class LmdbEnvironment:
             raise StorageError(
                 f"cannot open LMDB environment in {self.path}: {exc}", kind="storage"
             ) from exc
+        foreign = self._foreign_names()
+        if foreign:
+            self.env.close()
+            os.close(self._lockfile)
+            raise StorageError(
+                f"{self.path / 'data.mdb'} is another application's LMDB file (it holds "
+                f"{foreign}, which no kvcache store writes): give the daemon a data directory "
+                "of its own",
+                kind="storage",
+            )
         # Store format v5 on: one key per (tenant, block key), a fixed-size row per shard held
         # as its sorted duplicates (kvcache.server.records). A v4 directory's `shards` and
         # `retention` databases are never opened: the store's format check refuses it.
@@ -217,11 +228,21 @@ class LmdbEnvironment:
             return self._open(opening)
         return env
 
+    def _foreign_names(self) -> list[str]:
+        """Keys of the main database that are not a kvcache store's (its named databases,
+        of this format or an earlier one): another application's file, which the store
+        adopted and wrote its databases into."""
+        with self.env.begin() as txn:
+            names = [bytes(k) for k, _ in txn.cursor()]
+        return [n.decode(errors="replace") for n in names if n not in _OWN_DATABASES]
+
     def _check_file(self, damaged_file: DamagedFile) -> None:
         """Refuse or quarantine a data file LMDB may not map (see kvcache.server.lmdb_check);
         called with the directory lock held, before LMDB opens anything."""
         data = self.path / "data.mdb"
         reason = check_data_file(data)
+        if reason is None:
+            reason = _index_lost(self.path, data)
         if reason is None:
             return
         if damaged_file is DamagedFile.REFUSE:
@@ -234,7 +255,8 @@ class LmdbEnvironment:
             )
         aside = self.path / QUARANTINE_NAME
         try:
-            os.replace(data, aside)
+            with contextlib.suppress(FileNotFoundError):  # missing: nothing to move aside
+                os.replace(data, aside)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path / "lock.mdb")
         except OSError as exc:
@@ -365,3 +387,25 @@ def _lock_dir(path: Path) -> int:
             kind="storage",
         ) from None
     return fd
+
+
+#: Named databases kvcache stores have had (index, expiry, meta; shards and retention up to
+#: store format v4, which the store's format check then refuses by name).
+_OWN_DATABASES = frozenset({b"index", b"expiry", b"meta", b"shards", b"retention"})
+
+
+def _index_lost(path: Path, data: Path) -> str | None:
+    """Why an index file that is missing or empty, beside segment files holding records, is
+    not a new store: LMDB would start it afresh, and the start then removed every segment
+    its empty index does not name (every record, under ``damaged_file = refuse`` too)."""
+    try:
+        size = data.stat().st_size
+    except FileNotFoundError:
+        size = -1
+    if size > 0:
+        return None
+    segs = [p for p in (path / SEGMENT_DIR).glob("*.seg") if p.stat().st_size > 0]
+    if not segs:
+        return None
+    state = "missing" if size < 0 else "empty"
+    return f"it is {state}, and {len(segs)} segment file(s) in {SEGMENT_DIR}/ hold records"

@@ -65,7 +65,7 @@ from kvcache.retention.decide import Applied, WriteAction, clamp
 from kvcache.retention.policy import RetentionPolicy
 from kvcache.server.accounting import Deltas, UsageBook
 from kvcache.server.config import DamagedFile, SyncMode, default_map_size
-from kvcache.server.eviction import Quota, capacity_tiers, quota_needs
+from kvcache.server.eviction import Quota, QuotaNeed, capacity_tiers, quota_needs
 from kvcache.server.lmdb_env import LmdbEnvironment, storage_error
 from kvcache.server.records import (
     BLOCK_LEN,
@@ -591,13 +591,20 @@ class ShardStore:
         pins = self._pin_rooms(passed)
         incoming = self._incoming(passed, pins)
         total = sum(sum(v.values()) for v in incoming.values())
-        if self.book.used + total > self._high or any(TenantId(t) in self.quotas for t in incoming):
+        if self.book.used + total > self._high or any(
+            self._quota_needs(TenantId(t), per_class)[1] for t, per_class in incoming.items()
+        ):
             # Room is made only for what will grow the store: a shard that has a row here
             # is refused CONFLICT (a re-store of stored blocks: every shard of it) or
             # replaces one of about its size. All counted, a re-store of a conversation's
             # prefix evicted as many bytes of other blocks as it sent, and wrote none.
-            with self._env.begin() as txn:
-                held = self._rows_of(txn, [k for c in passed for k in c.keys])
+            try:
+                with self._env.begin() as txn:
+                    held = self._rows_of(txn, [k for c in passed for k in c.keys])
+            except lmdb.Error as exc:
+                raise self.failed(
+                    exc, f"looking up the rows of {len(passed)} PUT batch(es)"
+                ) from exc
             if held:
                 incoming = self._incoming(passed, pins, held=held)
                 total = sum(sum(v.values()) for v in incoming.values())
@@ -841,11 +848,13 @@ class ShardStore:
             earliest = min(earliest, expiry)
         return earliest
 
-    def _make_room_for_quota(self, tenant: TenantId, incoming: dict[str, int]) -> None:
-        """Evict the tenant's own shards so ``incoming`` fits its quotas, or raise QuotaError."""
+    def _quota_needs(
+        self, tenant: TenantId, incoming: dict[str, int]
+    ) -> tuple[dict[bytes, int], list[QuotaNeed]]:
+        """The tenant's partitions (bytes each) and what it must free for ``incoming``."""
         quota = self.quotas.get(tenant)
-        if quota is None:
-            return
+        if quota is None or (quota.total is None and not quota.classes):
+            return {}, []
         parts = {p: self.book.partition_bytes(p) for p in self.book.partitions(tenant)}
         class_bytes = {p[TENANT_LEN:].rstrip(b"\x00").decode(): n for p, n in parts.items()}
         needs = quota_needs(
@@ -854,6 +863,11 @@ class ShardStore:
             class_bytes=class_bytes,
             incoming=incoming,
         )
+        return parts, needs
+
+    def _make_room_for_quota(self, tenant: TenantId, incoming: dict[str, int]) -> None:
+        """Evict the tenant's own shards so ``incoming`` fits its quotas, or raise QuotaError."""
+        parts, needs = self._quota_needs(tenant, incoming)
         for need in needs:
             scope = (
                 list(parts)
