@@ -598,9 +598,18 @@ class ShardStore:
             # is refused CONFLICT (a re-store of stored blocks: every shard of it) or
             # replaces one of about its size. All counted, a re-store of a conversation's
             # prefix evicted as many bytes of other blocks as it sent, and wrote none.
+            # A batch's first shard tells a re-store (its earliest block is held) from new
+            # blocks, in one lookup: the whole batch is looked up only then (all of it cost
+            # 140 us a PUT of 128 shards of new blocks on a full node).
             try:
                 with self._env.begin() as txn:
-                    held = self._rows_of(txn, [k for c in passed for k in c.keys])
+                    index = self._index
+                    firsts = (txn.get(c.keys[0][:BLOCK_LEN], db=index) for c in passed)
+                    held = (
+                        self._rows_of(txn, [k for c in passed for k in c.keys])
+                        if any(row is not None for row in firsts)
+                        else {}
+                    )
             except lmdb.Error as exc:
                 raise self.failed(
                     exc, f"looking up the rows of {len(passed)} PUT batch(es)"
