@@ -402,3 +402,33 @@ def test_a_stopped_io_worker_is_killed_and_the_load_goes_on(
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped, signal.SIGCONT)
+
+
+def test_a_busy_worker_sends_heartbeats_and_an_idle_one_none() -> None:
+    """A worker's store of many chunks says nothing until it is done, and the pool took a
+    healthy one for a stopped one and killed it: a worker with a request now sends a
+    heartbeat every quarter of the pool's stall time."""
+    import multiprocessing
+
+    from kvcache.client.pool_messages import Started
+    from kvcache.client.pool_worker import _Channel
+
+    ours, theirs = multiprocessing.Pipe()
+    channel = _Channel(theirs, stall_s=0.4)
+    try:
+        channel.busy(True)
+        beats = 0
+        deadline = time.monotonic() + 10
+        while beats < 3 and time.monotonic() < deadline:
+            if ours.poll(1.0):
+                assert isinstance(ours.recv(), Started)
+                beats += 1
+        assert beats == 3
+        channel.busy(False)
+        while ours.poll(0.3):  # one may have been on its way
+            ours.recv()
+        assert not ours.poll(0.5)  # idle: nothing for several heartbeats' time
+    finally:
+        channel.close()
+        ours.close()
+        theirs.close()

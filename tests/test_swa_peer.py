@@ -672,3 +672,35 @@ def test_a_state_over_the_reply_limit_is_held_but_not_advertised(cluster: LocalC
     finally:
         tier.close()
         client.close()
+
+
+def test_an_idle_connection_after_pipelined_requests_is_not_cut_off() -> None:
+    """Two requests in one send whose replies could not go out at once: the second was
+    answered later, from the send path, and the connection kept the first's start time, so
+    once idle it was cut off as a request too slow to arrive."""
+    store = SwaStore(max_bytes=64 << 20)
+    for n in (1, 2):
+        store.put(skey(n), blob(n, 12 << 20))  # larger than the socket's send buffer
+    with PeerServer(store, tenant=TENANT, incarnation=42, request_timeout_s=0.3) as server:
+        server.start()
+        sock = open_session(server.endpoint, tenant="default", secret=SECRET, timeout_s=5, node="p")
+        sock.settimeout(10)
+        reader = MessageReader(limits=Limits(max_data_bytes=64 << 20), replies=True)
+
+        def reply() -> tuple[int, Status]:
+            while (message := reader.next_message()) is None:
+                got = sock.recv_into(reader.recv_buffer())
+                assert got, "the peer closed the connection"
+                reader.commit(got)
+            return message.header.request_id, message.header.status
+
+        one, two = get_request(7, [(skey(1), 42)]), get_request(8, [(skey(2), 42)])
+        sock.sendall(one + two)
+        assert [reply(), reply()] == [(7, Status.OK), (8, Status.OK)]
+        idle_until = time.monotonic() + 1.0  # past the request's grace, with nothing sent
+        while time.monotonic() < idle_until:
+            time.sleep(0.1)
+        sock.sendall(one)
+        assert reply() == (7, Status.OK)
+        sock.close()
+        assert server.counters["requests_cut_off"] == 0

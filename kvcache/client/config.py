@@ -63,9 +63,9 @@ class ClientConfig:
     #: With N > 0, buffers from ``Client.alloc_buffer`` are written and read by the workers
     #: directly (shared memory); see kvcache.client.pool.
     io_processes: int = 0
-    #: An I/O worker silent this long while a request waits on it is taken for hung
-    #: (stopped, deadlocked) and killed; its requests fail as a dead worker's do. At least
-    #: 5x ``timeout_s``.
+    #: An I/O worker silent this long while a request waits on it is taken for stopped and
+    #: killed; its requests fail as a dead worker's do. At least 5x ``timeout_s``; a busy
+    #: worker sends a heartbeat every quarter of it.
     io_stall_s: float = 10.0
     #: Put back shards a load found bad or missing on their holders (read repair; see
     #: repair_down_after_s for holders that are down), and drop a stripe that no k of its

@@ -24,6 +24,7 @@ and deletes stay in the calling process (they move no bulk bytes).
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import multiprocessing.connection
@@ -113,9 +114,9 @@ class ClientPool:
         #: Per worker, when it last said something or was given work while idle.
         self._heard: list[float] = []
         #: A worker that says nothing this long while a request waits on it is taken for
-        #: hung (stopped, deadlocked): killed, its requests fail as a dead worker's do. A
-        #: load reports each verified chunk; each exchange of a worker's is bounded by
-        #: ``timeout_s``, so a live worker speaks well within 5x that.
+        #: hung (stopped): killed, its requests fail as a dead worker's do. A worker with a
+        #: request sends a heartbeat every quarter of it (pool_worker), however long the
+        #: request takes (a store of many chunks says nothing else until it is done).
         self._stall_s = max(config.io_stall_s, 5 * config.timeout_s)
         #: Why the pool takes no more work (a worker died), or None: the client then moves
         #: the bytes in its own process (Client falls back), and nothing waits on the pool.
@@ -150,7 +151,7 @@ class ClientPool:
             self._procs.append(proc)
             self._heard.append(time.monotonic())
             try:
-                conn.send(self.config)
+                conn.send((self.config, max(self.config.io_stall_s, 5 * self.config.timeout_s)))
             except OSError as exc:
                 raise ClusterError(
                     f"an I/O worker (pid {proc.pid}) hung up at start: {exc}"
@@ -214,12 +215,15 @@ class ClientPool:
             # statvfs check above cannot see what is promised and not yet touched.
             os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
         except OSError as exc:
-            shm.close()
-            shm.unlink()
-            raise ClusterError(
-                f"/dev/shm cannot hold a buffer of {size} bytes ({exc.strerror}): enlarge "
-                "/dev/shm, free buffers, or use io_processes = 0"
-            ) from None
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                pass  # a file system without allocation: the statvfs check is all there is
+            else:
+                shm.close()
+                shm.unlink()
+                raise ClusterError(
+                    f"/dev/shm cannot hold a buffer of {size} bytes ({exc.strerror}): enlarge "
+                    "/dev/shm, free buffers, or use io_processes = 0"
+                ) from None
         with self._buffers_lock:
             self._buffers[shm.name] = shm
         array: npt.NDArray[np.uint8] = np.ndarray((rows, row_bytes), np.uint8, buffer=shm.buf)
@@ -477,7 +481,7 @@ class ClientPool:
         if self.broken is not None:
             raise ClusterError(f"the client's I/O pool takes no work: {self.broken}")
         index = next(self._next_worker) % self.size if worker is None else worker
-        if all(w != index for _, w in self._waiting.values()):
+        if all(w != index for _, w in list(self._waiting.values())):  # others post and pop
             self._heard[index] = time.monotonic()  # idle until now: its clock starts here
         self._waiting[request_id] = (replies, index)
         try:

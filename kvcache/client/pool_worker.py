@@ -15,6 +15,7 @@ import logging
 import multiprocessing.connection
 import os
 import sys
+import threading
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -98,7 +99,43 @@ def _keys(raw: bytes) -> list[BlockKey]:
     return [BlockKey(raw[i : i + 16]) for i in range(0, len(raw), 16)]
 
 
-def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfig) -> None:
+class _Channel:
+    """The worker's end of the pool's socket pair: sends from the request loop, the load's
+    callback and the heartbeat thread, one at a time."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, stall_s: float) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+        self._busy = threading.Event()
+        self._stop = threading.Event()
+        self._every = max(0.05, stall_s / 4)
+        threading.Thread(target=self._beat, name="kvcache-io-heartbeat", daemon=True).start()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def busy(self, on: bool) -> None:
+        (self._busy.set if on else self._busy.clear)()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        """While a request runs, a heartbeat (``Started``) every quarter of the pool's stall
+        time: a store of many chunks says nothing else until it is done, and the pool took
+        it for a stopped worker and killed it. A stopped process sends none."""
+        while not self._stop.wait(self._every):
+            if self._busy.is_set():
+                try:
+                    self.send(Started())
+                except OSError:
+                    return
+
+
+def worker_main(
+    conn: multiprocessing.connection.Connection, config: ClientConfig, stall_s: float = 10.0
+) -> None:
     """Serve the pool's requests, one at a time, until :class:`Close` or the pool is gone."""
     try:
         client = Client(config)
@@ -106,12 +143,14 @@ def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfi
         conn.send(Started(error=repr(exc)))
         return
     conn.send(Started())
+    channel = _Channel(conn, stall_s)
     buffers = _Buffers()
     try:
         while True:
             request = conn.recv()
             if isinstance(request, Close):
                 return
+            channel.busy(True)
             try:
                 if isinstance(request, LoadRequest):
                     keys = _keys(request.keys)
@@ -131,7 +170,7 @@ def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfi
                     )
 
                     def ready(first: int, stop: int, request_id: int = request.request_id) -> None:
-                        conn.send(Ready(request_id=request_id, first=first, stop=stop))
+                        channel.send(Ready(request_id=request_id, first=first, stop=stop))
 
                     result = client.load_keys(
                         match,
@@ -140,7 +179,7 @@ def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfi
                         traffic_class=request.traffic_class,
                         on_ready=ready,
                     )
-                    conn.send(Loaded(request_id=request.request_id, blocks=result.blocks))
+                    channel.send(Loaded(request_id=request.request_id, blocks=result.blocks))
                 elif isinstance(request, StoreRequest):
                     keys = _keys(request.keys)
                     source = buffers.rows(
@@ -152,7 +191,7 @@ def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfi
                         payload_len=request.payload_len,
                         traffic_class=request.traffic_class,
                     )
-                    conn.send(
+                    channel.send(
                         Stored(
                             request_id=request.request_id,
                             written=stored.written,
@@ -161,16 +200,18 @@ def worker_main(conn: multiprocessing.connection.Connection, config: ClientConfi
                         )
                     )
                 elif isinstance(request, CountersRequest):
-                    conn.send(Counters(request_id=request.request_id, counters=client.counters))
+                    channel.send(Counters(request_id=request.request_id, counters=client.counters))
                 else:
                     log.error("I/O worker: unknown request %r", request)
             except Exception as exc:  # one failed request must not kill the worker
                 log.warning("I/O worker request failed", exc_info=True)
-                conn.send(Failed(request_id=request.request_id, error=repr(exc)))
+                channel.send(Failed(request_id=request.request_id, error=repr(exc)))
+            channel.busy(False)
             buffers.forget_released()
     except (EOFError, OSError, KeyboardInterrupt):
         return
     finally:
+        channel.close()
         client.close()
         buffers.close()
 
@@ -179,5 +220,6 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    channel = multiprocessing.connection.Connection(int(sys.argv[1]))
-    worker_main(channel, channel.recv())
+    pipe = multiprocessing.connection.Connection(int(sys.argv[1]))
+    config, stall_s = pipe.recv()
+    worker_main(pipe, config, stall_s)

@@ -274,9 +274,10 @@ class AdminServer:
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
         self._error: BaseException | None = None
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
-        self._open: set[asyncio.BaseTransport] = set()
+        self._listeners: list[socket.socket] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        #: Open connections and when each opened (monotonic seconds).
+        self._open: dict[asyncio.BaseTransport, float] = {}
         self._warned_at = -math.inf
         #: Connections closed on arrival (too many open), cut at their age, failed accepts.
         self.counters = {"refused": 0, "aged_out": 0, "accept_errors": 0}
@@ -311,10 +312,10 @@ class AdminServer:
         try:
             self._loop.run_forever()
         finally:
-            if self._accepting is not None:
-                self._accepting.cancel()
-            if self._listener is not None:
-                self._listener.close()
+            for task in self._tasks:
+                task.cancel()
+            for listener in self._listeners:
+                listener.close()
             if self._runner is not None:
                 self._loop.run_until_complete(self._runner.cleanup())
             self._loop.close()
@@ -323,22 +324,37 @@ class AdminServer:
         runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
         await runner.setup()
         self._runner = runner
-        family, kind, proto, _, address = socket.getaddrinfo(
-            self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        listener = socket.socket(family, kind, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(address)
-            listener.listen(128)
-            listener.setblocking(False)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        host, port = listener.getsockname()[:2]
+        # Every address the host resolves to, as aiohttp's own site binds them (a name like
+        # localhost may be ::1 and 127.0.0.1); port 0 takes the first one's port for all.
+        port = self._port
+        seen: set[tuple[Any, ...]] = set()
+        infos = socket.getaddrinfo(
+            self._host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in infos:
+            if address in seen:
+                continue
+            seen.add(address)
+            listener = socket.socket(family, kind, proto)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                listener.bind((address[0], port, *address[2:]))
+                listener.listen(128)
+                listener.setblocking(False)
+            except OSError:
+                listener.close()
+                for other in self._listeners:
+                    other.close()
+                raise
+            self._listeners.append(listener)
+            port = listener.getsockname()[1]
+        host = self._listeners[0].getsockname()[0]
         self.url = f"http://{_url_host(host)}:{port}"
-        self._accepting = self._loop.create_task(self._accept(listener, runner))
+        for listener in self._listeners:
+            self._tasks.append(self._loop.create_task(self._accept(listener, runner)))
+        self._tasks.append(self._loop.create_task(self._age_out()))
 
     async def _accept(self, listener: socket.socket, runner: web.AppRunner) -> None:
         """Hand accepted connections to aiohttp, within the bounds (module docstring)."""
@@ -348,7 +364,9 @@ class AdminServer:
         while True:
             try:
                 conn, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # out of descriptors, say: the data path needs them more
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # out of descriptors, say: the data path needs them more
                 self.counters["accept_errors"] += 1
                 now = time.monotonic()
                 if now - self._warned_at >= _ACCEPT_WARN_EVERY_S:
@@ -356,23 +374,36 @@ class AdminServer:
                     log.warning("admin HTTP: accept failed (%s); %d open", exc, len(self._open))
                 await asyncio.sleep(0.05)
                 continue
-            self._open = {t for t in self._open if not t.is_closing()}
+            self._open = {t: at for t, at in self._open.items() if not t.is_closing()}
             if len(self._open) >= self._max_connections:
                 self.counters["refused"] += 1
                 conn.close()
                 continue
             try:
                 transport, _ = await loop.connect_accepted_socket(server, conn)
-            except OSError:
+            except asyncio.CancelledError:
+                conn.close()
+                raise
+            except Exception as exc:  # the loop must go on: the admin port would hang
+                log.warning("admin HTTP: a connection could not be served: %s", exc)
                 conn.close()
                 continue
-            self._open.add(transport)
-            loop.call_later(self._connection_max_s, self._age_out, transport)
+            self._open[transport] = time.monotonic()
 
-    def _age_out(self, transport: asyncio.BaseTransport) -> None:
-        if not transport.is_closing():
-            self.counters["aged_out"] += 1
-            transport.abort()  # type: ignore[attr-defined]
+    async def _age_out(self) -> None:
+        """Cut connections open longer than ``connection_max_s``, checked a few times
+        within it (one sweep, not a timer a connection: those kept closed connections)."""
+        every = max(0.05, self._connection_max_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for transport, opened in list(self._open.items()):
+                if transport.is_closing():
+                    del self._open[transport]
+                elif now - opened > self._connection_max_s:
+                    self.counters["aged_out"] += 1
+                    transport.abort()  # type: ignore[attr-defined]
+                    del self._open[transport]
 
 
 def _url_host(host: str) -> str:

@@ -339,6 +339,8 @@ class PeerServer:
                 self._send(conn, self.answer(message))
         finally:
             conn.answering = False
+            if conn.reader.idle:  # nothing half received: no request is timed any more
+                conn.request_started = 0.0
 
     # ------------------------------------------------------------------ requests
 

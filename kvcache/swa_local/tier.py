@@ -150,12 +150,13 @@ class SwaTier:
             # Held for this worker's own use; no peer could fetch it (the reply would pass
             # the wire's data limit), so it is not advertised.
             self._count("unpublished_too_large")
-            log.warning(
-                "SWA state of %d bytes is over the peers' reply limit (%d): held here, not "
-                "published",
-                state.nbytes,
-                self.server.limits.max_data_bytes,
-            )
+            if self.counters["unpublished_too_large"] == 1:  # once: the counter says the rest
+                log.warning(
+                    "SWA state of %d bytes is over the peers' reply limit (%d): held here, "
+                    "not published (counter unpublished_too_large)",
+                    state.nbytes,
+                    self.server.limits.max_data_bytes,
+                )
             return state
         if publish and self.endpoint:
             with self._idle:
