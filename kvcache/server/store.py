@@ -651,8 +651,10 @@ class ShardStore:
         held: dict[bytes, bytes] | None = None,
     ) -> dict[bytes, dict[str, int]]:
         """Bytes ``passed`` adds per tenant and stored class; with ``held`` (the rows of its
-        keys this node has), a shard with a row counts only what it is larger than it."""
+        keys this node has), a shard with a row in the partition it is written to counts
+        only what it is larger than that row (one moving partitions counts whole there)."""
         incoming: dict[bytes, dict[str, int]] = {}
+        names = self.classes.names
         for c in passed:
             per = incoming.setdefault(c.keys[0][:TENANT_LEN], {})
             pinned = pins.get(id(c), False)
@@ -661,9 +663,14 @@ class ShardStore:
             else:
                 by_class = {}
                 for skey, record, cls in zip(c.keys, c.records, c.classes, strict=True):
+                    grows = len(record)
                     raw = held.get(skey)
-                    grows = len(record) - (0 if raw is None else ROW.unpack(raw)[2])
-                    by_class[cls] = by_class.get(cls, 0) + max(0, grows)
+                    if raw is not None:
+                        _index, cid, size = ROW.unpack(raw)[:3]
+                        name = decide.stored_class(self.policy.resolve(cls), pin=pinned)
+                        if names[cid] == name:
+                            grows = max(0, grows - size)
+                    by_class[cls] = by_class.get(cls, 0) + grows
             for cls, size in by_class.items():
                 name = self.policy.resolve(cls)
                 if pinned:
