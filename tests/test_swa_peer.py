@@ -440,10 +440,19 @@ def test_thousands_of_pipelined_requests_are_answered_one_after_another(
     assert [None if g is None else bytes(g) for g in got] == [blob(3)]
 
 
+def _answer_handshake(conn: socket.socket) -> None:
+    """The holder's side of the session handshake, as the worker's tenant."""
+    handshake = ServerHandshake({TENANT.name: TENANT}.get)
+    conn.sendall(handshake.hello())
+    auth = b""
+    while len(auth) < AUTH_BYTES:
+        auth += conn.recv(AUTH_BYTES - len(auth))
+    conn.sendall(handshake.answer(auth)[0])
+
+
 def test_a_kept_connection_keeps_a_shorter_deadline_too(transport: TcpPeerTransport) -> None:
     """A connection armed for a long fetch, then used for a short one against a holder that
     has stopped answering, still gives up at the short one's deadline."""
-    tenant_lookup = {TENANT.name: TENANT}.get
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     release = threading.Event()
@@ -451,12 +460,7 @@ def test_a_kept_connection_keeps_a_shorter_deadline_too(transport: TcpPeerTransp
     def holder() -> None:  # answers the first request, then reads and keeps silent
         conn, _ = listener.accept()
         with conn:
-            handshake = ServerHandshake(tenant_lookup)
-            conn.sendall(handshake.hello())
-            auth = b""
-            while len(auth) < AUTH_BYTES:
-                auth += conn.recv(AUTH_BYTES - len(auth))
-            conn.sendall(handshake.answer(auth)[0])
+            _answer_handshake(conn)
             reader = MessageReader(limits=Limits())
             for answered in range(2):
                 while (message := reader.next_message()) is None:
@@ -535,7 +539,6 @@ def _scripted_holder(
     """A holder with the tenant's secret that answers each request with ``state`` after a
     pause, in pieces of 64 KiB each followed by a pause: ``answer[i]`` = (pause first,
     pause per piece). Returns its endpoint and a stop function."""
-    tenant_lookup = {TENANT.name: TENANT}.get
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     stop = threading.Event()
@@ -543,12 +546,7 @@ def _scripted_holder(
     def holder() -> None:
         conn, _ = listener.accept()
         with conn:
-            handshake = ServerHandshake(tenant_lookup)
-            conn.sendall(handshake.hello())
-            auth = b""
-            while len(auth) < AUTH_BYTES:
-                auth += conn.recv(AUTH_BYTES - len(auth))
-            conn.sendall(handshake.answer(auth)[0])
+            _answer_handshake(conn)
             reader = MessageReader(limits=Limits())
             with contextlib.suppress(OSError):
                 for first, per_piece in answer:

@@ -79,6 +79,15 @@ def default_map_size(capacity_bytes: int) -> int:
     return int(capacity_bytes * 1.5) + (64 << 20)
 
 
+#: Duration settings that must be above zero.
+_POSITIVE_DURATIONS = (
+    "sync_interval_s",
+    "touch_flush_s",
+    "handshake_timeout_s",
+    "send_timeout_s",
+    "request_timeout_s",
+    "request_grace_s",
+)
 #: The longest duration setting: a year (threading's waits overflow near 292 years).
 _MAX_DURATION_S = 365 * 86_400.0
 #: ZMQ's high-water marks are C ints (the replay socket's is events_replay_batches + 2).
@@ -262,27 +271,12 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.min_request_rate < 0:
             raise ConfigError(f"min_request_rate must be >= 0, got {self.min_request_rate}")
-        for name in (
-            "sync_interval_s",
-            "touch_flush_s",
-            "handshake_timeout_s",
-            "send_timeout_s",
-            "request_timeout_s",
-            "request_grace_s",
-        ):
+        for name in _POSITIVE_DURATIONS:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in (  # a thread's wait past threading.TIMEOUT_MAX is an OverflowError
-            "sync_interval_s",
-            "touch_flush_s",
-            "handshake_timeout_s",
-            "send_timeout_s",
-            "request_timeout_s",
-            "request_grace_s",
-            "replace_after_s",
-            "scrub_interval_s",
-            "touch_resolution_s",
-        ):
+        # A thread's wait past threading.TIMEOUT_MAX is an OverflowError.
+        for name in (*_POSITIVE_DURATIONS, "replace_after_s", "scrub_interval_s",
+                     "touch_resolution_s"):  # fmt: skip
             if getattr(self, name) > _MAX_DURATION_S:
                 raise ConfigError(
                     f"{name} must be at most {_MAX_DURATION_S:.0f} s (a year), "
