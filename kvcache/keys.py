@@ -2,8 +2,12 @@
 
 ``key_0 = H(seed, tokens[0:B])`` and ``key_i = H(key_{i-1}, tokens[iB:(i+1)B])``
 where ``H`` is xxh3-128 over a domain tag, the 16-byte parent and the block's
-token ids as little-endian uint32. A key therefore names a block *and
-everything before it*. The seed is derived from a :class:`Namespace`, which
+token ids as little-endian uint32, except that a block whose index is not a
+multiple of the namespace's placement group keeps its parent's first
+:data:`PLACEMENT_TAG_BYTES` bytes: the placement tag. A key therefore names a
+block *and everything before it*, and the blocks of one group (about 8 MiB of
+consecutive blocks of a prompt) share their holders (:mod:`kvcache.placement`),
+so a call for a prompt's blocks asks a dozen nodes, not a dozen per block. The seed is derived from a :class:`Namespace`, which
 covers everything that makes KV bytes incompatible, so two models, layouts,
 ranks or tenants never share a key.
 
@@ -32,6 +36,8 @@ from kvcache.layout import KVLayout
 
 __all__ = [
     "BLOCK_TAG",
+    "BLOCK_TAG_V1",
+    "PLACEMENT_TAG_BYTES",
     "KEY_BYTES",
     "NAMESPACE_TAG",
     "BlockKey",
@@ -41,14 +47,25 @@ __all__ = [
     "as_token_array",
     "block_keys",
     "full_blocks",
+    "group_blocks_for",
+    "placement_group_blocks",
 ]
 
-#: Domain tag hashed in front of every block key.
-BLOCK_TAG = b"kvcache:block:v1\x00"
+#: Domain tag hashed in front of every block key (version 2: placement groups).
+BLOCK_TAG = b"kvcache:block:v2\x00"
+#: Version 1's tag: keys without placement groups (docs/spec/hashing.md, section 5).
+BLOCK_TAG_V1 = b"kvcache:block:v1\x00"
 #: Domain tag hashed in front of every namespace seed.
 NAMESPACE_TAG = b"kvcache:namespace:v1\x00"
 #: Length of a block key and of a namespace seed in bytes.
 KEY_BYTES = 16
+
+#: Leading bytes of a block key that decide where it is placed: shared by a placement group.
+PLACEMENT_TAG_BYTES = 4
+#: Payload bytes of blocks a placement group aims at (a power of two of blocks within it).
+PLACEMENT_GROUP_BYTES = 8 << 20
+#: Most blocks in one placement group.
+MAX_PLACEMENT_GROUP_BLOCKS = 64
 
 BlockKey = NewType("BlockKey", bytes)
 #: Prompts of at least this many blocks are keyed in one native call (shorter ones pay
@@ -114,6 +131,11 @@ class Namespace:
         """Tokens in one block of this namespace."""
         return self.layout.tokens_per_block
 
+    @property
+    def group_blocks(self) -> int:
+        """Blocks in one placement group of this namespace (:func:`placement_group_blocks`)."""
+        return placement_group_blocks(self.layout)
+
 
 def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArray:
     """Token ids as a contiguous little-endian uint32 array; rejects ids outside 0..2**32-1."""
@@ -140,6 +162,23 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArra
     return out if _NATIVE_IS_LE else out.astype("<u4")
 
 
+def placement_group_blocks(layout: KVLayout) -> int:
+    """Blocks in one placement group of ``layout``: the largest power of two of blocks whose
+    payload fits :data:`PLACEMENT_GROUP_BYTES`, at most :data:`MAX_PLACEMENT_GROUP_BLOCKS`,
+    at least 1 (64 for DeepSeek-V4.1's 112 KiB blocks, 4 for 2 MiB ones).
+
+    A group's blocks share their 12 holders: a call for a prompt's blocks touches about a
+    dozen nodes per group whatever the cluster's size (issue 21), and a hot prefix's group
+    is served by a dozen nodes, which bounds the group's bytes."""
+    return group_blocks_for(layout.payload_bytes)
+
+
+def group_blocks_for(block_bytes: int) -> int:
+    """:func:`placement_group_blocks` for blocks of ``block_bytes`` payload bytes."""
+    fit = max(1, PLACEMENT_GROUP_BYTES // max(1, block_bytes))
+    return min(MAX_PLACEMENT_GROUP_BLOCKS, 1 << (fit.bit_length() - 1))
+
+
 def full_blocks(n_tokens: int, tokens_per_block: int) -> int:
     """Number of full blocks in ``n_tokens`` tokens; a partial tail block has no key."""
     return n_tokens // tokens_per_block
@@ -163,15 +202,23 @@ def block_keys(
         count = min(count, max_blocks)
     raw = arr[: count * block].tobytes()
     step = block * 4
+    group = namespace.group_blocks
     if count >= _NATIVE_CHAIN_MIN and native.AVAILABLE:
         # One native call for the whole chain: 2.6 ms of Python for a 4,096-block prompt.
-        return cast(list[BlockKey], native.chain_keys(namespace.seed, BLOCK_TAG, raw, step, count))
+        return cast(
+            list[BlockKey],
+            native.chain_keys(
+                namespace.seed, BLOCK_TAG, raw, step, count, group, PLACEMENT_TAG_BYTES
+            ),
+        )
     parent = namespace.seed
     keys: list[BlockKey] = []
     append = keys.append
     digest = xxhash.xxh3_128_digest
+    tag = PLACEMENT_TAG_BYTES
     # One C call per block (not per token); concatenating is cheaper than a streaming hasher.
-    for start in range(0, count * step, step):
-        parent = digest(BLOCK_TAG + parent + raw[start : start + step])
+    for i, start in enumerate(range(0, count * step, step)):
+        own = digest(BLOCK_TAG + parent + raw[start : start + step])
+        parent = own if i % group == 0 else parent[:tag] + own[tag:]
         append(BlockKey(parent))
     return keys

@@ -1,5 +1,11 @@
 """Placement: which nodes hold a block's shards — a pure function of (cluster map, key).
 
+**By the key's placement tag.** Only a key's first :data:`~kvcache.keys.PLACEMENT_TAG_BYTES`
+bytes place it: the blocks of one placement group of a prompt share them
+(``docs/spec/hashing.md``), and so their holders, in the same order. A call for a
+prompt's blocks then asks about a dozen nodes per group (about 8 MiB of blocks) however
+many nodes the cluster has (issue 21), and a group's rows are computed once.
+
 **Sequential per-position rendezvous.** Position ``p`` of a key (shard index
 ``p`` for ``p < width``, spill positions after that) goes to the node with the
 highest weighted rendezvous score ``-weight / ln(u)``, where ``u`` is uniform in
@@ -35,6 +41,7 @@ per position over a (keys, nodes) array).
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from collections.abc import Sequence
 
@@ -44,7 +51,7 @@ import xxhash
 
 from kvcache.cluster import ClusterMap, NodeInfo, NodeState
 from kvcache.errors import ConfigError
-from kvcache.keys import KEY_BYTES, BlockKey
+from kvcache.keys import KEY_BYTES, PLACEMENT_TAG_BYTES, BlockKey
 
 __all__ = [
     "NODE_TAG",
@@ -62,7 +69,9 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 #: Default spill depth: positions past the stripe width a placement computes.
 DEFAULT_SPILL = 4
-#: Keys whose placement rows one Placement remembers (about 100 bytes each).
+#: A key's placement tag (the bytes that place it) from the key.
+_tag_of = operator.itemgetter(slice(0, PLACEMENT_TAG_BYTES))
+#: Placement tags whose rows one Placement remembers (about 100 bytes each).
 _CACHE_KEYS = 1 << 17
 #: (position, key, node) scores computed in one pass (8 MiB per temporary array).
 _CHUNK_PAIRS = 1 << 20
@@ -128,7 +137,7 @@ class Placement:
         self._distinct_domains = len(self.domain_names) == len(nodes)
         self._equal_weights = bool(np.all(self._weights == self._weights[0]))
         # Placement rows remembered per key: key -> slot of ``_table``.
-        self._slot: dict[BlockKey, int] = {}
+        self._slot: dict[bytes, int] = {}
         self._table = np.zeros((0, width + spill), np.int64)
         self._used = 0
         self._lock = threading.Lock()
@@ -146,10 +155,12 @@ class Placement:
         return self.width + self.spill
 
     def _key_words(self, keys: Sequence[BlockKey]) -> npt.NDArray[np.uint64]:
+        """Each key's placement word: its placement tag, mixed (the rest of the key is
+        not looked at, so a group's keys place alike)."""
         if any(len(k) != KEY_BYTES for k in keys):
             raise ConfigError(f"block keys must be {KEY_BYTES} bytes")
-        words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
-        return _mix64(words[:, 0] ^ _mix64(words[:, 1]))
+        words = np.frombuffer(b"".join(keys), dtype="<u4").reshape(-1, KEY_BYTES // 4)
+        return _mix64(words[:, 0].astype(np.uint64))
 
     def scores(self, keys: Sequence[BlockKey], position: int = 0) -> npt.NDArray[np.float64]:
         """Rendezvous scores of every node for ``position`` of each key, shape (keys, nodes)."""
@@ -203,27 +214,32 @@ class Placement:
 
     def _rows_locked(self, keys: Sequence[BlockKey]) -> IntArray:
         slot_of = self._slot
-        slots = np.fromiter(map(slot_of.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+        tags = list(map(_tag_of, keys))
+        slots = np.fromiter(map(slot_of.get, tags, itertools.repeat(-1)), np.int64, len(keys))
         missing = np.flatnonzero(slots < 0)
         if len(missing):
-            computed = self._compute([keys[i] for i in missing.tolist()])
-            if self._used + len(missing) > len(self._table):
-                if self._used + len(missing) > _CACHE_KEYS:
+            # One row per tag: a group's keys missing together are computed once.
+            first: dict[bytes, int] = {}
+            for i in missing.tolist():
+                first.setdefault(tags[i], i)
+            if self._used + len(first) > len(self._table):
+                if self._used + len(first) > _CACHE_KEYS:
                     slot_of.clear()
                     self._used = 0
-                    slots = np.full(len(keys), -1, np.int64)
-                    missing = np.arange(len(keys))
-                    computed = self._compute(keys)
-                size = max(len(self._table) * 2, self._used + len(missing), 1024)
+                    first = {}
+                    for i, tag in enumerate(tags):
+                        first.setdefault(tag, i)
+                size = max(len(self._table) * 2, self._used + len(first), 1024)
                 table = np.zeros((size, self.depth), np.int64)
                 table[: self._used] = self._table[: self._used]
                 self._table = table
-            new = np.arange(self._used, self._used + len(missing))
+            computed = self._compute([keys[i] for i in first.values()])
+            new = np.arange(self._used, self._used + len(first))
             self._table[new] = computed
-            for i, slot in zip(missing.tolist(), new.tolist(), strict=True):
-                slot_of[keys[i]] = slot
-            slots[missing] = new
-            self._used += len(missing)
+            for tag, slot in zip(first, new.tolist(), strict=True):
+                slot_of[tag] = slot
+            self._used += len(first)
+            slots = np.fromiter(map(slot_of.__getitem__, tags), np.int64, len(keys))
         return self._table[slots]
 
     def _compute(self, keys: Sequence[BlockKey], *, general: bool = False) -> IntArray:

@@ -14,11 +14,14 @@ import kvcache
 from kvcache.errors import ConfigError
 from kvcache.keys import (
     BLOCK_TAG,
+    BLOCK_TAG_V1,
     NAMESPACE_TAG,
+    PLACEMENT_TAG_BYTES,
     Namespace,
     are_block_keys,
     as_token_array,
     block_keys,
+    placement_group_blocks,
 )
 from kvcache.layout import DType, KVLayout
 
@@ -40,8 +43,8 @@ def test_golden_reference_namespace() -> None:
     assert ns.seed.hex() == "16c407fc28494501f30a546ddf437552"
     keys = block_keys(ns, list(range(1024)) + [7] * 100)
     assert [k.hex() for k in keys] == [
-        "fc495938e05f7c896a0cbf939ec95743",
-        "cfa2eb1af9eaaa2215994ac942bc03f8",
+        "21f56a50860cf1c3177f97a25bfafd49",
+        "21f56a5021e4cba588358b7d85dbff7a",
     ]
 
 
@@ -49,9 +52,26 @@ def test_golden_small_namespace() -> None:
     ns = small_ns(parallel="tp1of2", tenant="acme")
     assert ns.seed.hex() == "e28a4e8dbfc8d79ff4e461c36bbf027f"
     assert [k.hex() for k in block_keys(ns, [1, 2, 3, 4, 5, 6, 7, 8, 9])] == [
-        "4bba8b75944b9f03e2258b957647e934",
-        "ef4a6ce57b333c44b039e4c03c375474",
+        "df2d0f0300caf3a2bef3bd373bc61e12",
+        "df2d0f033ba7d073bef118af7e38926a",
     ]
+
+
+def test_version_1_construction_stays_pinned() -> None:
+    """Version 1's keys (no placement groups) as docs/spec/hashing.md section 5 keeps them:
+    the spec's construction still gives the vectors pinned when v1 was current."""
+    old_reference = KVLayout(
+        tokens_per_block=512, bytes_per_token=224, dtype=DType.BFLOAT16, layers_in_block=1
+    )
+    seed = Namespace(model="meta-llama/Llama-3.1-8B", revision="main", layout=old_reference).seed
+    tokens = np.array(list(range(1024)), "<u4").tobytes()
+    k0 = xxhash.xxh3_128_digest(BLOCK_TAG_V1 + seed + tokens[:2048])
+    k1 = xxhash.xxh3_128_digest(BLOCK_TAG_V1 + k0 + tokens[2048:])
+    assert [k0.hex(), k1.hex()] == [
+        "fc495938e05f7c896a0cbf939ec95743",
+        "cfa2eb1af9eaaa2215994ac942bc03f8",
+    ]
+    assert BLOCK_TAG_V1 != BLOCK_TAG
 
 
 def test_construction_matches_spec() -> None:
@@ -67,9 +87,61 @@ def test_construction_matches_spec() -> None:
         NAMESPACE_TAG + field("m") + field("r") + field(layout) + field("tp1of2") + field("acme")
     )
     assert seed == ns.seed
+    assert BLOCK_TAG == b"kvcache:block:v2\x00" and PLACEMENT_TAG_BYTES == 4
     k0 = xxhash.xxh3_128_digest(BLOCK_TAG + seed + struct.pack("<4I", 1, 2, 3, 4))
-    k1 = xxhash.xxh3_128_digest(BLOCK_TAG + k0 + struct.pack("<4I", 5, 6, 7, 8))
+    h1 = xxhash.xxh3_128_digest(BLOCK_TAG + k0 + struct.pack("<4I", 5, 6, 7, 8))
+    k1 = k0[:4] + h1[4:]  # block 1 is in block 0's placement group (G = 64 here)
     assert block_keys(ns, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == [k0, k1]
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_token", "tokens_per_block", "group"),
+    [
+        (2, 4, 64),  # 8-byte blocks: capped at 64
+        (896, 128, 64),  # DeepSeek-V4.1's 112 KiB blocks: 73 fit 8 MiB, a power of two: 64
+        (4096, 512, 4),  # Llama-3-8B's 2 MiB blocks
+        (3 << 20, 1, 2),  # 3 MiB blocks: 2 fit
+        (16 << 20, 1, 1),  # blocks over 8 MiB: a group each
+    ],
+)
+def test_placement_group_size(bytes_per_token: int, tokens_per_block: int, group: int) -> None:
+    layout = KVLayout(
+        tokens_per_block=tokens_per_block,
+        bytes_per_token=bytes_per_token,
+        dtype=DType.INT8,
+        layers_in_block=1,
+    )
+    assert placement_group_blocks(layout) == group
+    assert Namespace(model="m", revision="r", layout=layout).group_blocks == group
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=700),
+    block_bytes=st.sampled_from([8, 1 << 20, 2 << 20, 3 << 20, 9 << 20]),
+)
+def test_a_group_shares_its_first_blocks_placement_tag(tokens: list[int], block_bytes: int) -> None:
+    """Key i carries the placement tag of key i - i mod G, and otherwise the chained hash
+    (tags of distinct groups differ), on the native and the per-block path alike."""
+    layout = KVLayout(
+        tokens_per_block=4, bytes_per_token=block_bytes // 4, dtype=DType.INT8, layers_in_block=1
+    )
+    ns = Namespace(model="m", revision="r", layout=layout)
+    group, tag = ns.group_blocks, PLACEMENT_TAG_BYTES
+    keys = block_keys(ns, tokens)
+    parent = ns.seed
+    for i, key in enumerate(keys):
+        own = xxhash.xxh3_128_digest(
+            BLOCK_TAG + parent + np.array(tokens[4 * i : 4 * i + 4], "<u4").tobytes()
+        )
+        leader = keys[i - i % group]
+        assert key[:tag] == (own[:tag] if i % group == 0 else leader[:tag])
+        assert key[tag:] == own[tag:]
+        parent = key
+    leaders = {k[:tag] for k in keys[::group]}
+    assert len(leaders) == len(keys[::group])
+    # The same tokens keyed a block at a time (under the native chain's threshold).
+    assert [block_keys(ns, tokens[: 4 * (i + 1)])[-1] for i in range(min(len(keys), 3))] == keys[:3]
 
 
 def test_partial_last_block_gets_no_key() -> None:

@@ -45,29 +45,43 @@ def test_batched_hashes_equal_xxhash(chunks: list[bytes]) -> None:
     assert [bytes(d) for d in h128.tolist()] == [xxhash.xxh3_128_digest(c) for c in chunks]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     seed=st.binary(min_size=16, max_size=16),
     tag=st.binary(max_size=40),
     step=st.integers(1, 700),
     count=st.integers(0, 40),
+    group=st.integers(1, 9),
+    tag_bytes=st.integers(0, 16),
     data=st.data(),
 )
 def test_chained_keys_equal_one_xxhash_call_a_block(
-    seed: bytes, tag: bytes, step: int, count: int, data: st.DataObject
+    seed: bytes,
+    tag: bytes,
+    step: int,
+    count: int,
+    group: int,
+    tag_bytes: int,
+    data: st.DataObject,
 ) -> None:
-    """The native key chain is the chain of xxhash digests, block by block, for any tag,
-    block size and count (a raw buffer longer than the blocks included)."""
+    """The native key chain is the chain of xxhash digests, block by block, with each
+    group's placement tag carried from its first block, for any tag, block size, count,
+    group and tag length (a raw buffer longer than the blocks included)."""
     raw = data.draw(st.binary(min_size=step * count, max_size=step * count + 30))
     expected, parent = [], seed
     for i in range(count):
-        parent = xxhash.xxh3_128_digest(tag + parent + raw[i * step : (i + 1) * step])
+        own = xxhash.xxh3_128_digest(tag + parent + raw[i * step : (i + 1) * step])
+        parent = own if i % group == 0 else parent[:tag_bytes] + own[tag_bytes:]
         expected.append(parent)
-    assert native.chain_keys(seed, tag, raw, step, count) == expected
+    assert native.chain_keys(seed, tag, raw, step, count, group, tag_bytes) == expected
     with pytest.raises(ValueError):
-        native.chain_keys(seed, tag, raw[: step * count - 1], step, count) if count else (
-            native.chain_keys(seed[:15], tag, raw, step, count)
-        )
+        native.chain_keys(
+            seed, tag, raw[: step * count - 1], step, count, group, tag_bytes
+        ) if count else (native.chain_keys(seed[:15], tag, raw, step, count, group, tag_bytes))
+    with pytest.raises(ValueError):
+        native.chain_keys(seed, tag, raw, step, count, 0, tag_bytes)
+    with pytest.raises(ValueError):
+        native.chain_keys(seed, tag, raw, step, count, group, 17)
 
 
 @settings(max_examples=30, deadline=None)

@@ -58,11 +58,49 @@ def test_pinned_placement() -> None:
     assert got == PINNED
 
 
-# Sequential per-position rendezvous (kvcache:position:v1), since issue 10.
+# Sequential per-position rendezvous (kvcache:position:v1), since issue 10; by the key's
+# placement tag (its first 4 bytes, block keys v2), since issue 21.
 PINNED = [
-    "node-06", "node-01", "node-09", "node-12", "node-13", "node-05",
-    "node-11", "node-08", "node-10", "node-02", "node-00", "node-07",
+    "node-03", "node-10", "node-05", "node-06", "node-00", "node-11",
+    "node-02", "node-08", "node-09", "node-07", "node-04", "node-13",
 ]  # fmt: skip
+
+
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(
+    tag=st.binary(min_size=4, max_size=4),
+    rests=st.lists(st.binary(min_size=12, max_size=12), min_size=1, max_size=20),
+    nodes=st.integers(1, 60),
+)
+def test_only_the_placement_tag_places_a_key(tag: bytes, rests: list[bytes], nodes: int) -> None:
+    """Keys that share their first 4 bytes (a placement group's) have the same rows, in
+    the same order, spill positions included; whatever rows were cached before."""
+    ks = [BlockKey(tag + rest) for rest in rests]
+    p = Placement(cmap(nodes), width=12)
+    before = p.order(keys(50, seed=nodes))  # other tags in the cache first
+    rows = p.order(ks)
+    assert (rows == rows[0]).all()
+    fresh = Placement(cmap(nodes), width=12)
+    assert (fresh.order(ks[-1:]) == rows[0]).all()
+    assert (fresh.order(keys(50, seed=nodes)) == before).all()
+
+
+def test_a_prompts_groups_spread_over_the_cluster() -> None:
+    """A 1,024-block prompt of 112 KiB blocks (16 groups of 64) asks 12 nodes a group,
+    and its groups together cover most of a 48-node cluster."""
+    from kvcache.keys import Namespace, block_keys
+    from kvcache.layout import DType, KVLayout
+
+    layout = KVLayout(
+        tokens_per_block=128, bytes_per_token=896, dtype=DType.BFLOAT16, layers_in_block=1
+    )
+    ns = Namespace(model="m", revision="r", layout=layout)
+    ks = block_keys(ns, np.arange(1024 * 128, dtype=np.uint32))
+    rows = Placement(cmap(48), width=12).holders(ks)
+    for g in range(16):
+        assert len({tuple(r) for r in rows[64 * g : 64 * (g + 1)].tolist()}) == 1
+    assert len(set(rows[:64].ravel().tolist())) == 12
+    assert len(set(rows.ravel().tolist())) >= 40
 
 
 def test_load_within_ten_percent_over_100k_keys() -> None:

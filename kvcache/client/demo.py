@@ -187,8 +187,10 @@ def load_requests(options: DemoOptions) -> list[Request]:
     return list(reqs[: options.limit] if options.limit else reqs)
 
 
-def run_demo(options: DemoOptions, *, out: TextIO = sys.stderr) -> DemoSummary:
-    """Start a cluster, replay, stop the cluster; returns the summary."""
+def run_demo(options: DemoOptions, *, out: TextIO | None = None) -> DemoSummary:
+    """Start a cluster, replay, stop the cluster; returns the summary. Progress goes to
+    ``out`` (default: ``sys.stderr`` as it is at the call, not at import)."""
+    out = sys.stderr if out is None else out
     requests = load_requests(options)
     fault = _parse_fault(options.fault, options.nodes)
     with tempfile.TemporaryDirectory(prefix="kvcache-demo-") as tmp:
@@ -373,8 +375,9 @@ class _Progress:
             print(file=self.out)
 
 
-def print_summary(summary: DemoSummary, out: TextIO = sys.stdout) -> None:
-    """The closing table of a replay."""
+def print_summary(summary: DemoSummary, out: TextIO | None = None) -> None:
+    """The closing table of a replay (to ``out``, default ``sys.stdout`` at the call)."""
+    out = sys.stdout if out is None else out
     d = summary.as_dict()
     rows = [
         ("requests", f"{d['requests']}"),

@@ -70,7 +70,7 @@ ENV = "KVCACHE_NATIVE"
 LIBRARY_ENV = "KVCACHE_NATIVE_LIBRARY"
 #: The built library: next to this module, unless KVCACHE_NATIVE_LIBRARY names another.
 LIBRARY = Path(os.environ.get(LIBRARY_ENV) or Path(__file__).with_name("libkvfast.so"))
-_ABI_VERSION = 16
+_ABI_VERSION = 17
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -97,7 +97,7 @@ def _load() -> Any:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, size, ptr]
         fn.restype = None
-    lib.kv_chain_keys.argtypes = [ptr, ptr, size, ptr, size, size, ptr, ptr]
+    lib.kv_chain_keys.argtypes = [ptr, ptr, size, ptr, size, size, size, size, ptr, ptr]
     lib.kv_chain_keys.restype = None
     lib.kv_hash_kernel.restype = ctypes.c_char_p
     lib.kv_landing_segments.argtypes = [ptr, ptr, ptr, ptr, ptr, size, ptr, ptr, ptr]
@@ -241,25 +241,32 @@ def xxh3_128_many(addrs: U64Array, lens: U64Array | np.uint64 | int) -> npt.NDAr
     return out
 
 
-def chain_keys(seed: bytes, tag: bytes, raw: bytes, step: int, count: int) -> list[bytes]:
-    """``count`` chained keys: key i is the canonical XXH3-128 digest of ``tag`` + key i-1 +
-    the ``step`` bytes of block i of ``raw`` (key -1: ``seed``), in one native call (as
-    :func:`kvcache.keys.block_keys` does a call a block without the helpers)."""
-    if len(seed) != 16 or step <= 0 or len(raw) < step * count:
+def chain_keys(
+    seed: bytes, tag: bytes, raw: bytes, step: int, count: int, group: int, tag_bytes: int
+) -> list[bytes]:
+    """``count`` chained keys in one native call, as :func:`kvcache.keys.block_keys` makes
+    them a call a block without the helpers: ``h`` i is the canonical XXH3-128 digest of
+    ``tag`` + key i-1 + the ``step`` bytes of block i of ``raw`` (key -1: ``seed``); key i
+    is ``h`` i with, where i is not a multiple of ``group``, its first ``tag_bytes`` bytes
+    taken from key i-1 (the placement tag a group shares)."""
+    if len(seed) != 16 or step <= 0 or len(raw) < step * count or group < 1:
         raise ValueError(f"chain_keys: {len(seed)}-byte seed, {count} blocks of {step} bytes "
-                         f"in {len(raw)} bytes")  # fmt: skip
+                         f"in {len(raw)} bytes, groups of {group}")  # fmt: skip
+    if not 0 <= tag_bytes <= 16:
+        raise ValueError(f"chain_keys: a placement tag of {tag_bytes} bytes (0..16)")
     if not count:
         return []
     if _LIB is None:
         digest = xxhash.xxh3_128_digest
         keys, parent = [], seed
-        for start in range(0, step * count, step):
-            parent = digest(tag + parent + raw[start : start + step])
+        for i, start in enumerate(range(0, step * count, step)):
+            own = digest(tag + parent + raw[start : start + step])
+            parent = own if i % group == 0 else parent[:tag_bytes] + own[tag_bytes:]
             keys.append(parent)
         return keys
     scratch = ctypes.create_string_buffer(len(tag) + 16 + step)
     out = ctypes.create_string_buffer(16 * count)
-    _LIB.kv_chain_keys(seed, tag, len(tag), raw, step, count, scratch, out)
+    _LIB.kv_chain_keys(seed, tag, len(tag), raw, step, count, group, tag_bytes, scratch, out)
     whole = out.raw
     return [whole[i : i + 16] for i in range(0, 16 * count, 16)]
 

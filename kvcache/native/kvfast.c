@@ -25,7 +25,7 @@
 /* Most exchanges in one kv_get_burst (one per node of a load's first asks). */
 #define KV_BURST_MAX 4096
 
-int kv_abi_version(void) { return 16; }
+int kv_abi_version(void) { return 17; }
 
 /* kvfast_hash.c, built three times: x86-64's baseline (SSE2), AVX2 and AVX-512 kernels. */
 void kv_xxh3_64_many_sse2(const uint64_t *, const uint64_t *, size_t, uint64_t *);
@@ -35,7 +35,8 @@ void kv_xxh3_128_many_avx2(const uint64_t *, const uint64_t *, size_t, uint8_t *
 void kv_xxh3_64_many_avx512(const uint64_t *, const uint64_t *, size_t, uint64_t *);
 void kv_xxh3_128_many_avx512(const uint64_t *, const uint64_t *, size_t, uint8_t *);
 #define KV_CHAIN_KEYS_ARGS \
-    const uint8_t *, const uint8_t *, size_t, const uint8_t *, size_t, size_t, uint8_t *, uint8_t *
+    const uint8_t *, const uint8_t *, size_t, const uint8_t *, size_t, size_t, size_t, size_t, \
+        uint8_t *, uint8_t *
 void kv_chain_keys_sse2(KV_CHAIN_KEYS_ARGS);
 void kv_chain_keys_avx2(KV_CHAIN_KEYS_ARGS);
 void kv_chain_keys_avx512(KV_CHAIN_KEYS_ARGS);
@@ -91,11 +92,17 @@ void kv_xxh3_128_many(const uint64_t *addrs, const uint64_t *lens, size_t n, uin
 
 /* A prompt's chained block keys (kvfast_hash.c): see kvcache.native.chain_keys. */
 void kv_chain_keys(const uint8_t *seed, const uint8_t *tag, size_t tag_len, const uint8_t *raw,
-                   size_t step, size_t count, uint8_t *scratch, uint8_t *out) {
+                   size_t step, size_t count, size_t group, size_t tag_bytes, uint8_t *scratch,
+                   uint8_t *out) {
     switch (kernel()) {
-    case KERNEL_AVX512: kv_chain_keys_avx512(seed, tag, tag_len, raw, step, count, scratch, out); break;
-    case KERNEL_AVX2: kv_chain_keys_avx2(seed, tag, tag_len, raw, step, count, scratch, out); break;
-    default: kv_chain_keys_sse2(seed, tag, tag_len, raw, step, count, scratch, out);
+    case KERNEL_AVX512:
+        kv_chain_keys_avx512(seed, tag, tag_len, raw, step, count, group, tag_bytes, scratch, out);
+        break;
+    case KERNEL_AVX2:
+        kv_chain_keys_avx2(seed, tag, tag_len, raw, step, count, group, tag_bytes, scratch, out);
+        break;
+    default:
+        kv_chain_keys_sse2(seed, tag, tag_len, raw, step, count, group, tag_bytes, scratch, out);
     }
 }
 

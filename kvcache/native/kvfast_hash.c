@@ -33,15 +33,19 @@ void KV_CAT(kv_xxh3_128_many, KV_SUFFIX)(const uint64_t *addrs, const uint64_t *
     }
 }
 
-/* A prompt's block keys, chained: key i = canonical XXH3-128 of tag ++ key i-1 ++ block i,
- * key -1 being seed (16 bytes), block i the step bytes at raw + i step; as
- * kvcache.keys.block_keys computes them one xxhash call a block. scratch holds
- * tag_len + 16 + step bytes. out[16 i .. 16 i + 15] = key i. */
+/* A prompt's block keys, chained: h i = canonical XXH3-128 of tag ++ key i-1 ++ block i,
+ * key -1 being seed (16 bytes), block i the step bytes at raw + i step. Key i is h i, but
+ * where i is not a multiple of group its first tag_bytes bytes are key i-1's (the placement
+ * tag a group of blocks shares: docs/spec/hashing.md); as kvcache.keys.block_keys
+ * computes them one xxhash call a block. scratch holds tag_len + 16 + step bytes.
+ * out[16 i .. 16 i + 15] = key i. */
 void KV_CAT(kv_chain_keys, KV_SUFFIX)(const uint8_t *seed, const uint8_t *tag, size_t tag_len,
                                       const uint8_t *raw, size_t step, size_t count,
-                                      uint8_t *scratch, uint8_t *out) {
+                                      size_t group, size_t tag_bytes, uint8_t *scratch,
+                                      uint8_t *out) {
     memcpy(scratch, tag, tag_len);
     const uint8_t *parent = seed;
+    if (tag_bytes > 16) tag_bytes = 16;
     for (size_t i = 0; i < count; i++) {
         memcpy(scratch + tag_len, parent, 16);
         memcpy(scratch + tag_len + 16, raw + i * step, step);
@@ -49,6 +53,7 @@ void KV_CAT(kv_chain_keys, KV_SUFFIX)(const uint8_t *seed, const uint8_t *tag, s
         XXH128_canonical_t c;
         XXH128_canonicalFromHash(&c, h);
         memcpy(out + 16 * i, c.digest, 16);
+        if (group > 1 && i % group != 0) memcpy(out + 16 * i, parent, tag_bytes);
         parent = out + 16 * i;
     }
 }

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache.errors import ArgumentError
-from kvcache.keys import BlockKey
+from kvcache.keys import BlockKey, group_blocks_for
 from kvcache.shard import HEADER_BYTES
 from kvcache.sim.balance import balance_stats, holders_of
 from kvcache.sim.markov import StripeChain
@@ -138,6 +138,12 @@ class SimSettings:
         """Shards a full node holds."""
         return self.node_bytes / scheme.shard_bytes
 
+    def groups_per_node(self, scheme: Scheme) -> float:
+        """Placement groups a full node holds a shard of each block of: the units
+        placement spreads (a group's blocks share their holders; a sampled key stands for
+        a group, as only its placement tag places it)."""
+        return self.shards_per_node(scheme) / group_blocks_for(BLOCK_BYTES)
+
 
 def _layouts(settings: SimSettings) -> list[tuple[str, Layout]]:
     out = []
@@ -189,7 +195,7 @@ def run_balance(
             keys=len(keys),
             width=scheme.n,
             rng=rng,
-            target_per_node=settings.shards_per_node(scheme),
+            target_per_node=settings.groups_per_node(scheme),
         )
         p = f"balance_{name}"
         figures[f"{p}_keys"] = stats.keys
@@ -231,7 +237,8 @@ def run_balance(
                 figures[f"{q}_ratio_to_ideal"] = m.ratio_to_ideal
                 figures[f"{q}_moved_per_node_slot"] = m.moved_per_node_slot
                 figures[f"{q}_node_slots"] = m.node_slots
-    figures["balance_target_per_node"] = settings.shards_per_node(scheme)
+    figures["balance_target_per_node"] = settings.groups_per_node(scheme)
+    figures["balance_group_blocks"] = group_blocks_for(BLOCK_BYTES)
     return figures
 
 

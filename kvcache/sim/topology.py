@@ -77,7 +77,8 @@ def synthetic_map(
 
 def sample_keys(count: int, rng: np.random.Generator) -> list[BlockKey]:
     """``count`` random block keys (block keys are uniform hashes, so random bytes are
-    a faithful sample)."""
+    a faithful sample). Only a key's placement tag places it, so each stands for a
+    placement group of a prompt's blocks (``docs/spec/hashing.md``)."""
     if count < 0:
         raise ArgumentError(f"key count must be >= 0, got {count}")
     raw = rng.integers(0, 256, size=(count, KEY_BYTES), dtype=np.uint8).tobytes()

@@ -23,14 +23,23 @@ __all__ = ["damage_block"]
 
 
 def damage_block(
-    cluster: LocalCluster, key: BlockKey, *, shards: int = 3, tenant: str = "default"
+    cluster: LocalCluster,
+    key: BlockKey,
+    *,
+    shards: int = 3,
+    tenant: str = "default",
+    first_node: int = 0,
 ) -> list[int]:
-    """Corrupt ``shards`` shards of ``key``'s stripe in place; returns the shard indices hit."""
+    """Corrupt ``shards`` shards of ``key``'s stripe in place, looking at the cluster's
+    nodes from ``first_node`` on (and round); returns the shard indices hit. (A prompt's
+    blocks share their holders, shard for shard: a different ``first_node`` per block
+    damages different shard indices.)"""
     damaged: list[int] = []
     entry = cluster.credentials().tenant(tenant)
     if entry is None:
         raise RuntimeError(f"no tenant {tenant!r} in the cluster's credentials")
-    for node in cluster.nodes:
+    start = first_node % len(cluster.nodes)
+    for node in [*cluster.nodes[start:], *cluster.nodes[:start]]:
         if len(damaged) == shards:
             break
         with Probe(node.data, tenant=tenant, secret=entry.secret) as probe:
