@@ -155,6 +155,49 @@ def test_a_reply_held_back_is_carried_on_by_the_socket_loop(
                 assert np.array_equal(out, payloads)
 
 
+def test_a_late_reply_stalled_while_landing_is_cut_after_a_hedge_time(
+    cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """A holder's reply stops in its data section, already landing in the caller's buffer,
+    while the other holders gave every block k shards: the load does not wait for it to its
+    timeout (its chunk cannot be verified while it writes), it cuts that connection a hedge
+    time later, rebuilds, and hands back every block right. The node is not marked down,
+    and the next loads, once the holder sends again, use it."""
+    cluster = cluster_factory()
+    keys, payloads = _blocks(N, 12)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
+        config = _proxied_config(cluster, 0, proxy, tmp_path)
+        with Client(replace(config, hedge_ms=50.0, timeout_s=30.0)) as client:
+            out = np.zeros((N, P), np.uint8)
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N  # connections up
+            proxy.hold_after(48 + 8 * 59 + 30_000)  # inside the data section
+            out[:] = 0
+            started = time.monotonic()
+            loaded = client.load_keys(keys, payload_len=P, out=out)
+            took = time.monotonic() - started
+            assert loaded.blocks == N and np.array_equal(out, payloads)
+            assert client.counters["landings_cut"] == 1
+            rebuilt = client.counters["blocks_rebuilt"]
+            assert rebuilt > 0  # node-00's data shards, from parity
+            assert took < 10.0  # not the 30 s timeout
+            assert "node-00" not in client.core.health.down_nodes()
+            assert proxy.wait_held()
+            proxy.release()
+            read_again = False
+            for _ in range(20):  # the first ones may go on without node-00 as it reconnects
+                rebuilt = client.counters["blocks_rebuilt"]
+                out[:] = 0
+                assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+                assert np.array_equal(out, payloads)
+                if client.counters["blocks_rebuilt"] == rebuilt:  # node-00 read again
+                    read_again = True
+                    break
+            assert read_again
+            assert client.counters["landings_cut"] == 1
+
+
 @pytest.mark.parametrize("attempt", range(3))
 def test_one_of_a_node_s_connections_failing_leaves_its_other_exchange_whole(
     cluster_factory: Callable[..., LocalCluster], tmp_path: Path, attempt: int

@@ -68,6 +68,7 @@ COUNTERS = (
     "shards_redirected",
     "map_changes",
     "scratch_reused",
+    "landings_cut",
 )
 
 

@@ -268,6 +268,9 @@ class Pump:
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.outstanding: dict[int, PumpedExchange] = {}
         self.node_errors = 0
+        #: Nodes whose connection this pump cut (:meth:`cut`): their failures are not
+        #: held against them.
+        self._cut_nodes: set[int] = set()
 
     def submit(self, exchange: PumpedExchange) -> None:
         """Send ``exchange``; its outcome comes back from :meth:`wait`."""
@@ -306,6 +309,13 @@ class Pump:
         submit = getattr(self.transport, "submit_then_drive", self.transport.submit)
         for exchange in rest:
             submit(exchange)
+
+    def cut(self, exchange: PumpedExchange) -> None:
+        """Cut the connection carrying ``exchange`` (a late reply still landing where it is
+        no longer wanted). It and whatever else that connection carried fail; the node is
+        not marked down for it: it was late, not dead."""
+        self._cut_nodes.add(exchange.node)
+        self.transport.abort(exchange)
 
     def deliver(self, event: Event) -> None:
         """Called on an I/O thread when an exchange finished."""
@@ -346,6 +356,8 @@ class Pump:
         node_id = self.transport.nodes[event.exchange.node].id
         if event.error is None:
             self.health.mark_up(node_id)
+        elif event.exchange.node in self._cut_nodes:
+            pass
         elif isinstance(event.error, AuthError) or (
             isinstance(event.error, NodeError) and not isinstance(event.error, RemoteStatusError)
         ):

@@ -129,13 +129,14 @@ def load_keys(
     # A guessed stand-in (the holder is down, and the match did not see the shard on the
     # node a writer would use instead) rarely has it: ask the known holders first.
     unlikely = guessed & (placement_rows != order[:, : placement_rows.shape[1]])
+    hedge_s = core.hedge_s(core.read_latency)
     round_ = LoadRound(
         holders,
         core.node_up_mask(view=view),
         k=config.k,
         chunk_blocks=config.chunk_blocks(payload_len),
         window=config.window,
-        hedge_s=core.hedge_s(core.read_latency),
+        hedge_s=hedge_s,
         timeout_s=config.timeout_s,
         unlikely=unlikely,
     )
@@ -176,6 +177,11 @@ def load_keys(
     refreshed = np.zeros(total, bool)
     escalated: set[int] = set()
     sealing: list[int] = []  # chunks over whose blocks a late reply is still landing
+    # When each sealing chunk's wait for its late replies ends: a reply that started
+    # landing and stalled (its holder descheduled or busy mid-send) is cut then, so a
+    # slow holder costs a chunk at most a hedge time more, however many of its blocks
+    # the holder serves (a placement group's: all of a 64-block call's).
+    cut_at: dict[int, float] = {}
     end = total  # the first block known to fail ends the prefix
     good = 0
     try:
@@ -184,11 +190,15 @@ def load_keys(
         pump.submit_burst(exchanges(round_.start(core.clock())), round_.next_wakeup())
         while good < end:
             # What arrived together (a burst's replies, one per node) is handed over at once.
+            wakeup = round_.next_wakeup()
+            if cut_at:
+                soonest = min(cut_at.values())
+                wakeup = soonest if wakeup is None else min(wakeup, soonest)
             outcomes = [
                 (event.ticket, None)
                 if event.reply is None or not isinstance(event.exchange, GetExchange)
                 else (event.ticket, _accept(assembly, event, refreshed))
-                for event in pump.wait(round_.next_wakeup())
+                for event in pump.wait(wakeup)
             ]
             if outcomes:
                 submit(round_.on_outcomes(outcomes, core.clock()))
@@ -205,9 +215,15 @@ def load_keys(
                 if not assembly.seal(span):
                     if chunk not in sealing:
                         sealing.append(chunk)
+                        cut_at[chunk] = now + hedge_s
+                    elif now >= cut_at[chunk]:
+                        cut_at[chunk] = now + hedge_s
+                        cut = _cut_landings(pump, span)
+                        core.count("landings_cut", cut)
                     continue
                 if chunk in sealing:
                     sealing.remove(chunk)
+                    cut_at.pop(chunk, None)
                 latency = round_.latency(chunk)
                 if chunk not in escalated and latency is not None:
                     core.read_latency.record(latency)
@@ -287,6 +303,21 @@ def load_keys(
         payloads=list(buffer[:good]),
         bytes_loaded=good * payload_len,
     )
+
+
+def _cut_landings(pump: Pump, span: npt.NDArray[np.int64]) -> int:
+    """Cut the connections of the exchanges still out whose shards land in ``span`` (the
+    chunk was decided without them, and one is writing into its blocks); returns how
+    many. Each fails at once; its node is not marked down (:meth:`Pump.cut`)."""
+    lo, hi = int(span[0]), int(span[-1]) + 1
+    cut = 0
+    for exchange in list(pump.outstanding.values()):
+        if isinstance(exchange, GetExchange):
+            blocks = exchange.send.blocks
+            if len(blocks) and ((blocks >= lo) & (blocks < hi)).any():
+                pump.cut(exchange)
+                cut += 1
+    return cut
 
 
 def _accept(
