@@ -22,6 +22,8 @@
 #           libraries) and then for this tree, one run each on one host: the engine's
 #           before/after ($OUT/base, $OUT/new). The daemons and the benchmark import the
 #           tree's kvcache, so the base run swaps the tree's kvcache/ for scratch/base's.
+#   nodes-ab  bench/scale.py --parts nodes (12, then 48 daemons) for scratch/base and this
+#           tree in turn, twice: the client's cost by cluster size before/after (issue 21)
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
 #           this tree and then for scratch/base (its own native libraries): the degraded
 #           load's cost before/after, on the host's cores
@@ -135,6 +137,28 @@ for part in ${PARTS:-ab peers engine}; do
         headline "$OUT/new"
       fi
       ;;
+    nodes-ab)
+      # Issue 21's client cost by cluster size (bench/scale.py --parts nodes: 12, then 48
+      # daemons) for scratch/base (its own native libraries) and this tree in turn, twice:
+      # placement groups before/after, on a host whose cores the 48 daemons do not crowd.
+      (
+        source scripts/_gpu-site.sh
+        base="$(pwd)/scratch/base"
+        for i in 1 2; do
+          for tree in base new; do
+            stem="$OUT/scale_nodes_${tree}_$i"
+            run=(python3 bench/scale.py --parts nodes --json "$stem.json")
+            if [ "$tree" = base ]; then
+              PYTHONSAFEPATH=1 PYTHONPATH="$base:$PYTHONPATH" KVCACHE_NATIVE_LIBRARY="$base/kvcache/native/libkvfast.so" \
+                KVCACHE_SERVE_LIBRARY="$base/kvcache/native/libkvserve.so" "${run[@]}" >"$stem.txt" 2>&1
+            else
+              "${run[@]}" >"$stem.txt" 2>&1
+            fi || echo "(targets missed or failed: $stem.txt)"
+            echo "$tree $i: $(grep -E '_48_vs_12|^\| (load_cpu|store_cpu|load64_p99)' "$stem.txt" | tr -s ' ' | tr '\n' ' ')"
+          done
+        done
+      ) || status=1
+      ;;
     degraded)
       (
         source scripts/_gpu-site.sh
@@ -154,7 +178,7 @@ for part in ${PARTS:-ab peers engine}; do
         done
       ) || status=1
       ;;
-    *) echo "unknown part: $part (ab, client, store, daemon, peers, pool, pool-ab, dsv41, engine, engine-ab, degraded)" >&2; status=2 ;;
+    *) echo "unknown part: $part (ab, client, store, daemon, peers, pool, pool-ab, dsv41, engine, engine-ab, nodes-ab, degraded)" >&2; status=2 ;;
   esac
 done
 exit "$status"
