@@ -1,8 +1,10 @@
 """Placement: which nodes hold a block's shards — a pure function of (cluster map, key).
 
 **By the key's placement tag.** Only a key's first :data:`~kvcache.keys.PLACEMENT_TAG_BYTES`
-bytes place it: the blocks of one placement group of a prompt share them
-(``docs/spec/hashing.md``), and so their holders, in the same order. A call for a
+bytes choose its nodes: the blocks of one placement group of a prompt share them
+(``docs/spec/hashing.md``), and so their holders; which of those holders takes which
+shard is turned per key (:meth:`Placement.rotations`), so a group's data shards are spread
+over all of them. A call for a
 prompt's blocks then asks about a dozen nodes per group (about 8 MiB of blocks) however
 many nodes the cluster has (issue 21), and a group's rows are computed once.
 
@@ -207,10 +209,37 @@ class Placement:
         rows = self._rows_of(keys)
         return rows[:, :depth] if depth < self.depth else rows
 
-    def _rows_of(self, keys: Sequence[BlockKey]) -> IntArray:
-        """Full-depth rows for ``keys``, from the cache (computed and added where missing)."""
+    def positions(self, keys: Sequence[BlockKey]) -> IntArray:
+        """Node per key and rendezvous position, full depth, before :meth:`order` turns the
+        first ``width`` by the key's rotation (what the rules of the module docstring
+        decide, position by position)."""
+        if not keys:
+            return np.zeros((0, self.depth), np.int64)
+        return self._rows_of(keys, turned=False)
+
+    def _rows_of(self, keys: Sequence[BlockKey], *, turned: bool = True) -> IntArray:
+        """Full-depth rows for ``keys``, from the cache (computed and added where missing),
+        each key's first ``width`` positions turned by its :meth:`rotations`."""
         with self._lock:
-            return self._rows_locked(keys)
+            rows = self._rows_locked(keys)
+        width = min(self.width, rows.shape[1])
+        if turned and width > 1:
+            turn = (np.arange(width)[None, :] + self.rotations(keys)[:, None]) % width
+            rows[:, :width] = np.take_along_axis(rows[:, :width], turn, axis=1)
+        return rows
+
+    def rotations(self, keys: Sequence[BlockKey]) -> IntArray:
+        """Per key, how far its shards are turned over its group's ``width`` holders:
+        shard ``i`` goes to the group's position ``(i + r) mod width``. ``r`` comes from
+        the key's own bytes (4..7), so the keys of one placement group, which share their
+        holders, spread their data and parity shards over all of them alike: without it,
+        the same 10 nodes served every data shard of a group's load and 2 only parity,
+        and a load's replies came in unequal sizes (at 12 daemons, 47 of 480 loads then
+        waited for a late data holder's reply, against 1 of 480 before groups)."""
+        if any(len(k) != KEY_BYTES for k in keys):
+            raise ConfigError(f"block keys must be {KEY_BYTES} bytes")
+        words = np.frombuffer(b"".join(keys), dtype="<u4").reshape(-1, KEY_BYTES // 4)
+        return (words[:, 1] % np.uint32(max(1, self.width))).astype(np.int64)
 
     def _rows_locked(self, keys: Sequence[BlockKey]) -> IntArray:
         slot_of = self._slot

@@ -59,10 +59,11 @@ def test_pinned_placement() -> None:
 
 
 # Sequential per-position rendezvous (kvcache:position:v1), since issue 10; by the key's
-# placement tag (its first 4 bytes, block keys v2), since issue 21.
+# placement tag (its first 4 bytes, block keys v2), its shards turned by its bytes 4..7
+# (here by 4), since issue 21.
 PINNED = [
-    "node-03", "node-10", "node-05", "node-06", "node-00", "node-11",
-    "node-02", "node-08", "node-09", "node-07", "node-04", "node-13",
+    "node-00", "node-11", "node-02", "node-08", "node-09", "node-07",
+    "node-04", "node-13", "node-03", "node-10", "node-05", "node-06",
 ]  # fmt: skip
 
 
@@ -73,15 +74,21 @@ PINNED = [
     nodes=st.integers(1, 60),
 )
 def test_only_the_placement_tag_places_a_key(tag: bytes, rests: list[bytes], nodes: int) -> None:
-    """Keys that share their first 4 bytes (a placement group's) have the same rows, in
-    the same order, spill positions included; whatever rows were cached before."""
+    """Keys that share their first 4 bytes (a placement group's) have the same holders and
+    spill positions; each key's shards are its group's holders turned by its rotation;
+    whatever rows were cached before."""
     ks = [BlockKey(tag + rest) for rest in rests]
     p = Placement(cmap(nodes), width=12)
     before = p.order(keys(50, seed=nodes))  # other tags in the cache first
     rows = p.order(ks)
-    assert (rows == rows[0]).all()
+    turns = p.rotations(ks)
+    assert ((turns >= 0) & (turns < 12)).all()
+    # Turned back, every key's row is the group's.
+    back = np.take_along_axis(rows[:, :12], (np.arange(12)[None, :] - turns[:, None]) % 12, axis=1)
+    assert (back == back[0]).all()
+    assert (rows[:, 12:] == rows[0, 12:]).all()
     fresh = Placement(cmap(nodes), width=12)
-    assert (fresh.order(ks[-1:]) == rows[0]).all()
+    assert (fresh.order(ks[-1:]) == rows[-1]).all()
     assert (fresh.order(keys(50, seed=nodes)) == before).all()
 
 
@@ -98,7 +105,10 @@ def test_a_prompts_groups_spread_over_the_cluster() -> None:
     ks = block_keys(ns, np.arange(1024 * 128, dtype=np.uint32))
     rows = Placement(cmap(48), width=12).holders(ks)
     for g in range(16):
-        assert len({tuple(r) for r in rows[64 * g : 64 * (g + 1)].tolist()}) == 1
+        group = rows[64 * g : 64 * (g + 1)]
+        assert len({frozenset(r) for r in group.tolist()}) == 1
+        # Its data shards (0..9) are spread over all 12 holders, not kept on 10.
+        assert len(set(group[:, :10].ravel().tolist())) == 12
     assert len(set(rows[:64].ravel().tolist())) == 12
     assert len(set(rows.ravel().tolist())) >= 40
 
@@ -128,8 +138,8 @@ def test_adding_a_node_moves_only_what_it_wins(n: int, seed: int) -> None:
     ks = keys(2000, seed)
     before = Placement(cmap(n), width=12)
     after = Placement(cmap(n + 1), width=12)
-    old = np.array(before.ids)[before.holders(ks)]
-    new = np.array(after.ids)[after.holders(ks)]
+    old = np.array(before.ids)[before.positions(ks)[:, :12]]
+    new = np.array(after.ids)[after.positions(ks)[:, :12]]
     added = f"node-{n:02d}"
     for o, nw in zip(old.tolist(), new.tolist(), strict=True):
         assert len(set(nw) - set(o)) <= 1 and len(set(o) - set(nw)) <= 1
@@ -151,7 +161,9 @@ def test_a_join_remaps_few_shards(n: int, bound: float) -> None:
 def test_failure_domains_balanced() -> None:
     p = Placement(cmap(24, domains=6), width=12)
     domains = np.array([n.domain for n in p.nodes])
-    for row in p.holders(keys(300)):
+    ks = keys(300)
+    for row, held in zip(p.positions(ks)[:, :12], p.holders(ks), strict=True):
+        assert sorted(row.tolist()) == sorted(held.tolist())  # the same nodes, turned
         assert len(set(domains[row[:6]].tolist())) == 6
         assert sorted(np.unique(domains[row], return_counts=True)[1].tolist()) == [2] * 6
 
@@ -367,8 +379,8 @@ def test_one_domain_per_node_shortcut_matches_the_general_rule(
     fast = placement._compute(block_keys)
     assert np.array_equal(fast, placement._compute(block_keys, general=True))
     # The cached rows are the computed ones.
-    assert np.array_equal(placement.order(block_keys), fast)
-    assert np.array_equal(placement.order(block_keys), fast)
+    assert np.array_equal(placement.positions(block_keys), fast)
+    assert np.array_equal(placement.positions(block_keys), fast)
 
 
 @settings(max_examples=40, deadline=None)
@@ -380,7 +392,7 @@ def test_equal_weights_order_by_the_rendezvous_scores(count: int, keys: list[byt
     nodes = tuple(NodeInfo(id=f"n{i}", data=f"tcp://127.0.0.1:{7000 + i}") for i in range(count))
     placement = Placement(ClusterMap(epoch=1, nodes=nodes), width=12)
     block_keys = [BlockKey(k) for k in keys]
-    got = placement.order(block_keys)
+    got = placement.positions(block_keys)
     for b, key in enumerate(block_keys):
         taken: set[int] = set()
         for p in range(placement.depth):

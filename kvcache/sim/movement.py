@@ -100,8 +100,12 @@ def join_candidates(
     placement = Placement(cluster, width=rows.shape[1], spill=0)
     new = np.full(len(keys), layout.nodes, np.int64)  # the joiner comes last in the map
     hit = np.zeros(len(keys), bool)
-    for p in range(rows.shape[1]):
-        hit |= placement.pair_scores(keys, new, p) > placement.pair_scores(keys, rows[:, p], p)
+    # Shard i sits at the group's position (i + r) mod width: back to positions.
+    width = rows.shape[1]
+    back = (np.arange(width)[None, :] - placement.rotations(keys)[:, None]) % width
+    at = np.take_along_axis(rows, back, axis=1)
+    for p in range(width):
+        hit |= placement.pair_scores(keys, new, p) > placement.pair_scores(keys, at[:, p], p)
     return hit
 
 
