@@ -18,7 +18,8 @@ Every exception kvcache raises on purpose derives from :class:`KVCacheError`::
     ├── ClosedError              a call on a client (or store) that was closed
     └── ClusterError             talking to storage nodes failed
         ├── NodeError            one node answered with an error or not at all
-        │   └── NodeTimeoutError one node did not answer in time
+        │   ├── NodeTimeoutError one node did not answer in time
+        │   └── ExchangeAbortedError  the client itself cut a reply it no longer wanted
 
 Errors carry the fields a caller needs (key, node, shard, expected, actual) as
 attributes; their messages say what failed, the value seen and what to do.
@@ -39,6 +40,7 @@ __all__ = [
     "KVCacheError",
     "NodeError",
     "NodeTimeoutError",
+    "ExchangeAbortedError",
     "ProtocolError",
     "QuotaError",
     "ShardFormatError",
@@ -138,6 +140,11 @@ class NodeError(ClusterError):
 
 class NodeTimeoutError(NodeError):
     """One node did not answer before the deadline."""
+
+
+class ExchangeAbortedError(NodeError):
+    """The client cut the connection carrying this exchange (its reply, late, was no longer
+    wanted): it says nothing about the node's health, which is not marked down for it."""
 
 
 class ClosedError(KVCacheError):

@@ -8,8 +8,9 @@ over all of them. A call for a
 prompt's blocks then asks about a dozen nodes per group (about 8 MiB of blocks) however
 many nodes the cluster has (issue 21), and a group's rows are computed once.
 
-**Sequential per-position rendezvous.** Position ``p`` of a key (shard index
-``p`` for ``p < width``, spill positions after that) goes to the node with the
+**Sequential per-position rendezvous.** Position ``p`` of a key (a shard
+holder for ``p < width``: shard ``i`` at position ``(i + r) mod width``, ``r`` the key's
+rotation; spill positions after that) goes to the node with the
 highest weighted rendezvous score ``-weight / ln(u)``, where ``u`` is uniform in
 (0, 1) and derived from (key, node, p), among the nodes still *eligible* for it:
 
@@ -192,11 +193,13 @@ class Placement:
         return scores
 
     def order(self, keys: Sequence[BlockKey], depth: int | None = None) -> IntArray:
-        """Node per key and position, shape (len(keys), depth): positions 0..width-1 are
-        the shard holders, the rest spill positions (see the module docstring).
+        """Node per key and column, shape (len(keys), depth): column ``i < width`` is the
+        holder of shard ``i`` (the key's rendezvous positions turned by its rotation:
+        :meth:`positions` has them unturned), the rest spill positions (see the module
+        docstring).
 
         With fewer nodes than positions, nodes hold several positions, as evenly
-        as the rules allow. Rows are remembered per key (a bounded cache: a
+        as the rules allow. Rows are remembered per placement tag (a bounded cache: a
         prompt's keys are placed by its match, its load and its store, and shared
         prefixes by every request that has them).
         """
@@ -258,7 +261,7 @@ class Placement:
                     first = {}
                     for i, tag in enumerate(tags):
                         first.setdefault(tag, i)
-                size = max(len(self._table) * 2, self._used + len(first), 1024)
+                size = max(min(len(self._table) * 2, _CACHE_KEYS), self._used + len(first), 1024)
                 table = np.zeros((size, self.depth), np.int64)
                 table[: self._used] = self._table[: self._used]
                 self._table = table

@@ -26,7 +26,7 @@ from kvcache.client.assembly import LoadAssembly
 from kvcache.client.health import NodeHealth
 from kvcache.client.rounds import Send
 from kvcache.client.transport import BurstLanding, Exchange, RemoteStatusError, Transport
-from kvcache.errors import AuthError, KVCacheError, NodeError
+from kvcache.errors import AuthError, ExchangeAbortedError, KVCacheError, NodeError
 from kvcache.native import Segments
 from kvcache.net import open_session
 from kvcache.wire import NO_RETAIN, Frame, Header, Message, Op, Retain
@@ -268,9 +268,6 @@ class Pump:
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.outstanding: dict[int, PumpedExchange] = {}
         self.node_errors = 0
-        #: Nodes whose connection this pump cut (:meth:`cut`): their failures are not
-        #: held against them.
-        self._cut_nodes: set[int] = set()
 
     def submit(self, exchange: PumpedExchange) -> None:
         """Send ``exchange``; its outcome comes back from :meth:`wait`."""
@@ -312,9 +309,9 @@ class Pump:
 
     def cut(self, exchange: PumpedExchange) -> None:
         """Cut the connection carrying ``exchange`` (a late reply still landing where it is
-        no longer wanted). It and whatever else that connection carried fail; the node is
-        not marked down for it: it was late, not dead."""
-        self._cut_nodes.add(exchange.node)
+        no longer wanted). It, and any other reply already landing on that connection,
+        fails with :class:`~kvcache.errors.ExchangeAbortedError`, which marks no node down
+        (it was late, not dead); the connection's other exchanges are sent again."""
         self.transport.abort(exchange)
 
     def deliver(self, event: Event) -> None:
@@ -356,8 +353,8 @@ class Pump:
         node_id = self.transport.nodes[event.exchange.node].id
         if event.error is None:
             self.health.mark_up(node_id)
-        elif event.exchange.node in self._cut_nodes:
-            pass
+        elif isinstance(event.error, ExchangeAbortedError):
+            pass  # cut by a client (late, not dead): no mark
         elif isinstance(event.error, AuthError) or (
             isinstance(event.error, NodeError) and not isinstance(event.error, RemoteStatusError)
         ):

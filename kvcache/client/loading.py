@@ -207,6 +207,9 @@ def load_keys(
             for chunk in [*sealing, *round_.ready_chunks()]:
                 start, stop = round_.chunk_range(chunk)
                 if start >= end:
+                    if chunk in sealing:
+                        sealing.remove(chunk)
+                    cut_at.pop(chunk, None)
                     round_.finish_chunk(chunk)
                     continue
                 # Late answers to abandoned asks must not write over what is checked: a
@@ -306,13 +309,13 @@ def load_keys(
 
 
 def _cut_landings(pump: Pump, span: npt.NDArray[np.int64]) -> int:
-    """Cut the connections of the exchanges still out whose shards land in ``span`` (the
-    chunk was decided without them, and one is writing into its blocks); returns how
-    many. Each fails at once; its node is not marked down (:meth:`Pump.cut`)."""
+    """Cut the connections of the exchanges still landing in ``span`` (the chunk was
+    decided without them, and they write into its blocks); returns how many. Each fails
+    at once; its node is not marked down (:meth:`Pump.cut`)."""
     lo, hi = int(span[0]), int(span[-1]) + 1
     cut = 0
     for exchange in list(pump.outstanding.values()):
-        if isinstance(exchange, GetExchange):
+        if isinstance(exchange, GetExchange) and exchange.landing_asked:
             blocks = exchange.send.blocks
             if len(blocks) and ((blocks >= lo) & (blocks < hi)).any():
                 pump.cut(exchange)

@@ -67,7 +67,7 @@ import numpy.typing as npt
 
 from kvcache import native
 from kvcache.cluster import NodeInfo
-from kvcache.errors import KVCacheError, NodeError, ProtocolError
+from kvcache.errors import ExchangeAbortedError, KVCacheError, NodeError, ProtocolError
 from kvcache.net import open_session
 from kvcache.wire import (
     COUNT_AT,
@@ -1409,7 +1409,7 @@ class TcpTransport:
         for conn in (*self._bulk[exchange.node], self._control[exchange.node]):
             if any(s.exchange is exchange for s in conn.sent):
                 node = self.node_id(exchange.node)
-                error = NodeError(f"node {node}: exchange aborted", node=node)
+                error = ExchangeAbortedError(f"node {node}: exchange aborted", node=node)
                 others: list[Exchange] = []
                 for ex in self._drop(conn):
                     if ex is exchange or ex.landing_asked:

@@ -32,8 +32,8 @@ def damage_block(
 ) -> list[int]:
     """Corrupt ``shards`` shards of ``key``'s stripe in place, looking at the cluster's
     nodes from ``first_node`` on (and round); returns the shard indices hit. (A prompt's
-    blocks share their holders, shard for shard: a different ``first_node`` per block
-    damages different shard indices.)"""
+    blocks share their holders: a different ``first_node`` per block spreads the damage
+    over them.)"""
     damaged: list[int] = []
     entry = cluster.credentials().tenant(tenant)
     if entry is None:
