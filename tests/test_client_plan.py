@@ -67,6 +67,35 @@ def test_match_never_mixes_stripes() -> None:
     assert m.holders[0, 0] == -1 and (m.holders[0, 1:] >= 0).all()
 
 
+def test_match_leaves_out_a_stripe_of_another_erasure_layout() -> None:
+    """A 10 + 4 stripe (shard indices up to 13) seen by a 10 + 2 client has as many shards
+    below 12 as the client's own stripe: the tie went to the lower stripe id, the 10 + 4
+    one, which the load then found unreadable. Block 1's foreign stripe alone is no hit."""
+    own, foreign = 9, 3  # the foreign stripe has the lower id: it won the tie
+    held = held_for([{i: own for i in range(N)}, {}])
+    extra = [
+        HeldShards(
+            node=node,
+            ordinal=np.array([0, 1, 1], np.int64),
+            index=np.array([N + node, node, N + node], np.int64),
+            stripe=np.array([foreign, foreign, foreign], np.uint64),
+        )
+        for node in range(2)
+    ] + [
+        HeldShards(
+            node,
+            np.array([1], np.int64),
+            np.array([node], np.int64),
+            np.array([foreign], np.uint64),
+        )
+        for node in range(2, N)
+    ]
+    m = match_from_held(keys(2), held + extra, k=K, n=N, tokens_per_block=16)
+    assert m.hit_blocks == 1 and int(m.stripe[0]) == own
+    assert (m.holders[0] == np.arange(N)).all()
+    assert list(m.best_count) == [N, 0]
+
+
 def test_match_with_no_answers() -> None:
     m = match_from_held(keys(3), [], k=K, n=N, tokens_per_block=16)
     assert m.hit_blocks == 0 and list(m.best_count) == [0, 0, 0]

@@ -378,8 +378,11 @@ def test_a_stopped_io_worker_is_killed_and_the_load_goes_on(
     killed after io_stall_s, its range fails as a dead worker's does, and the next loads
     run in this process."""
     ns, tokens = space("pool-stall"), prompt(24, 10)
+    # The pool waits max(io_stall_s, 5 x timeout_s). A timeout of 1 s, not less: this
+    # client's store and loads run on a loaded 2-core CI machine too (at 0.1 s its store
+    # once took every node for down).
     config = shared_cluster.client_config(
-        io_processes=2, chunk_bytes=CHUNK, io_stall_s=0.5, timeout_s=0.1
+        io_processes=2, chunk_bytes=CHUNK, io_stall_s=5.0, timeout_s=1.0
     )
     with Client(config) as client:
         src = client.alloc_buffer(24, P)

@@ -78,7 +78,8 @@ class MatchResult:
 def _stripe_groups(
     held: Sequence[HeldShards], count: int, n: int
 ) -> tuple[IntArray, IntArray, npt.NDArray[np.uint64], IntArray, IntArray, IntArray]:
-    """Every distinct (block, stripe, index) answer, sorted, and its (block, stripe) group."""
+    """Every distinct (block, stripe, index) answer, sorted, and its (block, stripe) group;
+    stripes of another erasure layout left out."""
     parts = [h for h in held if len(h.ordinal)]
     if not parts or count == 0:
         empty = np.zeros(0, np.int64)
@@ -87,7 +88,19 @@ def _stripe_groups(
     index = np.concatenate([h.index for h in parts])
     stripe = np.concatenate([h.stripe for h in parts])
     node = np.concatenate([np.full(len(h.ordinal), h.node, np.int64) for h in parts])
-    valid = (ordinal >= 0) & (ordinal < count) & (index >= 0) & (index < n)
+    in_range = (ordinal >= 0) & (ordinal < count)
+    valid = in_range & (index >= 0) & (index < n)
+    over = in_range & (index >= n)
+    if over.any():
+        # A stripe with a shard index of k + m or more was written with another erasure
+        # layout (10 + 4 seen by a 10 + 2 client): its headers name other k and m, so this
+        # client can never read it. It counts as absent, whatever its shards below k + m.
+        foreign = set(zip(ordinal[over].tolist(), stripe[over].tolist(), strict=True))
+        valid &= np.fromiter(
+            ((o, s) not in foreign for o, s in zip(ordinal.tolist(), stripe.tolist(), strict=True)),
+            bool,
+            len(ordinal),
+        )
     ordinal, index, stripe, node = ordinal[valid], index[valid], stripe[valid], node[valid]
     # Each node answers in (ordinal, index) order: a stable sort of the concatenated runs
     # on one combined key is a merge, far cheaper than a three-key lexsort. Blocks with

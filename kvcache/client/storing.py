@@ -161,16 +161,17 @@ def _store(
         held = held_shards(
             core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
         )
-        best = best_counts(without_foreign(held, n=n), len(keys), n=n)
         suspects = core.suspects(keys)
+        best = best_counts(without_suspects(held, suspects), len(keys), n=n)
         stored = _stored_blocks(held, best, read_rows, k=config.k, whole=config.min_write_shards)
-        present = stored.copy()
-        for i in suspects:
-            present[i] = False
+        present = stored
         touched = touch_or_delete(
             core, Op.TOUCH, [keys[i] for i in np.flatnonzero(present)], cls, view=view,
             retain=retain,
         )  # fmt: skip
+        for i in suspects:
+            if present[i]:  # another stripe of it is readable: the broken one is no matter
+                core.clear_suspect(keys[i])
         todo = np.flatnonzero(~present)
         expect = _replaceable(held, placement_rows, stored, suspects)
     else:  # nothing asked, nothing named: a holder keeps any live shard it has
@@ -276,9 +277,10 @@ def _fresh_expect(
     held = held_shards(
         core, keys, settle=config.min_write_shards, view=view, rows=read_rows, complete=True
     )
-    best = best_counts(without_foreign(held, n=config.n), len(keys), n=config.n)
+    suspects = core.suspects(keys)
+    best = best_counts(without_suspects(held, suspects), len(keys), n=config.n)
     stored = _stored_blocks(held, best, read_rows, k=config.k, whole=config.min_write_shards)
-    return _replaceable(held, placement_rows, stored, core.suspects(keys))
+    return _replaceable(held, placement_rows, stored, suspects)
 
 
 def _stored_blocks(
@@ -342,26 +344,18 @@ def _select(h: HeldShards, sel: npt.NDArray[np.bool_]) -> HeldShards:
     return HeldShards(h.node, h.ordinal[sel], h.index[sel], h.stripe[sel])
 
 
-def without_foreign(held: list[HeldShards], *, n: int) -> list[HeldShards]:
-    """``held`` without the stripes written with another erasure layout: those with a
-    shard index of k + m or more (a 10 + 4 stripe seen by a 10 + 2 client, a 10 + 2 one
-    by a 4 + 2 client). Such a stripe is never readable by this client (its headers name
-    other k and m), so it must not count as stored: the block is written again, and
-    :func:`_replaceable` lets the write replace the stripe's shards on their holders.
-    A stripe of fewer shards than this layout's (4 + 2 seen by 10 + 2) is short of k
-    anyway and is rewritten like any weak stripe."""
-    foreign: set[tuple[int, int]] = set()
-    for h in held:
-        over = h.index >= n
-        if over.any():
-            foreign.update(zip(h.ordinal[over].tolist(), h.stripe[over].tolist(), strict=True))
-    if not foreign:
+def without_suspects(held: list[HeldShards], suspects: dict[int, int]) -> list[HeldShards]:
+    """``held`` without the shards of stripes a load of this client found broken
+    (``suspects``: block to stripe). Such a stripe never counts as stored: the block is
+    written again, unless another stripe of it is readable (a racing writer's, or one a
+    store wrote beside it), which is then only touched."""
+    if not suspects:
         return held
     out = []
     for h in held:
         keep = np.array(
             [
-                (b, s) not in foreign
+                suspects.get(b) != s
                 for b, s in zip(h.ordinal.tolist(), h.stripe.tolist(), strict=True)
             ],
             bool,
