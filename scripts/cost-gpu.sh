@@ -46,6 +46,21 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-bench/results}"
 mkdir -p "$OUT"
+# in_tree TREE CMD...: run CMD with this tree's kvcache (TREE=new) or with scratch/base's
+# tree and its own native libraries (TREE=base), for the parts that compare the two.
+in_tree() {
+  local tree="$1" base
+  shift
+  base="$(pwd)/scratch/base"
+  if [ "$tree" = base ]; then
+    PYTHONSAFEPATH=1 PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" \
+      KVCACHE_NATIVE_LIBRARY="$base/kvcache/native/libkvfast.so" \
+      KVCACHE_SERVE_LIBRARY="$base/kvcache/native/libkvserve.so" "$@"
+  else
+    "$@"
+  fi
+}
+
 status=0
 for part in ${PARTS:-ab peers engine}; do
   echo "=== part $part ($(date -u +%H:%M:%S)) ==="
@@ -143,17 +158,11 @@ for part in ${PARTS:-ab peers engine}; do
       # placement groups before/after, on a host whose cores the 48 daemons do not crowd.
       (
         source scripts/_gpu-site.sh
-        base="$(pwd)/scratch/base"
         for i in 1 2; do
           for tree in base new; do
             stem="$OUT/scale_nodes_${tree}_$i"
             run=(python3 bench/scale.py --parts nodes --json "$stem.json")
-            if [ "$tree" = base ]; then
-              PYTHONSAFEPATH=1 PYTHONPATH="$base:$PYTHONPATH" KVCACHE_NATIVE_LIBRARY="$base/kvcache/native/libkvfast.so" \
-                KVCACHE_SERVE_LIBRARY="$base/kvcache/native/libkvserve.so" "${run[@]}" >"$stem.txt" 2>&1
-            else
-              "${run[@]}" >"$stem.txt" 2>&1
-            fi || echo "(targets missed or failed: $stem.txt)"
+            in_tree "$tree" "${run[@]}" >"$stem.txt" 2>&1 || echo "(targets missed or failed: $stem.txt)"
             echo "$tree $i: $(grep -E '_48_vs_12|^\| (load_cpu|store_cpu|load64_p99)' "$stem.txt" | tr -s ' ' | tr '\n' ' ')"
           done
         done
@@ -162,17 +171,11 @@ for part in ${PARTS:-ab peers engine}; do
     degraded)
       (
         source scripts/_gpu-site.sh
-        base="$(pwd)/scratch/base"
         for tree in new base; do
           for kill in 0 2; do
             stem="$OUT/profile_load_${tree}_kill$kill"
             run=(python3 bench/profile_load.py --stages --seconds 4 --kill "$kill" --json "$stem.json")
-            if [ "$tree" = base ]; then
-              PYTHONSAFEPATH=1 PYTHONPATH="$base:$PYTHONPATH" KVCACHE_NATIVE_LIBRARY="$base/kvcache/native/libkvfast.so" \
-                KVCACHE_SERVE_LIBRARY="$base/kvcache/native/libkvserve.so" "${run[@]}" >"$stem.txt" 2>&1
-            else
-              "${run[@]}" >"$stem.txt" 2>&1
-            fi || echo "FAILED: $stem"
+            in_tree "$tree" "${run[@]}" >"$stem.txt" 2>&1 || echo "FAILED: $stem"
             echo "$tree, $kill killed: $(head -n 1 "$stem.txt" | grep -v marked; grep "GB/s" "$stem.txt")"
           done
         done

@@ -10,10 +10,12 @@ close), and the next load works.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,6 +111,24 @@ def _proxied_config(cluster: LocalCluster, node: int, proxy: StallProxy, tmp: Pa
     return replace(cluster.client_config(), cluster_file=path)
 
 
+@contextlib.contextmanager
+def _behind_proxy(
+    cluster: LocalCluster, tmp: Path, seed: int, *, warm: bool = True, **overrides: Any
+) -> Iterator[tuple[StallProxy, Client, list[bytes], np.ndarray]]:
+    """N blocks stored, then a client (``overrides`` on its config) that reaches node 0
+    through a StallProxy; with ``warm``, one load first, so its connections are up."""
+    keys, payloads = _blocks(N, seed)
+    with Client(cluster.client_config()) as writer:
+        assert writer.store_keys(keys, payloads, payload_len=P).written == N
+    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
+        config = replace(_proxied_config(cluster, 0, proxy, tmp), **overrides)
+        with Client(config) as client:
+            if warm:
+                out = np.zeros((N, P), np.uint8)
+                assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+            yield proxy, client, keys, payloads
+
+
 def _address(endpoint: str) -> tuple[str, int]:
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     return host, int(port)
@@ -123,36 +143,31 @@ def test_a_reply_held_back_is_carried_on_by_the_socket_loop(
     cluster_factory: Callable[..., LocalCluster], tmp_path: Path, stall_at: int, left: str
 ) -> None:
     cluster = cluster_factory()
-    keys, payloads = _blocks(N, 2)
-    with Client(cluster.client_config()) as writer:
-        assert writer.store_keys(keys, payloads, payload_len=P).written == N
-    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
-        config = _proxied_config(cluster, 0, proxy, tmp_path)
-        with Client(replace(config, hedge_ms=50.0, timeout_s=1.0)) as client:
-            out = np.zeros((N, P), np.uint8)
-            assert client.load_keys(keys, payload_len=P, out=out).blocks == N  # connections up
-            before = _counters(client)
-            proxy.hold_after(stall_at)
+    proxied = _behind_proxy(cluster, tmp_path, 2, hedge_ms=50.0, timeout_s=1.0)
+    with proxied as (proxy, client, keys, payloads):
+        out = np.zeros((N, P), np.uint8)
+        before = _counters(client)
+        proxy.hold_after(stall_at)
+        out[:] = 0
+        loaded = client.load_keys(keys, payload_len=P, out=out)
+        assert loaded.blocks == N
+        assert np.array_equal(out, payloads)
+        after = _counters(client)
+        taken = after["burst_taken"] - before["burst_taken"]
+        done = after["burst_done"] - before["burst_done"]
+        assert taken == 12 and done == 11  # the proxied node's reply was left to the loop
+        # Where it was left: at the hold, or (the burst returns once every block has k
+        # shards, which the other nodes give) short of it if its bytes came late.
+        order = ["head", "items", "data"]
+        moved = [s for s in order if after[f"burst_left_{s}"] != before[f"burst_left_{s}"]]
+        assert len(moved) == 1 and order.index(moved[0]) <= order.index(left)
+        assert _accounted(after)
+        assert proxy.wait_held()
+        proxy.release()
+        for _ in range(2):
             out[:] = 0
-            loaded = client.load_keys(keys, payload_len=P, out=out)
-            assert loaded.blocks == N
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N
             assert np.array_equal(out, payloads)
-            after = _counters(client)
-            taken = after["burst_taken"] - before["burst_taken"]
-            done = after["burst_done"] - before["burst_done"]
-            assert taken == 12 and done == 11  # the proxied node's reply was left to the loop
-            # Where it was left: at the hold, or (the burst returns once every block has k
-            # shards, which the other nodes give) short of it if its bytes came late.
-            order = ["head", "items", "data"]
-            moved = [s for s in order if after[f"burst_left_{s}"] != before[f"burst_left_{s}"]]
-            assert len(moved) == 1 and order.index(moved[0]) <= order.index(left)
-            assert _accounted(after)
-            assert proxy.wait_held()
-            proxy.release()
-            for _ in range(2):
-                out[:] = 0
-                assert client.load_keys(keys, payload_len=P, out=out).blocks == N
-                assert np.array_equal(out, payloads)
 
 
 def test_a_late_reply_stalled_while_landing_is_cut_after_a_hedge_time(
@@ -164,38 +179,33 @@ def test_a_late_reply_stalled_while_landing_is_cut_after_a_hedge_time(
     time later, rebuilds, and hands back every block right. The node is not marked down,
     and the next loads, once the holder sends again, use it."""
     cluster = cluster_factory()
-    keys, payloads = _blocks(N, 12)
-    with Client(cluster.client_config()) as writer:
-        assert writer.store_keys(keys, payloads, payload_len=P).written == N
-    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
-        config = _proxied_config(cluster, 0, proxy, tmp_path)
-        with Client(replace(config, hedge_ms=50.0, timeout_s=30.0)) as client:
-            out = np.zeros((N, P), np.uint8)
-            assert client.load_keys(keys, payload_len=P, out=out).blocks == N  # connections up
-            proxy.hold_after(48 + 8 * 59 + 30_000)  # inside the data section
-            out[:] = 0
-            started = time.monotonic()
-            loaded = client.load_keys(keys, payload_len=P, out=out)
-            took = time.monotonic() - started
-            assert loaded.blocks == N and np.array_equal(out, payloads)
-            assert client.counters["landings_cut"] == 1
+    proxied = _behind_proxy(cluster, tmp_path, 12, hedge_ms=50.0, timeout_s=30.0)
+    with proxied as (proxy, client, keys, payloads):
+        out = np.zeros((N, P), np.uint8)
+        proxy.hold_after(48 + 8 * 59 + 30_000)  # inside the data section
+        out[:] = 0
+        started = time.monotonic()
+        loaded = client.load_keys(keys, payload_len=P, out=out)
+        took = time.monotonic() - started
+        assert loaded.blocks == N and np.array_equal(out, payloads)
+        assert client.counters["landings_cut"] == 1
+        rebuilt = client.counters["blocks_rebuilt"]
+        assert rebuilt > 0  # node-00's data shards, from parity
+        assert took < 10.0  # not the 30 s timeout
+        assert "node-00" not in client.core.health.down_nodes()
+        assert proxy.wait_held()
+        proxy.release()
+        read_again = False
+        for _ in range(20):  # the first ones may go on without node-00 as it reconnects
             rebuilt = client.counters["blocks_rebuilt"]
-            assert rebuilt > 0  # node-00's data shards, from parity
-            assert took < 10.0  # not the 30 s timeout
-            assert "node-00" not in client.core.health.down_nodes()
-            assert proxy.wait_held()
-            proxy.release()
-            read_again = False
-            for _ in range(20):  # the first ones may go on without node-00 as it reconnects
-                rebuilt = client.counters["blocks_rebuilt"]
-                out[:] = 0
-                assert client.load_keys(keys, payload_len=P, out=out).blocks == N
-                assert np.array_equal(out, payloads)
-                if client.counters["blocks_rebuilt"] == rebuilt:  # node-00 read again
-                    read_again = True
-                    break
-            assert read_again
-            assert client.counters["landings_cut"] == 1
+            out[:] = 0
+            assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+            assert np.array_equal(out, payloads)
+            if client.counters["blocks_rebuilt"] == rebuilt:  # node-00 read again
+                read_again = True
+                break
+        assert read_again
+        assert client.counters["landings_cut"] == 1
 
 
 @pytest.mark.parametrize("attempt", range(3))
@@ -207,28 +217,25 @@ def test_one_of_a_node_s_connections_failing_leaves_its_other_exchange_whole(
     with it, whatever order the two come back in: the load completes, every landing is
     released (else the load's close would hang) and the next loads work."""
     cluster = cluster_factory()
-    keys, payloads = _blocks(N, 6 + attempt)
-    with Client(cluster.client_config()) as writer:
-        assert writer.store_keys(keys, payloads, payload_len=P).written == N
-    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
-        config = _proxied_config(cluster, 0, proxy, tmp_path)
-        config = replace(config, chunk_bytes=8 * P, window=4, connections_per_node=2)
-        with Client(replace(config, hedge_ms=50.0, timeout_s=1.0)) as client:
-            out = np.zeros((N, P), np.uint8)
-            assert client.load_keys(keys, payload_len=P, out=out).blocks == N  # connections up
-            before = _counters(client)
-            proxy.cut_next()
+    proxied = _behind_proxy(
+        cluster, tmp_path, 6 + attempt, chunk_bytes=8 * P, window=4, connections_per_node=2,
+        hedge_ms=50.0, timeout_s=1.0,
+    )  # fmt: skip
+    with proxied as (proxy, client, keys, payloads):
+        out = np.zeros((N, P), np.uint8)
+        before = _counters(client)
+        proxy.cut_next()
+        out[:] = 0
+        assert client.load_keys(keys, payload_len=P, out=out).blocks == N
+        assert np.array_equal(out, payloads)
+        assert proxy.cut == 1
+        after = _counters(client)
+        assert after["burst_taken"] - before["burst_taken"] == 2 * 12
+        assert _accounted(after)
+        for _ in range(2):
             out[:] = 0
             assert client.load_keys(keys, payload_len=P, out=out).blocks == N
             assert np.array_equal(out, payloads)
-            assert proxy.cut == 1
-            after = _counters(client)
-            assert after["burst_taken"] - before["burst_taken"] == 2 * 12
-            assert _accounted(after)
-            for _ in range(2):
-                out[:] = 0
-                assert client.load_keys(keys, payload_len=P, out=out).blocks == N
-                assert np.array_equal(out, payloads)
 
 
 def test_a_stopped_daemon_s_exchange_is_left_to_the_loop(
@@ -358,22 +365,18 @@ def test_a_has_reply_held_back_is_carried_on_by_the_socket_loop(
     with the item count the header gave (a plain reply's room is larger), and the next
     matches agree."""
     cluster = cluster_factory()
-    keys, payloads = _blocks(N, 7)
-    with Client(cluster.client_config()) as writer:
-        assert writer.store_keys(keys, payloads, payload_len=P).written == N
-    with StallProxy(_address(cluster.nodes[0].data)) as proxy:
-        config = _proxied_config(cluster, 0, proxy, tmp_path)
-        with Client(replace(config, hedge_ms=2000.0, timeout_s=5.0)) as client:
-            want = _match(client, keys)  # connections up
-            proxy.hold_after(stall_at)
-            began = time.monotonic()
-            assert _match(client, keys)[0] == N
-            assert time.monotonic() - began < 1.0  # not held up to the hedge time
-            assert proxy.wait_held()
-            proxy.release()
-            for _ in range(2):
-                assert _same(_match(client, keys), want)
-            assert _accounted(_counters(client))
+    proxied = _behind_proxy(cluster, tmp_path, 7, warm=False, hedge_ms=2000.0, timeout_s=5.0)
+    with proxied as (proxy, client, keys, _payloads):
+        want = _match(client, keys)  # connections up
+        proxy.hold_after(stall_at)
+        began = time.monotonic()
+        assert _match(client, keys)[0] == N
+        assert time.monotonic() - began < 1.0  # not held up to the hedge time
+        assert proxy.wait_held()
+        proxy.release()
+        for _ in range(2):
+            assert _same(_match(client, keys), want)
+        assert _accounted(_counters(client))
 
 
 # ---------------------------------------------------------------------- PUT (plain bursts)

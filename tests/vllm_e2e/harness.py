@@ -7,9 +7,12 @@ Runs in the project's venv (pytest's); the engines run in the vLLM venv that
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,7 @@ __all__ = [
     "run",
     "run_engine",
     "vllm_env",
+    "vllm_ipc_dir",
 ]
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -47,10 +51,26 @@ VLLM_ENV = {
 }
 
 
+_ipc_dir: Path | None = None
+
+
+def vllm_ipc_dir() -> Path:
+    """Where this test session's vLLM processes put their ZMQ IPC sockets
+    (``VLLM_RPC_BASE_PATH``; by default the temp dir itself, where every engine run left
+    a few uuid-named sockets behind). Removed when the session ends."""
+    global _ipc_dir
+    if _ipc_dir is None:
+        _ipc_dir = Path(tempfile.mkdtemp(prefix="kvcache-vllm-ipc-"))
+        atexit.register(shutil.rmtree, _ipc_dir, ignore_errors=True)
+    return _ipc_dir
+
+
 def vllm_env() -> dict[str, str]:
-    """The environment of every vLLM process: ours, without the project venv, plus VLLM_ENV."""
+    """The environment of every vLLM process: ours, without the project venv, plus VLLM_ENV
+    and the session's IPC socket directory."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(VLLM_ENV)
+    env["VLLM_RPC_BASE_PATH"] = str(vllm_ipc_dir())
     return env
 
 
