@@ -22,6 +22,7 @@
 #           libraries) and then for this tree, one run each on one host: the engine's
 #           before/after ($OUT/base, $OUT/new). The daemons and the benchmark import the
 #           tree's kvcache, so the base run swaps the tree's kvcache/ for scratch/base's.
+#           AB_ORDER="new base" runs this tree first.
 #   nodes-ab  bench/scale.py --parts nodes (12, then 48 daemons) for scratch/base and this
 #           tree in turn, twice: the client's cost by cluster size before/after (issue 21)
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for
@@ -142,14 +143,21 @@ for part in ${PARTS:-ab peers engine}; do
         echo "engine-ab needs scratch/base and scratch/whl-base carried" >&2
         status=1
       else
-        mv .whl .whl-new && mv scratch/whl-base .whl && mv kvcache kvcache-new \
-          && cp -r scratch/base/kvcache kvcache && rm -rf /tmp/kvcache-site
-        echo "== base ($(cat .whl/COMMIT 2>/dev/null))"
-        headline "$OUT/base"
-        rm -rf kvcache && mv kvcache-new kvcache && mv .whl scratch/whl-base && mv .whl-new .whl \
-          && rm -rf /tmp/kvcache-site
-        echo "== new ($(cat .whl/COMMIT 2>/dev/null))"
-        headline "$OUT/new"
+        # AB_ORDER (default "base new") picks the order: a run pays for the page cache
+        # and writeback the one before it left, so run both orders before trusting a ratio.
+        for tree in ${AB_ORDER:-base new}; do
+          if [ "$tree" = base ]; then
+            mv .whl .whl-new && mv scratch/whl-base .whl && mv kvcache kvcache-new \
+              && cp -r scratch/base/kvcache kvcache && rm -rf /tmp/kvcache-site
+            echo "== base ($(cat .whl/COMMIT 2>/dev/null))"
+            headline "$OUT/base"
+            rm -rf kvcache && mv kvcache-new kvcache && mv .whl scratch/whl-base \
+              && mv .whl-new .whl && rm -rf /tmp/kvcache-site
+          else
+            echo "== new ($(cat .whl/COMMIT 2>/dev/null))"
+            headline "$OUT/new"
+          fi
+        done
       fi
       ;;
     nodes-ab)
