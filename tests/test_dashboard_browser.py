@@ -156,9 +156,31 @@ def _save(driver: webdriver.Chrome, tmp_path: Path, name: str) -> Path:
     return path
 
 
+#: The page redraws its tables every few seconds: element handles taken before a redraw
+#: go stale (StaleElementReferenceException in CI). Each read below is one script, which
+#: runs between two of the page's own tasks and so sees one whole drawing.
+_READ_ROWS = """
+return Array.from(document.querySelectorAll(arguments[0])).map(row => ({
+  attr: arguments[1] === null ? null : row.getAttribute(arguments[1]),
+  cells: Array.from(row.querySelectorAll('td')).map(cell => cell.innerText.trim()),
+}));
+"""
+
+
+def _rows(driver: webdriver.Chrome, css: str) -> list[list[str]]:
+    """The cell texts of every row matching ``css``, read in one drawing."""
+    return [r["cells"] for r in driver.execute_script(_READ_ROWS, css, None)]
+
+
+def _attributes(driver: webdriver.Chrome, css: str, name: str) -> list[str | None]:
+    """Attribute ``name`` of every element matching ``css``, read in one drawing."""
+    return [r["attr"] for r in driver.execute_script(_READ_ROWS, css, name)]
+
+
 def _row(driver: webdriver.Chrome, css: str) -> list[str]:
-    cells = driver.find_element(By.CSS_SELECTOR, css).find_elements(By.TAG_NAME, "td")
-    return [c.text for c in cells]
+    rows = _rows(driver, css)
+    assert rows, f"no row matches {css}"
+    return rows[0]
 
 
 def test_page_needs_the_admin_token(cluster: LocalCluster, browser: webdriver.Chrome) -> None:
@@ -212,9 +234,8 @@ def test_page_shows_the_cluster_and_a_killed_daemon(
     assert statistics.median(load_ms) <= LOAD_BUDGET_MS, load_ms
 
     # The DOM against the cluster itself.
-    rows = browser.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")
-    assert [r.get_attribute("data-node") for r in rows] == [n.id for n in cluster.nodes]
-    assert all(r.get_attribute("data-health") == "healthy" for r in rows)
+    assert _attributes(browser, "#nodes tbody tr", "data-node") == [n.id for n in cluster.nodes]
+    assert set(_attributes(browser, "#nodes tbody tr", "data-health")) == {"healthy"}
     assert browser.find_element(By.ID, "summary-health").text == "12 / 12 nodes healthy"
     first = _row(browser, 'tr[data-node="node-03"]')
     assert first[0] == "node-03" and first[1] == "healthy" and first[2] == "up"
@@ -231,24 +252,18 @@ def test_page_shows_the_cluster_and_a_killed_daemon(
     assert shards == {"chat": 6 * 12, "agent": 4 * 12}
     for cls, n in shards.items():
         assert _row(browser, f'#classes tr[data-class="{cls}"]')[2] == str(n)
-    tenants = {
-        r.get_attribute("data-tenant")
-        for r in browser.find_elements(By.CSS_SELECTOR, "#tenants tbody tr")
-    }
+    tenants = set(_attributes(browser, "#tenants tbody tr", "data-tenant"))
     assert tenants == {"default", "alice"}
-    hit_classes = {
-        r.get_attribute("data-class")
-        for r in browser.find_elements(By.CSS_SELECTOR, "#hit-rates tbody tr")
-    }
+    hit_classes = set(_attributes(browser, "#hit-rates tbody tr", "data-class"))
     assert {"chat", "agent", "*"} <= hit_classes
     get_row = _row(browser, '#latencies tr[data-op="get"][data-window="total"]')
     assert int(get_row[2].replace(",", "")) > 0 and get_row[5].endswith("ms")
     assert browser.find_elements(By.CSS_SELECTOR, '#latencies tr[data-op="put"]')
     assert "kvcache repair" in browser.find_element(By.ID, "repair-text").text
     # Every daemon reports its scrub (idle: no pass is due on a fresh cluster).
-    scrub_rows = browser.find_elements(By.CSS_SELECTOR, "#scrub-nodes tbody tr")
+    scrub_rows = _rows(browser, "#scrub-nodes tbody tr")
     assert len(scrub_rows) == 12
-    assert {r.find_elements(By.TAG_NAME, "td")[1].text for r in scrub_rows} <= {"idle", "running"}
+    assert {r[1] for r in scrub_rows} <= {"idle", "running"}
     _save(browser, tmp_path, "dashboard-healthy.png")
 
     # A daemon dies: the page turns its row unhealthy by itself (no reload).
@@ -269,8 +284,7 @@ def test_page_shows_the_cluster_and_a_killed_daemon(
     assert browser.find_element(By.ID, "summary-health").text == "11 / 12 nodes healthy"
     dead = _row(browser, 'tr[data-node="node-05"]')
     assert dead[1] == "unreachable" and "cannot connect" in dead[5]
-    others = browser.find_elements(By.CSS_SELECTOR, '#nodes tbody tr[data-health="healthy"]')
-    assert len(others) == 11
+    assert len(_rows(browser, '#nodes tbody tr[data-health="healthy"]')) == 11
 
     # Loads go on around the dead daemon, and the page's window shows them.
     fill_cluster(cluster, store=False, loads=5)
