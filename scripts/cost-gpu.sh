@@ -143,19 +143,24 @@ for part in ${PARTS:-ab peers engine}; do
         echo "engine-ab needs scratch/base and scratch/whl-base carried" >&2
         status=1
       else
-        # AB_ORDER (default "base new") picks the order: a run pays for the page cache
-        # and writeback the one before it left, so run both orders before trusting a ratio.
+        # AB_ORDER (default "base new") picks the order, a tree may come more than once
+        # (its runs go to $OUT/<tree>_<n>): a run pays for the page cache and writeback
+        # the one before it left, so each run starts after a sync and the ratio is taken
+        # over both orders.
+        n=0
         for tree in ${AB_ORDER:-base new}; do
+          n=$((n + 1))
+          sync
           if [ "$tree" = base ]; then
             mv .whl .whl-new && mv scratch/whl-base .whl && mv kvcache kvcache-new \
               && cp -r scratch/base/kvcache kvcache && rm -rf /tmp/kvcache-site
             echo "== base ($(cat .whl/COMMIT 2>/dev/null))"
-            headline "$OUT/base"
+            headline "$OUT/base_$n"
             rm -rf kvcache && mv kvcache-new kvcache && mv .whl scratch/whl-base \
               && mv .whl-new .whl && rm -rf /tmp/kvcache-site
           else
             echo "== new ($(cat .whl/COMMIT 2>/dev/null))"
-            headline "$OUT/new"
+            headline "$OUT/new_$n"
           fi
         done
       fi
