@@ -20,9 +20,9 @@
 #           DeepSeek-V4.1 load by pool size, and the match's share of it
 #   engine-ab  the same headline for scratch/base (its tree and scratch/whl-base's wheels and
 #           libraries) and then for this tree, one run each on one host: the engine's
-#           before/after ($OUT/base, $OUT/new). The daemons and the benchmark import the
-#           tree's kvcache, so the base run swaps the tree's kvcache/ for scratch/base's.
-#           AB_ORDER="new base" runs this tree first.
+#           before/after ($OUT/base_1, $OUT/new_2). The daemons and the benchmark import
+#           the tree's kvcache, so the base run swaps the tree's kvcache/ for scratch/base's.
+#           AB_ORDER="new base" runs this tree first; "base new new base" runs each twice.
 #   nodes-ab  bench/scale.py --parts nodes (12, then 48 daemons) for scratch/base and this
 #           tree in turn, twice: the client's cost by cluster size before/after (issue 21)
 #   degraded  bench/profile_load.py --stages, healthy and with 2 of 12 daemons killed, for

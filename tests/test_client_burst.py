@@ -148,7 +148,6 @@ def test_a_reply_held_back_is_carried_on_by_the_socket_loop(
         out = np.zeros((N, P), np.uint8)
         before = _counters(client)
         proxy.hold_after(stall_at)
-        out[:] = 0
         loaded = client.load_keys(keys, payload_len=P, out=out)
         assert loaded.blocks == N
         assert np.array_equal(out, payloads)
@@ -183,7 +182,6 @@ def test_a_late_reply_stalled_while_landing_is_cut_after_a_hedge_time(
     with proxied as (proxy, client, keys, payloads):
         out = np.zeros((N, P), np.uint8)
         proxy.hold_after(48 + 8 * 59 + 30_000)  # inside the data section
-        out[:] = 0
         started = time.monotonic()
         loaded = client.load_keys(keys, payload_len=P, out=out)
         took = time.monotonic() - started
@@ -225,7 +223,6 @@ def test_one_of_a_node_s_connections_failing_leaves_its_other_exchange_whole(
         out = np.zeros((N, P), np.uint8)
         before = _counters(client)
         proxy.cut_next()
-        out[:] = 0
         assert client.load_keys(keys, payload_len=P, out=out).blocks == N
         assert np.array_equal(out, payloads)
         assert proxy.cut == 1
