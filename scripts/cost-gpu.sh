@@ -138,6 +138,10 @@ for part in ${PARTS:-ab peers engine}; do
         mkdir -p "$1"
         OUT="$1" RUNS=1 bash scripts/engine-gpu.sh --io-processes 12 --connections-per-node 1 \
           2>&1 | grep -E '^\| `(e2e_|load_vs|dsv41|client_c|daemon_cpu)' || echo "FAILED: $1"
+        # What the client did besides the healthy path (hedges, redirected shards, errors).
+        python3 -c 'import json, sys; c = json.load(open(sys.argv[1])).get("client_counters", {})
+print("counters:", {k: v for k, v in sorted(c.items()) if v and not k.startswith("blocks_")})' \
+          "$1/engine_gpu_run1.json" 2>/dev/null || true
       }
       if [ ! -d scratch/base/kvcache ] || [ ! -d scratch/whl-base ]; then
         echo "engine-ab needs scratch/base and scratch/whl-base carried" >&2
