@@ -1,10 +1,16 @@
-"""Prefix-key hashing cost: kvcache's chained xxh3-128 vs chained SHA-256 of the same blocks.
+"""Prefix-key hashing cost: kvcache's chained xxh3-128 vs chained SHA-256 of the same blocks;
+and the cost of placing a call's keys, against hashing them.
 
 A 77K-token prompt (the reference deployment's average) is hashed into block
 keys for several block sizes, from a numpy token array (what engines hold) and
 from a Python list. The baseline is the same chain with SHA-256 over the same
 bytes (vLLM's default block hashing is SHA-256 over a pickled tuple, which is
 slower still). Target: <= 10 ns per token.
+
+The second table places the keys of 64-block calls over the 77K-token prompt (DeepSeek
+V4.1's 112 KiB blocks, whose placement groups are 64 blocks) with ``Placement.order``, its
+rows cached as a client's are after the prompt's match, at 12 and 48 nodes; and puts that
+beside hashing the same calls' tokens into their keys.
 
 Usage: python bench/keys.py [--quick] [--json PATH]
 """
@@ -20,8 +26,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import best_of, commit, machine, parser, print_table, write_json
 
+from kvcache.cluster import ClusterMap, NodeInfo
 from kvcache.keys import BLOCK_TAG, Namespace, block_keys
 from kvcache.layout import DType, KVLayout
+from kvcache.placement import Placement
 
 TOKENS = 77_000
 
@@ -85,7 +93,61 @@ def main() -> None:
         ],
         rows,
     )
+    place_rows = placement_rows(tokens, repeat, figures)
+    print_table(
+        "Placing a 64-block call's keys (Placement.order, rows cached) vs hashing its tokens "
+        f"(best of {repeat}, whole prompt in 64-block calls)",
+        ["nodes", "order µs / call", "ns / block", "hashing µs / call", "order / hashing"],
+        place_rows,
+    )
     write_json(args.json, figures)
+
+
+def placement_rows(tokens: np.ndarray, repeat: int, figures: dict[str, object]) -> list[list[str]]:
+    """Time ``Placement.order`` per 64-block call of the prompt, at 12 and 48 nodes."""
+    ns = Namespace(
+        model="bench",
+        revision="1",
+        layout=KVLayout(
+            tokens_per_block=128, bytes_per_token=896, dtype=DType.BFLOAT16, layers_in_block=1
+        ),
+    )
+    keys = block_keys(ns, tokens)
+    calls = [keys[i : i + 64] for i in range(0, len(keys) - 63, 64)]
+    per_call_tokens = 64 * 128
+    t_hash = best_of(lambda: block_keys(ns, tokens[: len(calls) * per_call_tokens]), repeat)
+    hash_us = t_hash / len(calls) * 1e6
+    rows = []
+    for nodes in (12, 48):
+        cluster = ClusterMap(
+            epoch=1,
+            nodes=tuple(
+                NodeInfo(id=f"node-{i:02d}", data=f"tcp://127.0.0.1:{7000 + i}")
+                for i in range(nodes)
+            ),
+        )
+        placement = Placement(cluster, width=12)
+        for call in calls:  # the match placed them: cached from here on
+            placement.order(call)
+
+        def place_all(p: Placement = placement) -> None:
+            for call in calls:
+                p.order(call)
+
+        order_us = best_of(place_all, repeat) / len(calls) * 1e6
+        figures[f"placement_order_us_per_64_keys_{nodes}_nodes"] = order_us
+        figures[f"placement_order_vs_hashing_{nodes}_nodes"] = order_us / hash_us
+        rows.append(
+            [
+                str(nodes),
+                f"{order_us:.1f}",
+                f"{order_us / 64 * 1e3:.0f}",
+                f"{hash_us:.1f}",
+                f"{order_us / hash_us:.2f}x",
+            ]
+        )
+    figures["hash_us_per_64_blocks"] = hash_us
+    return rows
 
 
 if __name__ == "__main__":

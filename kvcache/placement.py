@@ -43,8 +43,6 @@ per position over a (keys, nodes) array).
 
 from __future__ import annotations
 
-import itertools
-import operator
 import threading
 from collections.abc import Sequence
 
@@ -72,13 +70,23 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 #: Default spill depth: positions past the stripe width a placement computes.
 DEFAULT_SPILL = 4
-#: A key's placement tag (the bytes that place it) from the key.
-_tag_of = operator.itemgetter(slice(0, PLACEMENT_TAG_BYTES))
 #: Placement tags whose rows one Placement remembers (about 100 bytes each).
 _CACHE_KEYS = 1 << 17
 #: (position, key, node) scores computed in one pass (8 MiB per temporary array).
 _CHUNK_PAIRS = 1 << 20
 IntArray = npt.NDArray[np.int64]
+
+
+# A key's placement tag is its first 32-bit word (what :func:`_words_of` reads as word 0).
+assert PLACEMENT_TAG_BYTES == 4, "placement reads a key's tag as one 32-bit word"
+
+
+def _words_of(keys: Sequence[BlockKey]) -> npt.NDArray[np.uint32]:
+    """The keys as rows of little-endian 32-bit words: word 0 is the placement tag
+    (:data:`~kvcache.keys.PLACEMENT_TAG_BYTES`), word 1 the rotation's source."""
+    if any(len(k) != KEY_BYTES for k in keys):
+        raise ConfigError(f"block keys must be {KEY_BYTES} bytes")
+    return np.frombuffer(b"".join(keys), dtype="<u4").reshape(-1, KEY_BYTES // 4)
 
 
 def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -140,7 +148,7 @@ class Placement:
         self._distinct_domains = len(self.domain_names) == len(nodes)
         self._equal_weights = bool(np.all(self._weights == self._weights[0]))
         # Placement rows remembered per key: key -> slot of ``_table``.
-        self._slot: dict[bytes, int] = {}
+        self._slot: dict[int, int] = {}
         self._table = np.zeros((0, width + spill), np.int64)
         self._used = 0
         self._lock = threading.Lock()
@@ -152,6 +160,14 @@ class Placement:
             dtype=np.uint64,
         )
 
+        # Per rotation r, the column order of a row turned by r: its first ``width``
+        # positions turned, its spill positions as they are.
+        depth = width + spill
+        self._turns = np.array(
+            [[(i + r) % width if i < width else i for i in range(depth)] for r in range(width)],
+            np.int64,
+        )
+
     @property
     def depth(self) -> int:
         """Positions per key that :meth:`order` returns (width + spill)."""
@@ -160,10 +176,7 @@ class Placement:
     def _key_words(self, keys: Sequence[BlockKey]) -> npt.NDArray[np.uint64]:
         """Each key's placement word: its placement tag, mixed (the rest of the key is
         not looked at, so a group's keys place alike)."""
-        if any(len(k) != KEY_BYTES for k in keys):
-            raise ConfigError(f"block keys must be {KEY_BYTES} bytes")
-        words = np.frombuffer(b"".join(keys), dtype="<u4").reshape(-1, KEY_BYTES // 4)
-        return _mix64(words[:, 0].astype(np.uint64))
+        return _mix64(_words_of(keys)[:, 0].astype(np.uint64))
 
     def scores(self, keys: Sequence[BlockKey], position: int = 0) -> npt.NDArray[np.float64]:
         """Rendezvous scores of every node for ``position`` of each key, shape (keys, nodes)."""
@@ -222,13 +235,21 @@ class Placement:
 
     def _rows_of(self, keys: Sequence[BlockKey], *, turned: bool = True) -> IntArray:
         """Full-depth rows for ``keys``, from the cache (computed and added where missing),
-        each key's first ``width`` positions turned by its :meth:`rotations`."""
+        each key's first ``width`` positions turned by its :meth:`rotations`: one gather
+        from the cache, of each key's row in its turn's column order."""
+        words = _words_of(keys)
+        depth = self.depth
+        columns: IntArray
+        if turned and self.width > 1:
+            columns = self._turns.take(words[:, 1] % np.uint32(self.width), axis=0)
+        else:
+            columns = np.broadcast_to(self._turns[0], (len(keys), depth))
+        tags = words[:, 0].tolist()
         with self._lock:
-            rows = self._rows_locked(keys)
-        width = min(self.width, rows.shape[1])
-        if turned and width > 1:
-            turn = (np.arange(width)[None, :] + self.rotations(keys)[:, None]) % width
-            rows[:, :width] = np.take_along_axis(rows[:, :width], turn, axis=1)
+            slots = self._slots_locked(keys, tags)
+            # A prompt's keys share one group as a rule: one slot for all of them.
+            start = slots * depth if isinstance(slots, int) else (slots * depth)[:, None]
+            rows: IntArray = self._table.take(columns + start)
         return rows
 
     def rotations(self, keys: Sequence[BlockKey]) -> IntArray:
@@ -239,21 +260,21 @@ class Placement:
         the same 10 nodes served every data shard of a group's load and 2 only parity,
         and a load's replies came in unequal sizes (at 12 daemons, 47 of 480 loads then
         waited for a late data holder's reply, against 1 of 480 before groups)."""
-        if any(len(k) != KEY_BYTES for k in keys):
-            raise ConfigError(f"block keys must be {KEY_BYTES} bytes")
-        words = np.frombuffer(b"".join(keys), dtype="<u4").reshape(-1, KEY_BYTES // 4)
-        return (words[:, 1] % np.uint32(max(1, self.width))).astype(np.int64)
+        return (_words_of(keys)[:, 1] % np.uint32(max(1, self.width))).astype(np.int64)
 
-    def _rows_locked(self, keys: Sequence[BlockKey]) -> IntArray:
+    def _slots_locked(self, keys: Sequence[BlockKey], tags: list[int]) -> int | IntArray:
+        """Each key's slot in the row cache (``tags``: the keys' placement tags as
+        integers), its group's row computed and added where missing; one slot when the
+        keys share one tag."""
         slot_of = self._slot
-        tags = list(map(_tag_of, keys))
-        slots = np.fromiter(map(slot_of.get, tags, itertools.repeat(-1)), np.int64, len(keys))
-        missing = np.flatnonzero(slots < 0)
-        if len(missing):
+        distinct = set(tags)
+        missing = distinct.difference(slot_of)
+        if missing:
             # One row per tag: a group's keys missing together are computed once.
-            first: dict[bytes, int] = {}
-            for i in missing.tolist():
-                first.setdefault(tags[i], i)
+            first: dict[int, int] = {}
+            for i, tag in enumerate(tags):
+                if tag in missing:
+                    first.setdefault(tag, i)
             if self._used + len(first) > len(self._table):
                 if self._used + len(first) > _CACHE_KEYS:
                     slot_of.clear()
@@ -271,8 +292,9 @@ class Placement:
             for tag, slot in zip(first, new.tolist(), strict=True):
                 slot_of[tag] = slot
             self._used += len(first)
-            slots = np.fromiter(map(slot_of.__getitem__, tags), np.int64, len(keys))
-        return self._table[slots]
+        if len(distinct) == 1:
+            return slot_of[tags[0]]
+        return np.fromiter(map(slot_of.__getitem__, tags), np.int64, len(tags))
 
     def _compute(self, keys: Sequence[BlockKey], *, general: bool = False) -> IntArray:
         """Rows for ``keys`` (``general``: never the one-domain-per-node shortcut; tests

@@ -92,6 +92,34 @@ def test_only_the_placement_tag_places_a_key(tag: bytes, rests: list[bytes], nod
     assert (fresh.order(keys(50, seed=nodes)) == before).all()
 
 
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(
+    tags=st.lists(st.binary(min_size=4, max_size=4), min_size=1, max_size=4),
+    picks=st.lists(st.tuples(st.integers(0, 3), st.binary(min_size=12, max_size=12)), max_size=40),
+    nodes=st.integers(1, 30),
+)
+def test_a_batch_of_several_groups_places_each_key_as_alone(
+    tags: list[bytes], picks: list[tuple[int, bytes]], nodes: int
+) -> None:
+    """A batch whose keys come from several groups, in any order, some cached and some
+    not, gets for each key the row it gets alone; :meth:`positions` turned by the key's
+    rotation is that row."""
+    ks = [BlockKey(tags[i % len(tags)] + rest) for i, rest in picks]
+    p = Placement(cmap(nodes), width=12)
+    p.order(ks[: len(ks) // 2])  # half the groups cached beforehand
+    rows = p.order(ks)
+    alone = Placement(cmap(nodes), width=12)
+    expected = np.array([alone.order([k])[0] for k in ks]).reshape(len(ks), p.depth)
+    assert np.array_equal(rows, expected)
+    turns = p.rotations(ks)
+    turned = p.positions(ks)
+    turned[:, :12] = np.take_along_axis(
+        turned[:, :12], (np.arange(12)[None, :] + turns[:, None]) % 12, axis=1
+    )
+    assert np.array_equal(rows, turned)
+    assert np.array_equal(p.order(ks, 5), rows[:, :5])
+
+
 def test_a_prompts_groups_spread_over_the_cluster() -> None:
     """A 1,024-block prompt of 112 KiB blocks (16 groups of 64) asks 12 nodes a group,
     and its groups together cover most of a 48-node cluster."""
