@@ -99,6 +99,35 @@ def test_other_erasure_parameters_are_rewritten(
         assert loaded_whole(b, ns, toks, pl)
 
 
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [((10, 2, 11), (8, 4, 10)), ((8, 4, 10), (10, 2, 11)), ((10, 4, 12), (12, 2, 13))],
+    ids=["10+2-seen-by-8+4", "8+4-seen-by-10+2", "10+4-seen-by-12+2"],
+)
+def test_a_load_of_other_erasure_parameters_leaves_the_stripe_to_its_readers(
+    cluster: LocalCluster, first: tuple[int, int, int], second: tuple[int, int, int]
+) -> None:
+    """Shards of another erasure layout of the same width or less carry indices this client
+    asks for too, so no HAS answer tells them apart: a match takes the stripe for whole and
+    the load rejects every shard. The load must leave the stripe alone (it dropped it from
+    every holder, so one client's loads erased what a client of the other layout reads),
+    count it, and have this client's next stores not take it for stored: they replace it
+    once its shards are replace_after_s old."""
+    ns, toks, pl = prompt(f"other-erasure-{first}-{second}")
+    (k1, m1, w1), (k2, m2, w2) = first, second
+    with Client(cluster.client_config(k=k1, m=m1, min_write_shards=w1)) as a:
+        assert a.store(ns, toks, pl).written == len(pl)
+        with Client(cluster.client_config(k=k2, m=m2, min_write_shards=w2)) as b:
+            assert b.load_prefix(ns, toks).blocks == 0  # a clean miss
+            # One load finds every block of the prompt (they were fetched together).
+            assert b.counters["blocks_other_erasure"] == len(pl)
+            assert b.counters["blocks_corrupt"] == b.counters["stripes_dropped"] == 0
+            assert loaded_whole(a, ns, toks, pl)  # still whole for its own layout
+            until_written(b, ns, toks, pl)
+            assert b.counters["blocks_written"] >= 1  # replaced, not only touched
+            assert loaded_whole(b, ns, toks, pl)
+
+
 def _overwrite(cluster: LocalCluster, node: int, old: bytes, new: bytes) -> None:
     """Replace every copy of record ``old`` in node ``node``'s data file by ``new`` (same
     length), as a disk would that returned another sector."""

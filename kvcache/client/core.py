@@ -59,6 +59,7 @@ COUNTERS = (
     "blocks_corrupt",
     "loads_buffer_changed",
     "blocks_other_payload_len",
+    "blocks_other_erasure",
     "bad_shards_found",
     "shards_repaired",
     "blocks_refreshed",

@@ -27,6 +27,7 @@ from kvcache.client.plan import MatchResult
 from kvcache.client.rounds import LoadRound, Send
 from kvcache.client.transport import Exchange
 from kvcache.errors import ArgumentError
+from kvcache.keys import BlockKey
 from kvcache.shard import HEADER_BYTES, header_verdicts
 from kvcache.wire import GET_REFRESHED, NO_INDEX, NO_RETAIN, Message, Op, Retain, make_items
 
@@ -296,6 +297,9 @@ def load_keys(
             ):
                 rows = view.read_rows([keys[end]], placement_rows[end : end + 1])
                 _drop_broken(core, assembly, match, rows, end)
+            past = end + 1 + np.flatnonzero(examined[end + 1 :] & ~verified_good[end + 1 :])
+            if len(past):
+                _other_erasure_past(core, assembly, match, past)
             gone = core.gone_mask(view)
             _repair(core, assembly, match, placement_rows, order, gone, rebuilt, bad, good)
     finally:
@@ -479,35 +483,81 @@ def _repair(
         core.transport.submit(_Background(core, "shards_repaired", node, Op.PUT, items, data))
 
 
-def _stored_payload_len(assembly: LoadAssembly, b: int, stripe: int) -> int | None:
-    """The payload length block ``b``'s shards were stored with, when it is not the one
-    this load asked for and nothing else is wrong with them: k of its rejected shards or
-    more carry headers that pass every check, name its key, ``stripe`` and this load's k
-    and m, and agree on one other payload length. Then the reader is wrong, not the block
-    (a caller's payload_len or layout), and it must not be dropped: a reader with the
-    right one reads it whole. None otherwise (another erasure layout, damage)."""
+def _stored_layout(assembly: LoadAssembly, b: int, stripe: int) -> tuple[int, int, int] | None:
+    """The (k, m, payload length) block ``b``'s shards were stored with, when it is not the
+    one this load asked for and nothing else is wrong with them: as many of its rejected
+    shards as that layout's k, or more, carry headers that pass every check, name its key,
+    ``stripe`` and the index asked, and agree on one other layout. Then the reader is not
+    the block's (a caller's payload_len or KV layout, or a client of other erasure
+    parameters: 8 + 4 shards are indices 0..11 too, which no answer of a HAS tells from
+    10 + 2 ones), and it must not be dropped: a reader of its layout reads it whole. None
+    otherwise (damage, records of another key or stripe)."""
     rejected = np.flatnonzero(assembly.rejected[b])
-    if len(rejected) < assembly.k:
+    if not len(rejected):
         return None
     # A record of a shard's length landed its header in the headers table; one of another
     # length, in the odd headers table (kv_landing_segments).
     odd = assembly.odd_headers[b, rejected]
     headers = np.where(odd["magic"] != b"", odd, assembly.headers[b, rejected])
+    ks = headers["k"].astype(np.int64)
+    ms = headers["m"].astype(np.int64)
     lengths = headers["payload_len"].astype(np.int64)
     intact = (
         header_verdicts(headers)
         & (headers["block_key"] == assembly.key_words[b])
         & (headers["stripe_id"] == np.uint64(stripe))
-        & (headers["k"] == assembly.k)
-        & (headers["m"] == assembly.m)
         & (headers["shard_index"] == rejected)
-        & (lengths != assembly.payload_len)
+        & ((ks != assembly.k) | (ms != assembly.m) | (lengths != assembly.payload_len))
     )
-    if int(intact.sum()) < assembly.k:
+    if not intact.any():
         return None
-    values, counts = np.unique(lengths[intact], return_counts=True)
+    layouts, counts = np.unique(
+        np.stack([ks[intact], ms[intact], lengths[intact]], axis=1), axis=0, return_counts=True
+    )
     best = int(np.argmax(counts))
-    return int(values[best]) if counts[best] >= assembly.k else None
+    k, m, length = (int(x) for x in layouts[best])
+    return (k, m, length) if counts[best] >= k else None
+
+
+def _leave_other_erasure(
+    core: ClientCore,
+    stripes: list[tuple[BlockKey, int]],
+    layout: tuple[int, int],
+    assembly: LoadAssembly,
+) -> None:
+    """Blocks whose ``stripes`` were stored with another client's erasure parameters
+    (``layout``: k and m): readable by such a client, never by this one. They are left as
+    they are, and marked so this client's stores no longer count them as stored: they
+    replace them once their shards are older than replace_after_s, as they replace a
+    wider layout's stripe (docs/client.md)."""
+    core.count("blocks_other_erasure", len(stripes))
+    for key, stripe in stripes:
+        core.suspect(key, stripe)
+    log.warning(
+        "block %s%s: stored as %d + %d shards, this client reads %d + %d; left as it is "
+        "(clients that share a namespace should share k and m)",
+        stripes[0][0].hex(),
+        f" and {len(stripes) - 1} more" if len(stripes) > 1 else "",
+        *layout,
+        assembly.k,
+        assembly.m,
+    )
+
+
+def _other_erasure_past(
+    core: ClientCore, assembly: LoadAssembly, match: MatchResult, failed: npt.NDArray[np.int64]
+) -> None:
+    """The blocks of ``failed`` (examined, failed, past the one that ended the load) stored
+    with another erasure layout, marked as :func:`_leave_other_erasure` does: a client
+    of other k and m finds all of a prompt's blocks in one load, not one a load."""
+    found: dict[tuple[int, int], list[tuple[BlockKey, int]]] = {}
+    for b in failed.tolist():
+        stripe = int(assembly.stripes[b])
+        other = _stored_layout(assembly, b, stripe) if stripe else None
+        if other is not None and other[:2] != (assembly.k, assembly.m):
+            found.setdefault(other[:2], []).append((match.keys[b], stripe))
+    for layout, stripes in found.items():
+        _leave_other_erasure(core, stripes, layout, assembly)
 
 
 def _broken_when_loaded_alone(
@@ -565,8 +615,12 @@ def _drop_broken(
     stripe = int(assembly.stripes[b])
     if stripe == 0:
         return  # no shard arrived to name the stripe: nothing to drop
-    other_length = _stored_payload_len(assembly, b, stripe)
-    if other_length is not None:
+    other = _stored_layout(assembly, b, stripe)
+    if other is not None:
+        k, m, other_length = other
+        if (k, m) != (assembly.k, assembly.m):
+            _leave_other_erasure(core, [(match.keys[b], stripe)], (k, m), assembly)
+            return
         core.count("blocks_other_payload_len")
         log.warning(
             "block %s: its shards hold %d-byte payloads and this load asked for %d (a "
