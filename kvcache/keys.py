@@ -168,8 +168,10 @@ def placement_group_blocks(layout: KVLayout) -> int:
     at least 1 (64 for DeepSeek-V4.1's 112 KiB blocks, 4 for 2 MiB ones).
 
     A group's blocks share their 12 holders: a call for a prompt's blocks touches about a
-    dozen nodes per group whatever the cluster's size (issue 21), and a hot prefix's group
-    is served by a dozen nodes, which bounds the group's bytes."""
+    dozen nodes per group whatever the cluster's size (issue 21). Every prompt that shares a
+    group's first block shares those holders for the whole group, where it differs too:
+    conversations opening with one system prompt put their first groups on one dozen
+    nodes (``bench/hot_prefix.py``)."""
     return group_blocks_for(layout.payload_bytes)
 
 
