@@ -128,6 +128,29 @@ def test_a_load_of_other_erasure_parameters_leaves_the_stripe_to_its_readers(
             assert loaded_whole(b, ns, toks, pl)
 
 
+def test_one_load_marks_every_broken_block_it_fetched_for_the_next_store(
+    cluster: LocalCluster,
+) -> None:
+    """Three shards of each of blocks 1..3 rotten (more than m): a load stops at block 1 and
+    drops its stripe, but it fetched and checked all four blocks. The next store must
+    rewrite all three broken ones (it rewrote block 1 and touched 2 and 3, so a prompt
+    with n broken blocks took n load-and-store rounds to be whole again)."""
+    from kvcache.chaos import ShardFault, plant
+
+    ns, toks, pl = prompt("broken-past-the-first", blocks=4)
+    keys = block_keys(ns, toks)
+    with Client(cluster.client_config()) as client:
+        assert client.store(ns, toks, pl).written == 4
+        for key in keys[1:]:
+            for index in (0, 4, 7):
+                plant(cluster, key, index, ShardFault.CORRUPT_BODY)
+        assert client.load_prefix(ns, toks).blocks == 1
+        assert client.counters["blocks_corrupt"] == 1  # block 1's stripe dropped
+        again = client.store(ns, toks, pl)
+        assert (again.written, again.touched, again.failed) == (3, 1, 0), again
+        assert loaded_whole(client, ns, toks, pl)
+
+
 def _overwrite(cluster: LocalCluster, node: int, old: bytes, new: bytes) -> None:
     """Replace every copy of record ``old`` in node ``node``'s data file by ``new`` (same
     length), as a disk would that returned another sector."""

@@ -299,7 +299,7 @@ def load_keys(
                 _drop_broken(core, assembly, match, rows, end)
             past = end + 1 + np.flatnonzero(examined[end + 1 :] & ~verified_good[end + 1 :])
             if len(past):
-                _other_erasure_past(core, assembly, match, past)
+                _mark_past(core, assembly, match, past)
             gone = core.gone_mask(view)
             _repair(core, assembly, match, placement_rows, order, gone, rebuilt, bad, good)
     finally:
@@ -544,18 +544,31 @@ def _leave_other_erasure(
     )
 
 
-def _other_erasure_past(
+def _mark_past(
     core: ClientCore, assembly: LoadAssembly, match: MatchResult, failed: npt.NDArray[np.int64]
 ) -> None:
-    """The blocks of ``failed`` (examined, failed, past the one that ended the load) stored
-    with another erasure layout, marked as :func:`_leave_other_erasure` does: a client
-    of other k and m finds all of a prompt's blocks in one load, not one a load."""
+    """Mark the blocks of ``failed`` (examined, failed, past the block that ended the load,
+    which :func:`_drop_broken` handled) so this client's next store rewrites them at once
+    instead of touching them, one a load: those stored with another erasure layout (as
+    :func:`_leave_other_erasure` does), and damaged ones (k shards or more, or more than m
+    not the shard asked for). They are only marked, not dropped: a caller that wrote into
+    ``out`` during the load can make good stripes fail here, and a rewrite of a good block
+    costs a PUT, a drop the block."""
     found: dict[tuple[int, int], list[tuple[BlockKey, int]]] = {}
     for b in failed.tolist():
         stripe = int(assembly.stripes[b])
-        other = _stored_layout(assembly, b, stripe) if stripe else None
-        if other is not None and other[:2] != (assembly.k, assembly.m):
-            found.setdefault(other[:2], []).append((match.keys[b], stripe))
+        if not stripe:
+            continue
+        other = _stored_layout(assembly, b, stripe)
+        if other is not None:
+            if other[:2] != (assembly.k, assembly.m):
+                found.setdefault(other[:2], []).append((match.keys[b], stripe))
+            continue  # another payload length: the reader's mistake, not the block's
+        damaged = (
+            int(assembly.got[b].sum()) >= assembly.k or int(assembly.rejected[b].sum()) > assembly.m
+        )
+        if damaged:
+            core.suspect(match.keys[b], stripe)
     for layout, stripes in found.items():
         _leave_other_erasure(core, stripes, layout, assembly)
 
