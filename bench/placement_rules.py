@@ -1,4 +1,4 @@
-"""Data moved on one node join under four placement rules with failure domains (issue 21).
+"""Data moved on one node join under seven placement rules with failure domains (issue 21).
 
 `kvcache sim` measures the real placement (:mod:`kvcache.placement`): with 1,000 nodes in
 25 racks of 40 a join moves 1.57x the ideal 1/(N+1), against <= 1.2 asked. This benchmark
@@ -15,7 +15,17 @@ model, and its figure here matches the simulator's):
 - ``rack-arcs``: racks spread over 12 arcs of a per-key ring, each position choosing
   among the nodes of its arc's racks (the next arc's when its own has none free). It
   ignores rack sizes; the ``rack join`` column shows what that costs: the first node
-  of a new rack takes a whole rack's share.
+  of a new rack takes a whole rack's share;
+- ``rank-then-label``: the 12 racks whose best node scores highest, each node its rack's
+  best; then the racks, best first, each take their favourite shard index not taken yet
+  (a join moves a rack into the set: the racks ranked below it may each move);
+- ``home-labels``: each rack has one favourite index per key; an index takes the best
+  rack of those whose favourite it is, an index no rack favours the best rack left (no
+  index is ever contested, but a rack alone with its favourite takes it whatever its
+  size: the new rack's first node again);
+- ``two-home-labels``: each rack may take its two favourite indices; each index, in
+  turn, the best rack among those not used yet, by that index's scores (fewer contests
+  than ``per-position``, whose every index may take every rack).
 
 Prints one table: moved / ideal per rule and seed, and the node-load spread (max / mean
 shards per node before the join). Usage: ``python bench/placement_rules.py [--keys N]
@@ -93,11 +103,93 @@ def rack_arcs(node_scores: Scores, rack_scores: Scores, rack_of: Rows, racks: in
     return out
 
 
+def _rack_best(scores: Scores, rack_of: Rows, racks: int) -> tuple[Scores, Rows]:
+    """Per key and rack: the best node score in the rack and that node (-1.0 and 0 for an
+    empty rack)."""
+    keys = scores.shape[0]
+    best = np.full((keys, racks), -1.0)
+    node = np.zeros((keys, racks), np.int64)
+    for r in range(racks):
+        members = np.flatnonzero(rack_of == r)
+        if len(members):
+            j = scores[:, members].argmax(axis=1)
+            best[:, r] = scores[np.arange(keys), members[j]]
+            node[:, r] = members[j]
+    return best, node
+
+
+def _preferences(rack_scores: Scores, racks: int) -> Scores:
+    """Per key, rack and shard index: how much the rack wants the index, (keys, racks, W)."""
+    return np.moveaxis(rack_scores[:, :, :racks], 0, 2)
+
+
+def rank_then_label(node_scores: Scores, rack_scores: Scores, rack_of: Rows, racks: int) -> Rows:
+    keys = node_scores.shape[1]
+    best, node = _rack_best(node_scores[0], rack_of, racks)
+    ranked = np.argsort(-best, axis=1)[:, :WIDTH]
+    prefs = _preferences(rack_scores, racks)
+    out = np.zeros((keys, WIDTH), np.int64)
+    taken = np.zeros((keys, WIDTH), bool)
+    every = np.arange(keys)
+    for rank in range(WIDTH):
+        rack = ranked[:, rank]
+        label = np.argmax(np.where(taken, -1.0, prefs[every, rack]), axis=1)
+        taken[every, label] = True
+        out[every, label] = node[every, rack]
+    return out
+
+
+def _by_labels(
+    node_scores: Scores, rack_of: Rows, racks: int, candidate: npt.NDArray[np.bool_], shared: bool
+) -> Rows:
+    """Each index in turn takes the best rack among its ``candidate`` racks not used yet
+    (by its own node scores, or position 0's when ``shared``); an index with none, the
+    best rack left."""
+    keys = node_scores.shape[1]
+    out = np.full((keys, WIDTH), -1, np.int64)
+    used = np.zeros((keys, racks), bool)
+    every = np.arange(keys)
+    tops = [_rack_best(node_scores[0 if shared else p], rack_of, racks) for p in range(WIDTH)]
+    for p in range(WIDTH):
+        best, node = tops[p]
+        score = np.where(candidate[:, :, p] & ~used, best, -2.0)
+        rack = score.argmax(axis=1)
+        ok = score[every, rack] > -1.5
+        out[ok, p] = node[every[ok], rack[ok]]
+        used[every[ok], rack[ok]] = True
+    for p in range(WIDTH):
+        empty = np.flatnonzero(out[:, p] < 0)
+        if len(empty):
+            best, node = tops[p]
+            rack = np.where(used[empty], -2.0, best[empty]).argmax(axis=1)
+            out[empty, p] = node[empty, rack]
+            used[empty, rack] = True
+    return out
+
+
+def home_labels(node_scores: Scores, rack_scores: Scores, rack_of: Rows, racks: int) -> Rows:
+    prefs = _preferences(rack_scores, racks)
+    home = prefs.argmax(axis=2)
+    candidate = home[:, :, None] == np.arange(WIDTH)[None, None, :]
+    return _by_labels(node_scores, rack_of, racks, candidate, shared=True)
+
+
+def two_home_labels(node_scores: Scores, rack_scores: Scores, rack_of: Rows, racks: int) -> Rows:
+    prefs = _preferences(rack_scores, racks)
+    top2 = np.argsort(-prefs, axis=2)[:, :, :2]
+    labels = np.arange(WIDTH)[None, None, :]
+    candidate = (top2[:, :, :1] == labels) | (top2[:, :, 1:] == labels)
+    return _by_labels(node_scores, rack_of, racks, candidate, shared=False)
+
+
 RULES: dict[str, Callable[[Scores, Scores, Rows, int], Rows]] = {
     "per-position": per_position,
     "two-level": two_level,
     "set-then-index": set_then_index,
     "rack-arcs": rack_arcs,
+    "rank-then-label": rank_then_label,
+    "home-labels": home_labels,
+    "two-home-labels": two_home_labels,
 }
 
 
